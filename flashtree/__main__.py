@@ -1,0 +1,3 @@
+from flashtree.cli import main
+
+main()

@@ -1,0 +1,153 @@
+"""The `flashtree` command: thin typer wrappers that build settings and call library code.
+
+Each subcommand imports its implementation lazily so `flashtree --help` stays fast and a
+missing optional dependency only affects the command that needs it.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from flashtree.errors import FlashtreeError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__.splitlines()[0])
+
+
+def user_errors(fn):
+    """Turn a FlashtreeError into a one-line message and exit code 1, never a traceback."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except FlashtreeError as e:
+            typer.echo(f"error: {e}", err=True)
+            raise typer.Exit(1) from None
+        except KeyboardInterrupt:
+            typer.echo("interrupted", err=True)
+            raise typer.Exit(130) from None
+
+    return wrapper
+
+
+TargetOpt = typer.Option(None, "--target", help="Target GGUF (default: SmolLM2-135M-Instruct from PyPI).")
+DraftOpt = typer.Option(
+    None, "--draft", help="DFlash draft dir/GGUF; 'none' for plain decoding (default: the shipped draft)."
+)
+DeviceOpt = typer.Option(None, "--device", help="cuda or cpu (default: cuda when available).")
+
+
+@app.command()
+@user_errors
+def run(
+    prompt: str = typer.Option(..., "--prompt", "-p", help="Prompt text."),
+    target: Optional[Path] = TargetOpt,
+    draft: Optional[str] = DraftOpt,
+    mode: Optional[str] = typer.Option(None, help="ar | chain | tree (default: tree with a draft, else ar)."),
+    max_tokens: int = typer.Option(256, "--max-tokens", "-n"),
+    temperature: float = typer.Option(0.0, "--temperature", "-t"),
+    top_p: float = typer.Option(1.0, "--top-p"),
+    top_k: int = typer.Option(0, "--top-k"),
+    seed: int = typer.Option(0, "--seed"),
+    block_size: Optional[int] = typer.Option(None, "--block-size"),
+    budget: int = typer.Option(22, "--budget"),
+    tree_top_k: int = typer.Option(8, "--tree-top-k"),
+    no_chain_seed: bool = typer.Option(False, "--no-chain-seed"),
+    draft_ctx: int = typer.Option(4096, "--draft-ctx"),
+    max_ctx: Optional[int] = typer.Option(None, "--max-ctx", help="Context length to allocate."),
+    no_chat_template: bool = typer.Option(False, "--no-chat-template"),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
+    device: Optional[str] = DeviceOpt,
+):
+    """Generate a reply to one prompt, streaming it to the terminal."""
+    from flashtree.commands import run_command
+
+    run_command(**locals())
+
+
+@app.command()
+@user_errors
+def chat(
+    target: Optional[Path] = TargetOpt,
+    draft: Optional[str] = DraftOpt,
+    mode: Optional[str] = typer.Option(None),
+    max_tokens: int = typer.Option(1024, "--max-tokens"),
+    temperature: float = typer.Option(0.0, "--temperature"),
+    top_p: float = typer.Option(1.0, "--top-p"),
+    top_k: int = typer.Option(0, "--top-k"),
+    seed: int = typer.Option(0, "--seed"),
+    max_ctx: Optional[int] = typer.Option(None, "--max-ctx"),
+    device: Optional[str] = DeviceOpt,
+):
+    """Interactive multi-turn chat in the terminal."""
+    from flashtree.serve.chat import chat_command
+
+    chat_command(**locals())
+
+
+@app.command()
+@user_errors
+def serve(
+    target: Optional[Path] = TargetOpt,
+    draft: Optional[str] = DraftOpt,
+    mode: Optional[str] = typer.Option(None),
+    host: str = typer.Option("127.0.0.1", "--host"),
+    port: int = typer.Option(8000, "--port"),
+    api_key: Optional[str] = typer.Option(None, "--api-key"),
+    max_ctx: Optional[int] = typer.Option(None, "--max-ctx"),
+    device: Optional[str] = DeviceOpt,
+):
+    """OpenAI-compatible HTTP server."""
+    from flashtree.serve.api import serve_command
+
+    serve_command(**locals())
+
+
+@app.command()
+@user_errors
+def convert(
+    src: Path = typer.Argument(..., help="Hugging Face checkpoint dir (or a DFlash draft dir)."),
+    out: Path = typer.Argument(..., help="Output .gguf"),
+    type: str = typer.Option("f16", "--type", help="f32 | f16 | bf16 | q8_0 | q4_k_m"),
+):
+    """Convert a Hugging Face checkpoint (llama, qwen3, qwen3_5, DFlash draft) to GGUF."""
+    from flashtree.convert.hf import convert_checkpoint
+
+    convert_checkpoint(src, out, type)
+
+
+@app.command()
+@user_errors
+def synth(
+    out: Path = typer.Argument(..., help="Output .gguf (or a directory with --draft-for)."),
+    shape: Optional[str] = typer.Option(None, "--shape", help="qwen3.6-27b | qwen3-8b | smollm2-135m | tiny-*"),
+    type: str = typer.Option("q4_k_m", "--type"),
+    draft_for: Optional[Path] = typer.Option(None, "--draft-for", help="Write a random DFlash draft for this target."),
+    layers: int = typer.Option(5, "--layers", help="Draft layers (with --draft-for)."),
+    seed: int = typer.Option(0, "--seed"),
+):
+    """Write a random-weight model of a real shape (or a random draft for a target)."""
+    from flashtree.convert.synth import synth_command
+
+    synth_command(out=out, shape=shape, type=type, draft_for=draft_for, layers=layers, seed=seed)
+
+
+@app.command()
+@user_errors
+def inspect(
+    file: Path = typer.Argument(...),
+    as_json: bool = typer.Option(False, "--json"),
+):
+    """Describe a GGUF file: architecture, dimensions, tensor types, tokenizer, bytes per token."""
+    from flashtree.convert.inspect import inspect_command
+
+    inspect_command(file, as_json)
+
+
+def main() -> None:  # pragma: no cover - console entry for `python -m flashtree`
+    sys.exit(app())
