@@ -1,0 +1,200 @@
+"""Open a GGUF file: metadata as plain Python, a tensor table, memory-mapped data, torch dequantization.
+
+gguf-py's `GGUFReader` does the parsing. It was written for well-formed files: on a truncated or corrupted
+one it raises assorted exceptions, or loops for a long time over a garbage array length. `_CheckedReader`
+bounds-checks every read, and `GGUFFile` turns each failure into one `FlashtreeError` naming the file.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGUFReader, GGUFValueType
+from gguf.gguf_reader import ReaderField
+
+from flashtree.errors import FlashtreeError
+from flashtree.quant.dequant import dequantize
+from flashtree.quant.formats import SUPPORTED_TYPES, row_bytes, type_name
+
+_MISSING: Any = object()
+_MIN_TENSOR_INFO_BYTES = 8 + 4 + 8 + 4 + 8  # name length, n_dims, one dim, type, offset
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    qtype: int  # gguf.GGMLQuantizationType value
+    shape: tuple[int, ...]  # torch order = reversed GGUF ne
+    nbytes: int
+
+
+class _PastEnd(Exception):
+    """A read that would go past the end of the file."""
+
+    def __init__(self, offset: int, size: int, in_tensor_data: bool = False):
+        super().__init__(offset, size)
+        self.offset, self.size, self.in_tensor_data = offset, size, in_tensor_data
+
+
+class _BadTensorType(Exception):
+    def __init__(self, tensor: str, qtype: int):
+        super().__init__(tensor, qtype)
+        self.tensor, self.qtype = tensor, qtype
+
+
+class _CheckedReader(GGUFReader):
+    """GGUFReader that refuses reads past the end of the file and counts that cannot fit in it.
+
+    Overrides gguf-py's private helpers (`_get`, `_get_field_parts`, `_build_tensor_info`, `_build_tensors`),
+    which have kept their signatures across gguf 0.1x releases.
+    """
+
+    def _get(self, offset: int, dtype: Any, count: int = 1, override_order: Any = None) -> np.ndarray:
+        end = int(offset) + np.dtype(dtype).itemsize * int(count)
+        if end > len(self.data):
+            raise _PastEnd(end, len(self.data))
+        return super()._get(offset, dtype, count, override_order)
+
+    def _check_count(self, offset: int, count: int, min_item_bytes: int) -> None:
+        if int(count) * min_item_bytes > len(self.data) - offset:
+            raise _PastEnd(offset + int(count) * min_item_bytes, len(self.data))
+
+    def _get_field_parts(self, orig_offs: int, raw_type: int) -> tuple[int, list, list, list]:
+        if raw_type == GGUFValueType.ARRAY:  # each item takes at least one byte after the 12-byte prefix
+            self._check_count(orig_offs + 12, self._get(orig_offs + 4, np.uint64)[0], 1)
+        return super()._get_field_parts(orig_offs, raw_type)
+
+    def _build_tensor_info(self, offs: int, count: int) -> tuple[int, list[ReaderField]]:
+        self._check_count(offs, count, _MIN_TENSOR_INFO_BYTES)
+        return super()._build_tensor_info(offs, count)
+
+    def _build_tensors(self, start_offs: int, fields: list[ReaderField]) -> None:
+        for field in fields:
+            qtype = int(field.parts[4][0])
+            if qtype not in SUPPORTED_TYPES:
+                raise _BadTensorType(str(bytes(field.parts[1]), encoding="utf-8"), qtype)
+        try:
+            super()._build_tensors(start_offs, fields)
+        except _PastEnd as e:
+            raise _PastEnd(e.offset, e.size, in_tensor_data=True) from None
+
+
+def _open_reader(path: Path) -> GGUFReader:
+    """Parse the file, translating every way it can fail into a FlashtreeError naming it."""
+    if not path.exists():
+        raise FlashtreeError(f"{path}: file not found")
+    if path.is_dir():
+        raise FlashtreeError(f"{path}: is a directory, not a GGUF file")
+    size = path.stat().st_size
+    if size == 0:
+        raise FlashtreeError(f"{path}: empty file, not a GGUF file")
+    with path.open("rb") as f:
+        magic = f.read(4)
+    if len(magic) < 4 and b"GGUF".startswith(magic):
+        raise FlashtreeError(f"{path}: truncated file: {size} bytes, shorter than the GGUF header")
+    if magic != b"GGUF":
+        raise FlashtreeError(f"{path}: not a GGUF file (starts with {magic!r}, expected b'GGUF')")
+    try:
+        # copy-on-write mapping: torch gets writable arrays without warnings, the file is never modified
+        return _CheckedReader(path, mode="c")
+    except _PastEnd as e:
+        where = "tensor data" if e.in_tensor_data else "header"
+        raise FlashtreeError(
+            f"{path}: truncated file: the {where} needs {e.offset} bytes but the file has {e.size}"
+        ) from None
+    except _BadTensorType as e:
+        raise FlashtreeError(f"{path}: tensor {e.tensor!r} has unsupported type {type_name(e.qtype)}") from e
+    except OSError as e:
+        raise FlashtreeError(f"{path}: cannot read: {e.strerror or e}") from None
+    except Exception as e:  # whatever else gguf-py raises while parsing means the bytes are not valid GGUF
+        raise FlashtreeError(f"{path}: corrupted GGUF header ({type(e).__name__}: {e})") from None
+
+
+class GGUFFile:
+    """A memory-mapped GGUF: `metadata`, `tensors` (file order) and dequantized `tensor(name)`."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self._reader = _open_reader(self.path)
+        if self._reader.byte_order != "I":
+            raise FlashtreeError(f"{self.path}: big-endian GGUF files are not supported")
+        self.metadata: dict[str, Any] = self._read_metadata()
+        self.tensors: dict[str, TensorInfo] = {
+            t.name: TensorInfo(t.name, int(t.tensor_type), tuple(reversed(t.shape.tolist())), int(t.n_bytes))
+            for t in self._reader.tensors
+        }
+        self._offsets = {t.name: int(t.data_offset) for t in self._reader.tensors}
+        self.arch: str = self.get("general.architecture")
+        if not isinstance(self.arch, str):
+            raise FlashtreeError(f"{self.path}: general.architecture is not a string")
+
+    def _read_metadata(self) -> dict[str, Any]:
+        metadata = {}
+        for key, field in self._reader.fields.items():
+            if key.startswith("GGUF."):  # version and counts from the file header, not key/values
+                continue
+            try:
+                metadata[key] = field.contents()
+            except UnicodeDecodeError:
+                raise FlashtreeError(f"{self.path}: metadata {key!r} is not valid UTF-8") from None
+        return metadata
+
+    def get(self, key: str, default: Any = _MISSING) -> Any:
+        """Metadata value of `key`; without a default a missing key is a FlashtreeError."""
+        if key in self.metadata:
+            return self.metadata[key]
+        if default is _MISSING:
+            raise FlashtreeError(f"{self.path}: missing metadata key {key!r}")
+        return default
+
+    def arch_get(self, suffix: str, default: Any = _MISSING) -> Any:
+        """`get(f"{arch}.{suffix}")`, e.g. arch_get("block_count")."""
+        return self.get(f"{self.arch}.{suffix}", default)
+
+    def has(self, name: str) -> bool:
+        return name in self.tensors
+
+    def info(self, name: str) -> TensorInfo:
+        if self._reader is None:
+            raise FlashtreeError(f"{self.path}: file is closed")
+        if name not in self.tensors:
+            raise FlashtreeError(f"{self.path}: missing tensor {name!r}")
+        return self.tensors[name]
+
+    def raw(self, name: str) -> np.ndarray:
+        """The packed bytes of tensor `name`: a uint8 memmap view (rows, bytes_per_row), nothing copied."""
+        info = self.info(name)
+        offset = self._offsets[name]
+        n_rows = math.prod(info.shape[:-1])
+        bytes_per_row = row_bytes(info.qtype, info.shape[-1])
+        return self._reader.data[offset : offset + info.nbytes].reshape(n_rows, bytes_per_row)
+
+    def tensor(
+        self, name: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+    ) -> torch.Tensor:
+        """Tensor `name` dequantized to `dtype` on `device` (the packed bytes are moved, then decoded)."""
+        info = self.info(name)
+        raw = torch.from_numpy(self.raw(name)).to(device)  # (rows, bytes_per_row) uint8
+        return dequantize(raw, info.qtype, info.shape, dtype)
+
+    def close(self) -> None:
+        """Drop the mapping; views returned by raw() keep their own reference and stay valid."""
+        self._reader = None
+
+    def __enter__(self) -> GGUFFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"GGUFFile({str(self.path)!r}, arch={self.arch!r}, tensors={len(self.tensors)})"
+
+
+def open_gguf(path: str | Path) -> GGUFFile:
+    return GGUFFile(path)
