@@ -1,0 +1,309 @@
+"""The engine: one target (and optionally a DFlash draft) behind one token-stream API.
+
+`Engine.generate` yields the token ids committed by each step; `Engine.stream` turns them into
+text chunks (incremental UTF-8-safe detokenization, stop strings, finish reason). run, chat,
+serve and bench all use these two and nothing else.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from flashtree.config import SamplingParams, SpecConfig
+from flashtree.errors import FlashtreeError
+from flashtree.models.model import DecoderModel
+from flashtree.sampling import sample
+
+PREFILL_CHUNK = {"cpu": 256, "cuda": 2048}
+
+
+@dataclass
+class Chunk:
+    """One piece of a streamed reply. The last chunk carries finish_reason ("stop" or "length")."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+
+
+@dataclass
+class GenerationStats:
+    mode: str
+    n_prompt: int = 0
+    n_generated: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    steps: int = 0  # decode steps after the first token
+    accept_hist: list[int] = field(default_factory=list)  # accept_hist[n] = steps that emitted n tokens
+
+    def record_step(self, n_emitted: int) -> None:
+        self.steps += 1
+        if len(self.accept_hist) <= n_emitted:
+            self.accept_hist.extend([0] * (n_emitted + 1 - len(self.accept_hist)))
+        self.accept_hist[n_emitted] += 1
+
+    @property
+    def mean_accept_len(self) -> float:
+        """Accepted draft tokens + 1 (the bonus), averaged over decode steps."""
+        total = sum(n * c for n, c in enumerate(self.accept_hist))
+        return total / self.steps if self.steps else 0.0
+
+    @property
+    def prefill_tok_s(self) -> float:
+        return self.n_prompt / self.prefill_s if self.prefill_s else 0.0
+
+    @property
+    def decode_tok_s(self) -> float:
+        """Tokens after the first one, per second of decoding (the first comes from prefill)."""
+        return max(self.n_generated - 1, 0) / self.decode_s if self.decode_s else 0.0
+
+    def as_dict(self) -> dict:
+        return {
+            "mode": self.mode,
+            "n_prompt": self.n_prompt,
+            "n_generated": self.n_generated,
+            "prefill_tok_s": self.prefill_tok_s,
+            "decode_tok_s": self.decode_tok_s,
+            "steps": self.steps,
+            "mean_accept_len": self.mean_accept_len,
+            "accept_hist": list(self.accept_hist),
+        }
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class Engine:
+    """Owns the target, its tokenizer, an optional draft, and one sequence's state (batch 1)."""
+
+    def __init__(
+        self,
+        target: DecoderModel,
+        tokenizer,
+        draft=None,
+        spec: SpecConfig | None = None,
+        max_ctx: int | None = None,
+    ):
+        self.target, self.tokenizer, self.draft = target, tokenizer, draft
+        self.spec = spec or SpecConfig(mode="tree" if draft is not None else "ar")
+        if self.spec.mode != "ar" and draft is None:
+            raise FlashtreeError(f"mode {self.spec.mode!r} needs a draft (--draft)")
+        self.max_ctx = min(max_ctx or target.config.context_length, target.config.context_length)
+        self.decoder = None
+        if self.spec.mode != "ar":
+            from flashtree.spec.decoder import SpecDecoder
+
+            self.decoder = SpecDecoder(target, draft, self.spec)
+        # Spare slots past max_ctx so a verify block near the end of the context still fits.
+        headroom = self.decoder.max_block if self.decoder else 1
+        self.state = target.new_state(self.max_ctx + headroom)
+
+    @property
+    def device(self) -> torch.device:
+        return self.target.device
+
+    @property
+    def mode(self) -> str:
+        return self.spec.mode
+
+    @classmethod
+    def load(
+        cls,
+        target: str | Path | None = None,
+        draft: str | Path | None = None,
+        mode: str | None = None,
+        spec: SpecConfig | None = None,
+        max_ctx: int | None = None,
+        device: str | None = None,
+    ) -> Engine:
+        """Load a target GGUF (default: SmolLM2-135M-Instruct) and a draft (default: the shipped one;
+        'none' for plain decoding)."""
+        from flashtree.gguf.tokenizer import Tokenizer
+        from flashtree.models.loader import load_target
+
+        if target is None:
+            from flashtree.defaults import default_target_path
+
+            target = default_target_path()
+        model, gguf = load_target(target, device=device)
+        tokenizer = Tokenizer.from_gguf_metadata(gguf.metadata)
+        draft_model = None
+        if draft is None and target is not None:
+            draft = cls._default_draft_for(Path(target))
+        if draft not in (None, "none"):
+            from flashtree.models.dflash import load_draft
+
+            draft_model = load_draft(draft, model)
+        spec = spec or SpecConfig()
+        mode = mode or ("ar" if draft_model is None else spec.mode)
+        spec = SpecConfig(**{**spec.__dict__, "mode": mode})
+        return cls(model, tokenizer, draft_model, spec, max_ctx)
+
+    @staticmethod
+    def _default_draft_for(target: Path) -> Path | None:
+        from flashtree.defaults import default_draft_path, default_target_path
+
+        try:
+            is_default = target.resolve() == default_target_path(progress=False).resolve()
+        except FlashtreeError:
+            return None
+        return default_draft_path() if is_default else None
+
+    def encode(self, text: str, chat: bool = True, system: str | None = None) -> list[int]:
+        """Prompt ids for `text`, through the chat template unless chat=False."""
+        if not chat:
+            return self.tokenizer.encode(text)
+        messages = ([{"role": "system", "content": system}] if system else []) + [
+            {"role": "user", "content": text}
+        ]
+        return self.encode_messages(messages)
+
+    def encode_messages(self, messages: list[dict]) -> list[int]:
+        rendered = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        return self.tokenizer.encode(rendered, add_bos=False)
+
+    def generate(
+        self,
+        prompt_ids: list[int],
+        max_tokens: int,
+        sampling: SamplingParams | None = None,
+        stop_ids: Iterable[int] | None = None,
+        stats: GenerationStats | None = None,
+    ) -> Iterator[list[int]]:
+        """Yield the tokens each step commits, until a stop id (included), max_tokens or a full context."""
+        sampling = sampling or SamplingParams()
+        stop = set(self.tokenizer.stop_ids if stop_ids is None else stop_ids)
+        stats = stats if stats is not None else GenerationStats(self.mode)
+        self._check_prompt(prompt_ids, max_tokens)
+        budget = min(max_tokens, self.max_ctx - len(prompt_ids))
+        stats.n_prompt = len(prompt_ids)
+
+        t0 = time.perf_counter()
+        token, features = self._prefill(prompt_ids, sampling)
+        _sync(self.device)
+        stats.prefill_s = time.perf_counter() - t0
+        emitted = [token]
+        t0 = time.perf_counter()
+        while True:
+            emitted = self._clip(emitted, budget - stats.n_generated, stop)
+            stats.n_generated += len(emitted)
+            yield emitted
+            if stats.n_generated >= budget or emitted[-1] in stop:
+                break
+            emitted, features = self._step(emitted[-1], features, sampling)
+            stats.record_step(len(emitted))
+            stats.decode_s = time.perf_counter() - t0
+        stats.decode_s = time.perf_counter() - t0
+
+    def _check_prompt(self, prompt_ids: list[int], max_tokens: int) -> None:
+        if not prompt_ids:
+            raise FlashtreeError("the prompt is empty")
+        if max_tokens < 1:
+            raise FlashtreeError(f"max_tokens must be >= 1, got {max_tokens}")
+        if len(prompt_ids) >= self.max_ctx:
+            raise FlashtreeError(
+                f"prompt of {len(prompt_ids)} tokens does not fit the {self.max_ctx}-token context"
+            )
+        bad = [t for t in prompt_ids if not 0 <= t < self.target.config.vocab]
+        if bad:
+            raise FlashtreeError(f"token id {bad[0]} is outside the vocabulary of {self.target.config.vocab}")
+
+    @staticmethod
+    def _clip(tokens: list[int], room: int, stop: set[int]) -> list[int]:
+        tokens = tokens[:room]
+        for i, t in enumerate(tokens):
+            if t in stop:
+                return tokens[: i + 1]
+        return tokens
+
+    def _prefill(self, prompt_ids: list[int], sampling: SamplingParams):
+        """Run the prompt in chunks; sample the first new token. Returns it and the prompt features
+        the draft needs (None in AR mode)."""
+        self.state.reset()
+        if self.decoder:
+            self.decoder.reset()
+        ids = torch.tensor(prompt_ids, dtype=torch.long, device=self.device)
+        chunk = PREFILL_CHUNK.get(self.device.type, 2048)
+        capture = self.decoder.capture_layers if self.decoder else ()
+        feats = []
+        for s in range(0, len(prompt_ids), chunk):
+            last = s + chunk >= len(prompt_ids)
+            out = self.target(
+                ids[s : s + chunk], self.state, logits="last" if last else "none", capture=capture
+            )
+            if capture:
+                feats.append(out.features)
+        pos = torch.tensor([len(prompt_ids)], device=self.device)
+        token = int(sample(out.logits, sampling, pos)[0])
+        return token, (torch.cat(feats) if feats else None)
+
+    def _step(self, root: int, features, sampling: SamplingParams):
+        """One decode step from the last emitted token: AR or draft -> verify -> accept."""
+        if self.decoder:
+            return self.decoder.step(root, features, self.state, sampling)
+        ids = torch.tensor([root], dtype=torch.long, device=self.device)
+        out = self.target(ids, self.state, logits="last")
+        pos = torch.tensor([self.state.seq_len], device=self.device)
+        return [int(sample(out.logits, sampling, pos)[0])], None
+
+    def stream(
+        self,
+        prompt_ids: list[int],
+        max_tokens: int,
+        sampling: SamplingParams | None = None,
+        stop: Iterable[str] = (),
+        stats: GenerationStats | None = None,
+        cancel=None,
+    ) -> Iterator[Chunk]:
+        """Text chunks of the reply. Stop strings are matched across token boundaries and never
+        emitted; stop tokens (EOS/EOT) end the reply without appearing in the text. `cancel` (a
+        threading.Event) ends generation between steps."""
+        from flashtree.gguf.tokenizer import IncrementalDecoder
+
+        stops = [s for s in stop if s]
+        stop_ids = set(self.tokenizer.stop_ids)
+        decoder = IncrementalDecoder(self.tokenizer)
+        held = ""  # decoded text that may still turn out to start a stop string
+        for ids in self.generate(prompt_ids, max_tokens, sampling, stop_ids, stats):
+            ended_by_token = ids[-1] in stop_ids
+            held += decoder.push([t for t in ids if t not in stop_ids])
+            if ended_by_token:
+                held += decoder.flush()
+            cut = _first_stop(held, stops)
+            if cut is not None:
+                yield Chunk(held[:cut], ids, "stop")
+                return
+            if ended_by_token:
+                yield Chunk(held, ids, "stop")
+                return
+            keep = _partial_stop_len(held, stops)
+            yield Chunk(held[: len(held) - keep], ids)
+            held = held[len(held) - keep :]
+            if cancel is not None and cancel.is_set():
+                return
+        tail = held + decoder.flush()
+        cut = _first_stop(tail, stops)
+        yield Chunk(tail if cut is None else tail[:cut], [], "length" if cut is None else "stop")
+
+
+def _first_stop(text: str, stops: list[str]) -> int | None:
+    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return min(hits) if hits else None
+
+
+def _partial_stop_len(text: str, stops: list[str]) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of some stop string."""
+    best = 0
+    for s in stops:
+        for n in range(min(len(s) - 1, len(text)), best, -1):
+            if s.startswith(text[-n:]):
+                best = n
+                break
+    return best

@@ -1,0 +1,65 @@
+"""Grouped-query attention over the static KV cache, optionally with qwen3.5's sigmoid output gate."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from flashtree.models.layers import Linear, apply_rotary, rms_norm
+from flashtree.models.pass_ import ForwardPass
+from flashtree.models.state import KVCache
+
+
+class Attention(nn.Module):
+    def __init__(
+        self,
+        q: Linear,
+        k: Linear,
+        v: Linear,
+        o: Linear,
+        n_heads: int,
+        n_kv_heads: int,
+        head_dim: int,
+        eps: float,
+        q_norm: torch.Tensor | None = None,
+        k_norm: torch.Tensor | None = None,
+        output_gate: bool = False,
+    ):
+        super().__init__()
+        self.q, self.k, self.v, self.o = q, k, v, o
+        self.n_heads, self.n_kv_heads, self.head_dim, self.eps = n_heads, n_kv_heads, head_dim, eps
+        self.q_norm = nn.Parameter(q_norm, requires_grad=False) if q_norm is not None else None
+        self.k_norm = nn.Parameter(k_norm, requires_grad=False) if k_norm is not None else None
+        self.output_gate = output_gate
+
+    def forward(self, x: torch.Tensor, kv: KVCache, fp: ForwardPass) -> torch.Tensor:
+        t, hd = x.shape[0], self.head_dim
+        q = self.q(x)
+        gate = None
+        if self.output_gate:  # q_proj rows are packed per head as [q_h | gate_h]
+            q, gate = q.view(t, self.n_heads, 2 * hd).split(hd, dim=-1)
+            gate = gate.reshape(t, self.n_heads * hd)
+        q = q.reshape(t, self.n_heads, hd)
+        k = self.k(x).view(t, self.n_kv_heads, hd)
+        v = self.v(x).view(t, self.n_kv_heads, hd)
+        if self.q_norm is not None:
+            q = rms_norm(q, self.q_norm, self.eps)
+            k = rms_norm(k, self.k_norm, self.eps)
+        cos, sin = fp.rope()
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
+        kv.write(fp.start, k, v)
+        keys, values = kv.read(fp.start + t)  # (n_kv, S, hd)
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None],  # (1, nh, T, hd)
+            keys[None],
+            values[None],
+            attn_mask=fp.attn_mask,  # (T, S) bool: all past + ancestors in the block
+            scale=hd**-0.5,
+            enable_gqa=True,
+        )
+        out = out[0].transpose(0, 1).reshape(t, self.n_heads * hd)
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
+        return self.o(out)

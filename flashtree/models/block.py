@@ -1,0 +1,65 @@
+"""The shape of one forward pass: which earlier token of the same pass each token follows.
+
+A causal chain (prefill, AR decode, chain verify) and a DDTree (tree verify) are both described
+by `parents`: parents[i] is the index of token i's predecessor inside the block, or -1 when it
+follows the last committed token. Attention masks, RoPE positions and the DeltaNet/conv recurrences
+are all derived from it, so one forward serves every mode.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class BlockLayout:
+    parents: torch.Tensor  # (T,) long, parents[i] < i, -1 = the committed prefix
+    depths: torch.Tensor  # (T,) long, 0 for tokens whose parent is -1
+    visible: torch.Tensor  # (T, T) bool, token i sees token j iff j is i or an ancestor of i
+    is_chain: bool  # parents == arange(T) - 1: the causal fast paths apply
+
+    @property
+    def size(self) -> int:
+        return self.parents.shape[0]
+
+    @staticmethod
+    def chain(n: int, device: torch.device | str = "cpu") -> BlockLayout:
+        idx = torch.arange(n, device=device)
+        visible = idx[:, None] >= idx[None, :]
+        return BlockLayout(parents=idx - 1, depths=idx, visible=visible, is_chain=True)
+
+    @staticmethod
+    def from_parents(parents: torch.Tensor) -> BlockLayout:
+        """Tree layout from parent pointers (parents must precede children)."""
+        n = parents.shape[0]
+        device = parents.device
+        idx = torch.arange(n, device=device)
+        visible = torch.eye(n, dtype=torch.bool, device=device)
+        depths = torch.zeros(n, dtype=torch.long, device=device)
+        # Pointer jumping: after step s, `anc` is each node's s-th ancestor (-1 once past the root).
+        anc = parents.clone()
+        for _ in range(n):
+            alive = anc >= 0
+            if not bool(alive.any()):
+                break
+            visible[idx[alive], anc[alive]] = True
+            depths += alive.long()
+            anc = torch.where(alive, parents[anc.clamp(min=0)], anc)
+        is_chain = bool(torch.equal(parents, idx - 1))
+        return BlockLayout(parents=parents, depths=depths, visible=visible, is_chain=is_chain)
+
+    def conv_window_index(self, kernel: int) -> torch.Tensor:
+        """(T, kernel) indices into [conv_state (kernel-1 rows) | block tokens (T rows)]: the causal
+        conv window of each token along its own ancestry, oldest first."""
+        k1 = kernel - 1
+        cur = torch.arange(self.size, device=self.parents.device) + k1
+        cols = [cur]
+        for _ in range(k1):
+            in_block = cur >= k1
+            parent = self.parents[(cur - k1).clamp(min=0)]
+            from_block = torch.where(parent >= 0, parent + k1, torch.full_like(parent, k1 - 1))
+            cur = torch.where(in_block, from_block, cur - 1)
+            cols.append(cur)
+        return torch.stack(cols[::-1], dim=1)

@@ -1,0 +1,154 @@
+"""Gated DeltaNet (qwen3.5 linear-attention layers) with exact fp32 recurrent state.
+
+Per value head, with state S (k_dim x v_dim) and log-decay g <= 0:
+    S <- exp(g) S;   delta = beta (v - S^T k);   S <- S + k delta^T;   o = S^T q / sqrt(k_dim)
+Prefill uses the chunked (WY/UT-transform) form of the same recurrence; verify runs the token
+recurrence along the tree, each node starting from its parent's state.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from flashtree.models.layers import Linear, rms_norm
+from flashtree.models.pass_ import ForwardPass
+from flashtree.models.state import DeltaNetState
+
+CHUNK = 64
+
+
+def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
+
+
+def recurrent_delta_rule(q, k, v, g, beta, state, parents: list[int]):
+    """Token-by-token recurrence along `parents` (-1 = start from `state`).
+
+    q, k: (T, H, dk) fp32 (q already scaled); v: (T, H, dv); g, beta: (T, H); state: (H, dk, dv).
+    Returns o (T, H, dv) and the state after every token (T, H, dk, dv).
+    """
+    t = q.shape[0]
+    states = q.new_empty((t + 1,) + tuple(state.shape))
+    states[0] = state
+    out = q.new_empty(v.shape)
+    decay = g.exp()
+    for i in range(t):
+        s = states[parents[i] + 1] * decay[i][:, None, None]
+        delta = (v[i] - torch.einsum("hk,hkv->hv", k[i], s)) * beta[i][:, None]
+        s = s + k[i][:, :, None] * delta[:, None, :]
+        states[i + 1] = s
+        out[i] = torch.einsum("hk,hkv->hv", q[i], s)
+    return out, states[1:]
+
+
+def chunked_delta_rule(q, k, v, g, beta, state, chunk: int = CHUNK):
+    """The same recurrence over a causal chain, 64 tokens at a time. Returns o and the final state."""
+    t, h, dk = q.shape
+    dv = v.shape[-1]
+    pad = (-t) % chunk
+    if pad:
+        q, k, v = (F.pad(x, (0, 0, 0, 0, 0, pad)) for x in (q, k, v))
+        g, beta = (F.pad(x, (0, 0, 0, pad)) for x in (g, beta))
+    n = (t + pad) // chunk
+    # (H, N, C, d) per head and chunk
+    q, k, v = (x.view(n, chunk, h, -1).permute(2, 0, 1, 3) for x in (q, k, v))
+    g, beta = (x.view(n, chunk, h).permute(2, 0, 1) for x in (g, beta))
+
+    gamma = g.cumsum(-1)  # (H, N, C) log decay from chunk start
+    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
+    decay = (gamma[..., :, None] - gamma[..., None, :]).masked_fill(~causal, float("-inf")).exp()
+    kb = k * beta[..., None]
+    a = (kb @ k.transpose(-1, -2)) * decay  # strictly-lower part is the UT system
+    eye = torch.eye(chunk, dtype=q.dtype, device=q.device)
+    system = a.tril(-1) + eye
+    u = torch.linalg.solve_triangular(system, v * beta[..., None], upper=False, unitriangular=True)
+    w = torch.linalg.solve_triangular(system, kb * gamma.exp()[..., None], upper=False, unitriangular=True)
+    qk = (q @ k.transpose(-1, -2)) * decay
+    q_dec = q * gamma.exp()[..., None]
+    k_dec = k * (gamma[..., -1:] - gamma).exp()[..., None]
+    chunk_decay = gamma[..., -1].exp()  # (H, N)
+
+    out = torch.empty(h, n, chunk, dv, dtype=q.dtype, device=q.device)
+    s = state
+    for c in range(n):
+        v_new = u[:, c] - w[:, c] @ s  # (H, C, dv)
+        out[:, c] = q_dec[:, c] @ s + qk[:, c] @ v_new
+        s = s * chunk_decay[:, c, None, None] + k_dec[:, c].transpose(-1, -2) @ v_new
+    out = out.permute(1, 2, 0, 3).reshape(n * chunk, h, dv)[:t]
+    return out, s
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(
+        self,
+        qkv: Linear,
+        z: Linear,
+        beta: Linear,
+        alpha: Linear,
+        out: Linear,
+        conv_weight: torch.Tensor,  # (channels, kernel)
+        dt_bias: torch.Tensor,  # (v_heads,)
+        ssm_a: torch.Tensor,  # (v_heads,) = -exp(A_log)
+        norm_weight: torch.Tensor,  # (v_dim,)
+        n_k_heads: int,
+        n_v_heads: int,
+        k_dim: int,
+        v_dim: int,
+        eps: float,
+    ):
+        super().__init__()
+        self.qkv, self.z, self.beta, self.alpha, self.out = qkv, z, beta, alpha, out
+        self.conv_weight = nn.Parameter(conv_weight, requires_grad=False)
+        self.dt_bias = nn.Parameter(dt_bias.float(), requires_grad=False)
+        self.ssm_a = nn.Parameter(ssm_a.float(), requires_grad=False)
+        self.norm_weight = nn.Parameter(norm_weight, requires_grad=False)
+        self.n_k_heads, self.n_v_heads, self.k_dim, self.v_dim, self.eps = (
+            n_k_heads,
+            n_v_heads,
+            k_dim,
+            v_dim,
+            eps,
+        )
+
+    @property
+    def kernel(self) -> int:
+        return self.conv_weight.shape[1]
+
+    def causal_conv(self, mixed: torch.Tensor, st: DeltaNetState, fp: ForwardPass):
+        """Depthwise conv + SiLU along each token's ancestry. Returns the output and every token's
+        trailing window (the conv state it would leave behind), (T, kernel-1, C)."""
+        src = torch.cat([st.conv, mixed], dim=0)  # (kernel-1 + T, C)
+        idx = fp.conv_index(self.kernel)  # (T, kernel)
+        windows = src[idx]  # (T, kernel, C)
+        y = (windows * self.conv_weight.t()[None]).sum(1)
+        return F.silu(y), windows[:, 1:]
+
+    def forward(self, x: torch.Tensor, st: DeltaNetState, fp: ForwardPass) -> torch.Tensor:
+        t = x.shape[0]
+        conv_out, windows = self.causal_conv(self.qkv(x), st, fp)
+        kd, vd, nk, nv = self.k_dim, self.v_dim, self.n_k_heads, self.n_v_heads
+        q, k, v = conv_out.float().split([nk * kd, nk * kd, nv * vd], dim=-1)
+        # GGUF tiles value heads over key heads: value head j reads key head j % n_k_heads.
+        q = l2_normalize(q.view(t, nk, kd)).repeat(1, nv // nk, 1) * kd**-0.5
+        k = l2_normalize(k.view(t, nk, kd)).repeat(1, nv // nk, 1)
+        v = v.view(t, nv, vd)
+        beta = torch.sigmoid(self.beta(x).float())  # (T, nv)
+        g = self.ssm_a * F.softplus(self.alpha(x).float() + self.dt_bias)  # (T, nv) log decay
+
+        if fp.commit:
+            if t == 1:
+                o, states = recurrent_delta_rule(q, k, v, g, beta, st.recurrent, [-1])
+                final = states[-1]
+            else:
+                o, final = chunked_delta_rule(q, k, v, g, beta, st.recurrent)
+            st.recurrent.copy_(final)
+            st.conv.copy_(windows[-1])
+        else:
+            o, states = recurrent_delta_rule(q, k, v, g, beta, st.recurrent, fp.layout.parents.tolist())
+            st.set_pending(states, windows)
+
+        z = self.z(x).view(t, nv, vd)
+        o = rms_norm(o, self.norm_weight, self.eps) * F.silu(z.float())
+        return self.out(o.to(x.dtype).reshape(t, nv * vd))

@@ -1,0 +1,106 @@
+"""The decoder stack shared by every family: embed -> [mixer + SwiGLU] x L -> norm -> LM head."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from flashtree.models.attention import Attention
+from flashtree.models.block import BlockLayout
+from flashtree.models.config import ModelConfig
+from flashtree.models.deltanet import GatedDeltaNet
+from flashtree.models.layers import Linear, RMSNorm, Rotary, SwiGLU
+from flashtree.models.pass_ import ForwardPass
+from flashtree.models.state import DeltaNetState, KVCache, ModelState
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, mixer: Attention | GatedDeltaNet, mlp: SwiGLU, mixer_norm: RMSNorm, mlp_norm: RMSNorm):
+        super().__init__()
+        self.mixer, self.mlp, self.mixer_norm, self.mlp_norm = mixer, mlp, mixer_norm, mlp_norm
+
+    def forward(self, x: torch.Tensor, state: KVCache | DeltaNetState, fp: ForwardPass) -> torch.Tensor:
+        h = x + self.mixer(self.mixer_norm(x), state, fp)
+        return h + self.mlp(self.mlp_norm(h))
+
+
+@dataclass
+class ForwardOutput:
+    logits: torch.Tensor | None  # (T or 1, vocab) fp32
+    features: torch.Tensor | None  # (T, n_capture * hidden): hidden state after each captured layer
+
+
+class DecoderModel(nn.Module):
+    def __init__(
+        self,
+        config: ModelConfig,
+        embedding: torch.Tensor,  # (vocab, hidden)
+        layers: list[DecoderLayer],
+        norm: RMSNorm,
+        lm_head: Linear,
+        rotary: Rotary,
+    ):
+        super().__init__()
+        self.config = config
+        self.embedding = nn.Parameter(embedding, requires_grad=False)
+        self.layers = nn.ModuleList(layers)
+        self.norm, self.lm_head, self.rotary = norm, lm_head, rotary
+
+    @property
+    def device(self) -> torch.device:
+        return self.embedding.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embedding.dtype
+
+    def new_state(self, max_ctx: int) -> ModelState:
+        dev, dt = self.device, self.dtype
+        states: list[KVCache | DeltaNetState] = []
+        for layer in self.layers:
+            m = layer.mixer
+            if isinstance(m, Attention):
+                states.append(KVCache(m.n_kv_heads, max_ctx, m.head_dim, dt, dev))
+            else:
+                channels = m.conv_weight.shape[0]
+                states.append(DeltaNetState(m.n_v_heads, m.k_dim, m.v_dim, channels, m.kernel, dt, dev))
+        return ModelState(states, max_ctx)
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.embedding[tokens]
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final norm + LM head, fp32 logits."""
+        return self.lm_head(self.norm(hidden)).float()
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        tokens: torch.Tensor,  # (T,) long
+        state: ModelState,
+        layout: BlockLayout | None = None,
+        commit: bool = True,
+        logits: str = "all",  # "all" | "last" | "none"
+        capture: tuple[int, ...] = (),
+    ) -> ForwardOutput:
+        t = tokens.shape[0]
+        layout = layout if layout is not None else BlockLayout.chain(t, tokens.device)
+        state.check_room(t)
+        fp = ForwardPass(state.seq_len, layout, commit, self.rotary, self.dtype)
+        x = self.embed(tokens)
+        captured = {}
+        for i, layer in enumerate(self.layers):
+            x = layer(x, state.layers[i], fp)
+            if i in capture:
+                captured[i] = x
+        if commit:
+            state.commit_all(t)
+        else:
+            state.pending = t
+        feats = torch.cat([captured[i] for i in capture], dim=-1) if capture else None
+        if logits == "none":
+            return ForwardOutput(None, feats)
+        h = x[-1:] if logits == "last" else x
+        return ForwardOutput(self.logits(h), feats)

@@ -1,0 +1,49 @@
+"""qwen3 dense: GQA attention with per-head q/k RMSNorm, NeoX RoPE (no row permutation)."""
+
+from __future__ import annotations
+
+from flashtree.gguf.reader import GGUFFile
+from flashtree.models.attention import Attention
+from flashtree.models.config import ModelConfig
+from flashtree.models.layers import Rotary
+from flashtree.models.loader import Weights
+from flashtree.models.model import DecoderLayer, DecoderModel
+
+
+def attention(w: Weights, c: ModelConfig, prefix: str, output_gate: bool = False) -> Attention:
+    """Attention with q/k norms, shared with qwen35's gated full-attention layers."""
+    return Attention(
+        q=w.linear(f"{prefix}.attn_q.weight"),
+        k=w.linear(f"{prefix}.attn_k.weight"),
+        v=w.linear(f"{prefix}.attn_v.weight"),
+        o=w.linear(f"{prefix}.attn_output.weight"),
+        n_heads=c.n_heads,
+        n_kv_heads=c.n_kv_heads,
+        head_dim=c.head_dim,
+        eps=c.rms_eps,
+        q_norm=w.vector(f"{prefix}.attn_q_norm.weight"),
+        k_norm=w.vector(f"{prefix}.attn_k_norm.weight"),
+        output_gate=output_gate,
+    )
+
+
+def build(gguf: GGUFFile, w: Weights) -> DecoderModel:
+    c = ModelConfig.from_gguf(gguf)
+    layers = [
+        DecoderLayer(
+            attention(w, c, f"blk.{i}"),
+            w.swiglu(f"blk.{i}"),
+            w.norm(f"blk.{i}.attn_norm.weight", c.rms_eps),
+            w.norm(f"blk.{i}.ffn_norm.weight", c.rms_eps),
+        )
+        for i in range(c.n_layers)
+    ]
+    embedding = w.dense("token_embd.weight")
+    return DecoderModel(
+        c,
+        embedding,
+        layers,
+        w.norm("output_norm.weight", c.rms_eps),
+        w.lm_head(embedding),
+        Rotary(c.rope_dim, c.rope_theta).to(w.device),
+    )

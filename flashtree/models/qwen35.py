@@ -1,0 +1,56 @@
+"""qwen35 hybrid (Qwen3.5/3.6): gated full attention every `full_attention_interval`-th layer,
+Gated DeltaNet elsewhere. GGUF already holds +1 in the zero-centred norms and -exp(A_log) in ssm_a."""
+
+from __future__ import annotations
+
+from flashtree.gguf.reader import GGUFFile
+from flashtree.models.config import ATTENTION, ModelConfig
+from flashtree.models.deltanet import GatedDeltaNet
+from flashtree.models.layers import Rotary
+from flashtree.models.loader import Weights
+from flashtree.models.model import DecoderLayer, DecoderModel
+from flashtree.models.qwen3 import attention
+
+
+def deltanet(w: Weights, c: ModelConfig, p: str) -> GatedDeltaNet:
+    return GatedDeltaNet(
+        qkv=w.linear(f"{p}.attn_qkv.weight"),
+        z=w.linear(f"{p}.attn_gate.weight"),
+        beta=w.linear(f"{p}.ssm_beta.weight"),
+        alpha=w.linear(f"{p}.ssm_alpha.weight"),
+        out=w.linear(f"{p}.ssm_out.weight"),
+        conv_weight=w.dense(f"{p}.ssm_conv1d.weight"),
+        dt_bias=w.vector(f"{p}.ssm_dt.bias"),
+        ssm_a=w.vector(f"{p}.ssm_a"),
+        norm_weight=w.vector(f"{p}.ssm_norm.weight"),
+        n_k_heads=c.ssm_k_heads,
+        n_v_heads=c.ssm_v_heads,
+        k_dim=c.ssm_k_dim,
+        v_dim=c.ssm_v_dim,
+        eps=c.rms_eps,
+    )
+
+
+def build(gguf: GGUFFile, w: Weights) -> DecoderModel:
+    c = ModelConfig.from_gguf(gguf)
+    layers = []
+    for i, kind in enumerate(c.layer_types):
+        p = f"blk.{i}"
+        mixer = attention(w, c, p, output_gate=True) if kind == ATTENTION else deltanet(w, c, p)
+        layers.append(
+            DecoderLayer(
+                mixer,
+                w.swiglu(p),
+                w.norm(f"{p}.attn_norm.weight", c.rms_eps),
+                w.norm(f"{p}.post_attention_norm.weight", c.rms_eps),
+            )
+        )
+    embedding = w.dense("token_embd.weight")
+    return DecoderModel(
+        c,
+        embedding,
+        layers,
+        w.norm("output_norm.weight", c.rms_eps),
+        w.lm_head(embedding),
+        Rotary(c.rope_dim, c.rope_theta).to(w.device),
+    )

@@ -1,0 +1,116 @@
+"""Per-sequence model state: static slot-indexed KV caches and exact fp32 DeltaNet state.
+
+A forward writes its block's K/V at slots [seq_len, seq_len + T). With commit=True (prefill, AR)
+everything is committed at once. With commit=False (verify) the recurrent layers keep the state
+after *every* block token as pending, and `commit_path(path)` later keeps exactly the accepted
+tokens: their K/V are compacted into contiguous slots and each DeltaNet layer takes the fp32
+state (and conv window) after the last accepted token. Rejected K/V slots are simply overwritten.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flashtree.errors import FlashtreeError
+
+
+class KVCache:
+    """K/V of one attention layer, preallocated for `max_ctx` tokens."""
+
+    def __init__(self, n_kv: int, max_ctx: int, head_dim: int, dtype: torch.dtype, device):
+        self.k = torch.zeros(n_kv, max_ctx, head_dim, dtype=dtype, device=device)
+        self.v = torch.zeros(n_kv, max_ctx, head_dim, dtype=dtype, device=device)
+
+    def write(self, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v: (T, n_kv, head_dim) written at slots [start, start + T)."""
+        end = start + k.shape[0]
+        self.k[:, start:end] = k.transpose(0, 1)
+        self.v[:, start:end] = v.transpose(0, 1)
+
+    def read(self, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V of slots [0, end): (n_kv, end, head_dim) each."""
+        return self.k[:, :end], self.v[:, :end]
+
+    def compact(self, start: int, path: torch.Tensor) -> None:
+        """Move slot start + path[i] to start + i (path is increasing, so a gather is safe)."""
+        src = start + path
+        dst = start + torch.arange(path.shape[0], device=path.device)
+        self.k[:, dst] = self.k[:, src]
+        self.v[:, dst] = self.v[:, src]
+
+
+class DeltaNetState:
+    """Recurrent state (fp32) and causal-conv window of one Gated DeltaNet layer."""
+
+    def __init__(self, n_heads: int, k_dim: int, v_dim: int, conv_channels: int, kernel: int, dtype, device):
+        self.recurrent = torch.zeros(n_heads, k_dim, v_dim, dtype=torch.float32, device=device)
+        self.conv = torch.zeros(kernel - 1, conv_channels, dtype=dtype, device=device)
+        self.pending_states: torch.Tensor | None = None  # (T, heads, k, v) after each block token
+        self.pending_conv: torch.Tensor | None = None  # (T, kernel-1, channels) window after each token
+
+    def set_pending(self, states: torch.Tensor, conv_windows: torch.Tensor) -> None:
+        self.pending_states, self.pending_conv = states, conv_windows
+
+    def commit(self, last: int) -> None:
+        """Adopt the state after block token `last` (the deepest accepted node)."""
+        self.recurrent.copy_(self.pending_states[last])
+        self.conv.copy_(self.pending_conv[last])
+        self.pending_states = self.pending_conv = None
+
+    def reset(self) -> None:
+        self.recurrent.zero_()
+        self.conv.zero_()
+        self.pending_states = self.pending_conv = None
+
+
+class ModelState:
+    """Everything one sequence needs between forwards: `seq_len` committed tokens plus layer state."""
+
+    def __init__(self, layers: list[KVCache | DeltaNetState], max_ctx: int):
+        self.layers = layers
+        self.max_ctx = max_ctx
+        self.seq_len = 0
+        self.pending = 0  # tokens written by an uncommitted forward
+
+    @property
+    def rewindable(self) -> bool:
+        """Attention-only state can be truncated to any length; recurrent state cannot."""
+        return not any(isinstance(s, DeltaNetState) for s in self.layers)
+
+    def check_room(self, n: int) -> None:
+        if self.seq_len + n > self.max_ctx:
+            raise FlashtreeError(
+                f"context full: {self.seq_len} + {n} tokens exceed the allocated {self.max_ctx}"
+                " (raise --max-ctx)"
+            )
+
+    def commit_all(self, n: int) -> None:
+        self.seq_len += n
+        self.pending = 0
+
+    def commit_path(self, path: torch.Tensor) -> None:
+        """Keep block tokens `path` (increasing indices, root first) of the last commit=False forward."""
+        if self.pending == 0:
+            raise RuntimeError("commit_path without a pending verify forward")
+        last = int(path[-1])
+        for layer in self.layers:
+            if isinstance(layer, KVCache):
+                layer.compact(self.seq_len, path)
+            else:
+                layer.commit(last)
+        self.seq_len += path.shape[0]
+        self.pending = 0
+
+    def truncate(self, length: int) -> None:
+        if length == self.seq_len:
+            return
+        if not self.rewindable or length > self.seq_len:
+            raise FlashtreeError(f"cannot rewind this state from {self.seq_len} to {length} tokens")
+        self.seq_len = length
+
+    def reset(self) -> None:
+        self.seq_len = 0
+        self.pending = 0
+        for layer in self.layers:
+            if isinstance(layer, DeltaNetState):
+                layer.reset()
