@@ -125,9 +125,13 @@ def convert(
 @user_errors
 def synth(
     out: Path = typer.Argument(..., help="Output .gguf (or a directory with --draft-for)."),
-    shape: Optional[str] = typer.Option(None, "--shape", help="qwen3.6-27b | qwen3-8b | smollm2-135m | tiny-*"),
+    shape: Optional[str] = typer.Option(
+        None, "--shape", help="qwen3.6-27b | qwen3-8b | smollm2-135m | tiny-*"
+    ),
     type: str = typer.Option("q4_k_m", "--type"),
-    draft_for: Optional[Path] = typer.Option(None, "--draft-for", help="Write a random DFlash draft for this target."),
+    draft_for: Optional[Path] = typer.Option(
+        None, "--draft-for", help="Write a random DFlash draft for this target."
+    ),
     layers: int = typer.Option(5, "--layers", help="Draft layers (with --draft-for)."),
     seed: int = typer.Option(0, "--seed"),
 ):

@@ -1,0 +1,316 @@
+"""DFlash draft: a small non-causal transformer that fills a whole block in one pass.
+
+Block = [last committed token, MASK x (B-1)]. Target hidden states of committed tokens (after the
+layers in `target_layer_ids`) are fused by `fc` + `hidden_norm` into one context vector per
+position, which every draft layer sees as extra keys/values. Block position j predicts the token
+*at* position start + j (same-position prediction). The draft shares the target's embedding and
+LM head. Context K/V depend only on committed features, so they live in an incremental ring cache.
+
+Formats: z-lab dirs (config.json + model.safetensors) and GGUF (arch `dflash-draft`, written by
+`flashtree convert`), read into the same GGUF-style tensor names.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from flashtree.errors import FlashtreeError
+from flashtree.models.layers import Linear, RMSNorm, Rotary, SwiGLU, apply_rotary, rms_norm
+from flashtree.models.model import DecoderModel
+
+FULL, SLIDING = "full_attention", "sliding_attention"
+
+
+@dataclass(frozen=True)
+class DraftConfig:
+    hidden: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    ffn: int
+    rms_eps: float
+    rope_theta: float
+    block_size: int
+    mask_token_id: int
+    target_layer_ids: tuple[int, ...]
+    num_target_layers: int
+    layer_types: tuple[str, ...]
+    sliding_window: int | None
+    vocab: int | None
+
+    @staticmethod
+    def from_json(cfg: dict, source: Path) -> DraftConfig:
+        try:
+            dflash = cfg.get("dflash_config", {})
+            n_layers = int(cfg["num_hidden_layers"])
+            n_heads = int(cfg["num_attention_heads"])
+            layer_types = tuple(cfg.get("layer_types") or [FULL] * n_layers)
+            return DraftConfig(
+                hidden=int(cfg["hidden_size"]),
+                n_layers=n_layers,
+                n_heads=n_heads,
+                n_kv_heads=int(cfg.get("num_key_value_heads", n_heads)),
+                head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // n_heads),
+                ffn=int(cfg["intermediate_size"]),
+                rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+                rope_theta=float(
+                    cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 1e6))
+                ),
+                block_size=int(cfg.get("block_size", 16)),
+                mask_token_id=int(dflash["mask_token_id"]),
+                target_layer_ids=tuple(int(i) for i in dflash["target_layer_ids"]),
+                num_target_layers=int(cfg.get("num_target_layers", 0)),
+                layer_types=layer_types,
+                sliding_window=cfg.get("sliding_window") if SLIDING in layer_types else None,
+                vocab=cfg.get("vocab_size"),
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise FlashtreeError(f"{source}: not a DFlash draft config ({type(e).__name__}: {e})") from None
+
+    @staticmethod
+    def from_gguf(g) -> DraftConfig:
+        a = "dflash-draft"
+        n_layers = int(g.get(f"{a}.block_count"))
+        n_heads = int(g.get(f"{a}.attention.head_count"))
+        layer_types = tuple(g.get(f"{a}.layer_types", [FULL] * n_layers))
+        return DraftConfig(
+            hidden=int(g.get(f"{a}.embedding_length")),
+            n_layers=n_layers,
+            n_heads=n_heads,
+            n_kv_heads=int(g.get(f"{a}.attention.head_count_kv", n_heads)),
+            head_dim=int(g.get(f"{a}.attention.key_length")),
+            ffn=int(g.get(f"{a}.feed_forward_length")),
+            rms_eps=float(g.get(f"{a}.attention.layer_norm_rms_epsilon", 1e-6)),
+            rope_theta=float(g.get(f"{a}.rope.freq_base", 1e6)),
+            block_size=int(g.get(f"{a}.dflash.block_size", 16)),
+            mask_token_id=int(g.get(f"{a}.dflash.mask_token_id")),
+            target_layer_ids=tuple(int(i) for i in g.get(f"{a}.dflash.target_layer_ids")),
+            num_target_layers=int(g.get(f"{a}.dflash.n_target_layers", 0)),
+            layer_types=layer_types,
+            sliding_window=g.get(f"{a}.attention.sliding_window", None) if SLIDING in layer_types else None,
+            vocab=g.get(f"{a}.vocab_size", None),
+        )
+
+
+def check_fits(cfg: DraftConfig, target: DecoderModel, source: Path) -> None:
+    """Refuse a draft built for another target, naming the mismatch."""
+    tc = target.config
+    problems = []
+    if cfg.hidden != tc.hidden:
+        problems.append(f"hidden size {cfg.hidden} != target's {tc.hidden}")
+    if cfg.vocab is not None and int(cfg.vocab) != tc.vocab:
+        problems.append(f"vocab {cfg.vocab} != target's {tc.vocab}")
+    if not 0 <= cfg.mask_token_id < tc.vocab:
+        problems.append(f"mask_token_id {cfg.mask_token_id} outside the target vocab of {tc.vocab}")
+    bad = [i for i in cfg.target_layer_ids if not 0 <= i < tc.n_layers]
+    if bad:
+        problems.append(f"target_layer_ids {list(bad)} outside the target's {tc.n_layers} layers")
+    if cfg.num_target_layers and cfg.num_target_layers != tc.n_layers:
+        problems.append(f"num_target_layers {cfg.num_target_layers} != target's {tc.n_layers} layers")
+    if problems:
+        raise FlashtreeError(f"{source}: draft does not fit target {tc.name!r}: " + "; ".join(problems))
+
+
+class DraftLayer(nn.Module):
+    def __init__(self, cfg: DraftConfig, t: dict[str, torch.Tensor], i: int):
+        super().__init__()
+        p = f"blk.{i}"
+        self.q, self.k, self.v, self.o = (
+            Linear(t[f"{p}.attn_{n}.weight"]) for n in ("q", "k", "v", "output")
+        )
+        self.q_norm = nn.Parameter(t[f"{p}.attn_q_norm.weight"].float(), requires_grad=False)
+        self.k_norm = nn.Parameter(t[f"{p}.attn_k_norm.weight"].float(), requires_grad=False)
+        self.attn_norm = RMSNorm(t[f"{p}.attn_norm.weight"].float(), cfg.rms_eps)
+        self.mlp_norm = RMSNorm(t[f"{p}.ffn_norm.weight"].float(), cfg.rms_eps)
+        self.mlp = SwiGLU(*(Linear(t[f"{p}.ffn_{n}.weight"]) for n in ("gate", "up", "down")))
+        self.window = cfg.sliding_window if cfg.layer_types[i] == SLIDING else None
+        self.n_heads, self.n_kv_heads, self.head_dim, self.eps = (
+            cfg.n_heads,
+            cfg.n_kv_heads,
+            cfg.head_dim,
+            cfg.rms_eps,
+        )
+
+    def keys_values(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """K (normed, rotated) and V of inputs x (T, H): (T, n_kv, hd) each. Same weights for the
+        fused target context and the block tokens."""
+        t = x.shape[0]
+        k = rms_norm(self.k(x).view(t, self.n_kv_heads, self.head_dim), self.k_norm, self.eps)
+        return apply_rotary(k, cos, sin), self.v(x).view(t, self.n_kv_heads, self.head_dim)
+
+    def forward(self, x, cos, sin, ctx_k, ctx_v, ctx_mask):
+        """x: (B, H) block; ctx_k/ctx_v: (n_kv, S, hd) cached context; ctx_mask: (B, S) bool or None."""
+        b = x.shape[0]
+        xn = self.attn_norm(x)
+        q = rms_norm(self.q(xn).view(b, self.n_heads, self.head_dim), self.q_norm, self.eps)
+        q = apply_rotary(q, cos, sin)
+        k, v = self.keys_values(xn, cos, sin)
+        keys = torch.cat([ctx_k, k.transpose(0, 1)], dim=1)  # (n_kv, S + B, hd)
+        values = torch.cat([ctx_v, v.transpose(0, 1)], dim=1)
+        mask = None
+        if ctx_mask is not None:  # the block always sees itself, in both directions
+            mask = torch.cat([ctx_mask, ctx_mask.new_ones(b, b)], dim=1)
+        out = (
+            F.scaled_dot_product_attention(
+                q.transpose(0, 1)[None],
+                keys[None],
+                values[None],
+                attn_mask=mask,
+                scale=self.head_dim**-0.5,
+                enable_gqa=True,
+            )[0]
+            .transpose(0, 1)
+            .reshape(b, -1)
+        )
+        h = x + self.o(out)
+        return h + self.mlp(self.mlp_norm(h))
+
+
+class DraftContext:
+    """Ring of per-layer context K/V over the last `size` committed positions."""
+
+    def __init__(self, draft: DFlashDraft, size: int):
+        c = draft.config
+        dev, dt = draft.device, draft.dtype
+        self.size = size
+        self.k = torch.zeros(c.n_layers, c.n_kv_heads, size, c.head_dim, dtype=dt, device=dev)
+        self.v = torch.zeros_like(self.k)
+        self.slot_pos = torch.full((size,), -1, dtype=torch.long, device=dev)  # position held by each slot
+        self.length = 0  # committed positions seen so far
+
+    def reset(self) -> None:
+        self.slot_pos.fill_(-1)
+        self.length = 0
+
+
+class DFlashDraft(nn.Module):
+    def __init__(self, cfg: DraftConfig, tensors: dict[str, torch.Tensor], target: DecoderModel):
+        super().__init__()
+        self.config = cfg
+        self.fc = Linear(tensors["fc.weight"])
+        self.hidden_norm = RMSNorm(tensors["hidden_norm.weight"].float(), cfg.rms_eps)
+        self.norm = RMSNorm(tensors["output_norm.weight"].float(), cfg.rms_eps)
+        self.layers = nn.ModuleList(DraftLayer(cfg, tensors, i) for i in range(cfg.n_layers))
+        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta).to(self.fc.weight.device)
+        self._target = [target]  # shared embedding + LM head; a list keeps it out of our parameters
+
+    @property
+    def target(self) -> DecoderModel:
+        return self._target[0]
+
+    @property
+    def device(self) -> torch.device:
+        return self.fc.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.fc.weight.dtype
+
+    def new_context(self, size: int) -> DraftContext:
+        return DraftContext(self, size)
+
+    @torch.inference_mode()
+    def append_context(self, ctx: DraftContext, features: torch.Tensor) -> None:
+        """Add target features (T, n_feat * H) of the next T committed positions to the ring."""
+        n = features.shape[0]
+        features = features[-ctx.size :]  # older positions would be overwritten anyway
+        t = features.shape[0]
+        positions = torch.arange(ctx.length + n - t, ctx.length + n, device=self.device)
+        fused = self.hidden_norm(self.fc(features.to(self.dtype)))  # (T, H)
+        cos, sin = self.rotary.cos_sin(positions, self.dtype)
+        slots = positions % ctx.size
+        for i, layer in enumerate(self.layers):
+            k, v = layer.keys_values(fused, cos, sin)
+            ctx.k[i][:, slots] = k.transpose(0, 1)
+            ctx.v[i][:, slots] = v.transpose(0, 1)
+        ctx.slot_pos[slots] = positions
+        ctx.length += n
+
+    @torch.inference_mode()
+    def propose(self, ctx: DraftContext, root: int, block_size: int) -> torch.Tensor:
+        """Draft logits (block_size - 1, vocab) fp32 for the positions after `root`, which sits at
+        position ctx.length (the first one the target has not processed)."""
+        cfg, start = self.config, ctx.length
+        ids = torch.full((block_size,), cfg.mask_token_id, dtype=torch.long, device=self.device)
+        ids[0] = root
+        positions = torch.arange(start, start + block_size, device=self.device)
+        x = self.target.embed(ids).to(self.dtype)
+        cos, sin = self.rotary.cos_sin(positions, self.dtype)
+        valid = ctx.slot_pos >= 0  # (S,)
+        for i, layer in enumerate(self.layers):
+            mask = valid[None, :].expand(block_size, -1)
+            if layer.window is not None:
+                mask = mask & (positions[:, None] - ctx.slot_pos[None, :] < layer.window)
+            x = layer(x, cos, sin, ctx.k[i], ctx.v[i], mask)
+        h = self.norm(x[1:]).to(self.target.dtype)
+        return self.target.lm_head(h).float()
+
+
+def _zlab_tensors(path: Path) -> tuple[DraftConfig, dict[str, torch.Tensor]]:
+    from safetensors.torch import load_file
+
+    cfg_path, st_path = path / "config.json", path / "model.safetensors"
+    for f in (cfg_path, st_path):
+        if not f.exists():
+            raise FlashtreeError(f"{path}: not a DFlash draft directory (missing {f.name})")
+    try:
+        cfg = DraftConfig.from_json(json.loads(cfg_path.read_text()), cfg_path)
+    except json.JSONDecodeError as e:
+        raise FlashtreeError(f"{cfg_path}: invalid JSON ({e})") from None
+    try:
+        raw = load_file(str(st_path))
+    except Exception as e:  # safetensors raises several types for damaged files
+        raise FlashtreeError(f"{st_path}: cannot read safetensors ({e})") from None
+    names = {
+        "fc.weight": "fc.weight",
+        "hidden_norm.weight": "hidden_norm.weight",
+        "norm.weight": "output_norm.weight",
+    }
+    per_layer = {
+        "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+        "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+        "self_attn.o_proj": "attn_output",
+        "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+        "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+    }  # fmt: skip
+    for i in range(cfg.n_layers):
+        for hf, gg in per_layer.items():
+            names[f"layers.{i}.{hf}.weight"] = f"blk.{i}.{gg}.weight"
+    missing = [n for n in names if n not in raw]
+    if missing:
+        raise FlashtreeError(f"{st_path}: missing draft tensor(s) {', '.join(missing[:3])}")
+    return cfg, {gg: raw[hf] for hf, gg in names.items()}
+
+
+def _gguf_tensors(path: Path) -> tuple[DraftConfig, dict[str, torch.Tensor]]:
+    from flashtree.gguf.reader import open_gguf
+
+    g = open_gguf(path)
+    if g.arch != "dflash-draft":
+        raise FlashtreeError(f"{path}: architecture {g.arch!r} is not a DFlash draft (dflash-draft)")
+    return DraftConfig.from_gguf(g), {name: g.tensor(name) for name in g.tensors}
+
+
+def load_draft(path: str | Path, target: DecoderModel) -> DFlashDraft:
+    """Load a z-lab draft dir or a draft GGUF, check it fits `target`, and build it next to it."""
+    path = Path(path)
+    if not path.exists():
+        raise FlashtreeError(f"{path}: draft not found")
+    cfg, tensors = _zlab_tensors(path) if path.is_dir() else _gguf_tensors(path)
+    check_fits(cfg, target, path)
+    expected = (cfg.hidden, cfg.hidden * len(cfg.target_layer_ids))
+    if tuple(tensors["fc.weight"].shape) != expected:
+        raise FlashtreeError(
+            f"{path}: fc.weight has shape {tuple(tensors['fc.weight'].shape)}, expected {expected} "
+            f"for {len(cfg.target_layer_ids)} feature layers"
+        )
+    dtype = target.dtype
+    tensors = {k: v.to(device=target.device, dtype=dtype) for k, v in tensors.items()}
+    return DFlashDraft(cfg, tensors, target).eval()
