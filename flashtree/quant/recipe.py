@@ -9,6 +9,7 @@ multiple of 256 falls back to Q5_0 (for Q4_K) or Q8_0 (for Q6_K), and to F16 if 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 
 from flashtree.errors import FlashtreeError
@@ -22,6 +23,7 @@ RECIPES = tuple(FILE_TYPES)
 
 _FALLBACK = {QT.Q4_K: QT.Q5_0, QT.Q5_K: QT.Q5_1, QT.Q6_K: QT.Q8_0}  # k-quant -> 32-value type
 _ATTN_V_LIKE = ("attn_v.weight", "attn_qkv.weight", "attn_kv_b.weight")
+_LAYER = re.compile(r"blk\.(\d+)\.")
 
 
 def use_more_bits(i: int, n: int) -> bool:
@@ -48,18 +50,24 @@ def _fit_row(qtype: QT, n_cols: int) -> QT:
     return fallback if n_cols % block_size(fallback) == 0 else QT.F16
 
 
+def _llama_order(item: tuple[str, Shape]) -> tuple[int, str]:
+    """llama.cpp's weight order (weight_name_comparer): by block number (-1 outside blocks), then by name."""
+    layer = _LAYER.match(item[0])
+    return (int(layer.group(1)) if layer else -1, item[0])
+
+
 def q4_k_m_types(names_and_shapes: Sequence[tuple[str, Shape]], n_layers: int) -> dict[str, int]:
     """GGML type per tensor for Q4_K_M. Shapes are in torch order (the row length is shape[-1]).
 
-    Tensors are visited in the given order, which must be the file order: llama.cpp counts the attn_v-like
-    tensors as it meets them, and that count (not the layer number) picks the Q6_K ones.
+    llama.cpp counts the attn_v-like and ffn_down tensors as it meets them in its own weight order, and
+    that running count (not the layer number) picks the Q6_K ones; the result is in the given order.
     """
     names = [name for name, _ in names_and_shapes]
     tied = "output.weight" not in names  # then token_embd doubles as the LM head
     n_attn_v = sum(name.endswith(_ATTN_V_LIKE) for name in names)
     i_attn_v = i_ffn_down = 0
     types: dict[str, int] = {}
-    for name, shape in names_and_shapes:
+    for name, shape in sorted(names_and_shapes, key=_llama_order):
         if not quantizable(name, shape):
             types[name] = int(QT.F32)
             continue
@@ -73,7 +81,7 @@ def q4_k_m_types(names_and_shapes: Sequence[tuple[str, Shape]], n_layers: int) -
             qtype = QT.Q6_K if use_more_bits(i_ffn_down, n_layers) else QT.Q4_K
             i_ffn_down += 1
         types[name] = int(_fit_row(qtype, shape[-1]))
-    return types
+    return {name: types[name] for name in names}
 
 
 def recipe_types(recipe: str, names_and_shapes: Sequence[tuple[str, Shape]], n_layers: int) -> dict[str, int]:
