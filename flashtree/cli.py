@@ -9,7 +9,6 @@ from __future__ import annotations
 import functools
 import sys
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -46,66 +45,69 @@ DeviceOpt = typer.Option(None, "--device", help="cuda or cpu (default: cuda when
 @user_errors
 def run(
     prompt: str = typer.Option(..., "--prompt", "-p", help="Prompt text."),
-    target: Optional[Path] = TargetOpt,
-    draft: Optional[str] = DraftOpt,
-    mode: Optional[str] = typer.Option(None, help="ar | chain | tree (default: tree with a draft, else ar)."),
+    target: Path | None = TargetOpt,
+    draft: str | None = DraftOpt,
+    mode: str | None = typer.Option(None, help="ar | chain | tree (default: tree with a draft, else ar)."),
     max_tokens: int = typer.Option(256, "--max-tokens", "-n"),
     temperature: float = typer.Option(0.0, "--temperature", "-t"),
     top_p: float = typer.Option(1.0, "--top-p"),
     top_k: int = typer.Option(0, "--top-k"),
     seed: int = typer.Option(0, "--seed"),
-    block_size: Optional[int] = typer.Option(None, "--block-size"),
+    block_size: int | None = typer.Option(None, "--block-size"),
     budget: int = typer.Option(22, "--budget"),
     tree_top_k: int = typer.Option(8, "--tree-top-k"),
     no_chain_seed: bool = typer.Option(False, "--no-chain-seed"),
     draft_ctx: int = typer.Option(4096, "--draft-ctx"),
-    max_ctx: Optional[int] = typer.Option(None, "--max-ctx", help="Context length to allocate."),
+    max_ctx: int | None = typer.Option(None, "--max-ctx", help="Context length to allocate."),
     no_chat_template: bool = typer.Option(False, "--no-chat-template"),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
-    device: Optional[str] = DeviceOpt,
+    device: str | None = DeviceOpt,
 ):
     """Generate a reply to one prompt, streaming it to the terminal."""
+    options = dict(locals())
     from flashtree.commands import run_command
 
-    run_command(**locals())
+    run_command(**options)
 
 
 @app.command()
 @user_errors
 def chat(
-    target: Optional[Path] = TargetOpt,
-    draft: Optional[str] = DraftOpt,
-    mode: Optional[str] = typer.Option(None),
+    target: Path | None = TargetOpt,
+    draft: str | None = DraftOpt,
+    mode: str | None = typer.Option(None),
     max_tokens: int = typer.Option(1024, "--max-tokens"),
     temperature: float = typer.Option(0.0, "--temperature"),
     top_p: float = typer.Option(1.0, "--top-p"),
     top_k: int = typer.Option(0, "--top-k"),
     seed: int = typer.Option(0, "--seed"),
-    max_ctx: Optional[int] = typer.Option(None, "--max-ctx"),
-    device: Optional[str] = DeviceOpt,
+    max_ctx: int | None = typer.Option(None, "--max-ctx"),
+    device: str | None = DeviceOpt,
 ):
     """Interactive multi-turn chat in the terminal."""
+    options = dict(locals())
     from flashtree.serve.chat import chat_command
 
-    chat_command(**locals())
+    chat_command(**options)
 
 
 @app.command()
 @user_errors
 def serve(
-    target: Optional[Path] = TargetOpt,
-    draft: Optional[str] = DraftOpt,
-    mode: Optional[str] = typer.Option(None),
+    target: Path | None = TargetOpt,
+    draft: str | None = DraftOpt,
+    mode: str | None = typer.Option(None),
     host: str = typer.Option("127.0.0.1", "--host"),
     port: int = typer.Option(8000, "--port"),
-    api_key: Optional[str] = typer.Option(None, "--api-key"),
-    max_ctx: Optional[int] = typer.Option(None, "--max-ctx"),
-    device: Optional[str] = DeviceOpt,
+    api_key: str | None = typer.Option(None, "--api-key"),
+    max_ctx: int | None = typer.Option(None, "--max-ctx"),
+    device: str | None = DeviceOpt,
 ):
     """OpenAI-compatible HTTP server."""
+    options = dict(locals())
     from flashtree.serve.api import serve_command
 
-    serve_command(**locals())
+    serve_command(**options)
 
 
 @app.command()
@@ -125,11 +127,9 @@ def convert(
 @user_errors
 def synth(
     out: Path = typer.Argument(..., help="Output .gguf (or a directory with --draft-for)."),
-    shape: Optional[str] = typer.Option(
-        None, "--shape", help="qwen3.6-27b | qwen3-8b | smollm2-135m | tiny-*"
-    ),
+    shape: str | None = typer.Option(None, "--shape", help="qwen3.6-27b | qwen3-8b | smollm2-135m | tiny-*"),
     type: str = typer.Option("q4_k_m", "--type"),
-    draft_for: Optional[Path] = typer.Option(
+    draft_for: Path | None = typer.Option(
         None, "--draft-for", help="Write a random DFlash draft for this target."
     ),
     layers: int = typer.Option(5, "--layers", help="Draft layers (with --draft-for)."),
