@@ -103,10 +103,8 @@ def _open_reader(path: Path) -> GGUFReader:
         # copy-on-write mapping: torch gets writable arrays without warnings, the file is never modified
         return _CheckedReader(path, mode="c")
     except _PastEnd as e:
-        where = "tensor data" if e.in_tensor_data else "header"
-        raise FlashtreeError(
-            f"{path}: truncated file: the {where} needs {e.offset} bytes but the file has {e.size}"
-        ) from None
+        problem = "truncated file: tensor data" if e.in_tensor_data else "truncated or corrupted header: it"
+        raise FlashtreeError(f"{path}: {problem} needs {e.offset} bytes but the file has {e.size}") from None
     except _BadTensorType as e:
         raise FlashtreeError(f"{path}: tensor {e.tensor!r} has unsupported type {type_name(e.qtype)}") from e
     except OSError as e:

@@ -26,7 +26,7 @@ def type_name(qtype: int) -> str:
     try:
         return QT(qtype).name
     except ValueError:
-        return f"type {qtype}"
+        return f"unknown ({qtype})"
 
 
 def block_size(qtype: int) -> int:
