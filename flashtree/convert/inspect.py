@@ -117,11 +117,12 @@ def _bytes_per_token(g: GGUFFile) -> int:
 
 def _tokenizer(g: GGUFFile) -> dict[str, Any]:
     tokens = g.get("tokenizer.ggml.tokens", None)
+    merges = g.get("tokenizer.ggml.merges", None)
     info = {
         "model": g.get("tokenizer.ggml.model", None),
         "pre": g.get("tokenizer.ggml.pre", None),
         "size": None if tokens is None else len(tokens),
-        "merges": len(g.get("tokenizer.ggml.merges", [])),
+        "merges": None if merges is None else len(merges),
         "bos_id": g.get("tokenizer.ggml.bos_token_id", None),
         "eos_id": g.get("tokenizer.ggml.eos_token_id", None),
         "eot_id": g.get("tokenizer.ggml.eot_token_id", None),

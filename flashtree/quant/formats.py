@@ -22,7 +22,7 @@ FLOAT_TYPES: frozenset[int] = frozenset(int(t) for t in (QT.F32, QT.F16, QT.BF16
 
 
 def type_name(qtype: int) -> str:
-    """'Q4_K' for 12; 'type 99' for a number gguf-py does not know."""
+    """'Q4_K' for 12; 'unknown (99)' for a number gguf-py does not know."""
     try:
         return QT(qtype).name
     except ValueError:
