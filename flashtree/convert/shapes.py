@@ -217,14 +217,18 @@ class ModelShape:
 
 
 def default_target_layer_ids(n_target_layers: int, n_draft_layers: int) -> tuple[int, ...]:
-    """Target layers a DFlash draft reads features from, spread over 1 … L-3 (dflash.md §2.1)."""
+    """Target layers a DFlash draft reads features from, spread over 1 … L-3 (dflash.md §2.1).
+
+    Clamped to the target's layers, which only matters for toy targets of fewer than 4 layers.
+    """
     if n_draft_layers == 1:
         return (n_target_layers // 2,)
     step = (n_target_layers - 4) / (n_draft_layers - 1)
-    return tuple(round(1 + i * step) for i in range(n_draft_layers))
+    return tuple(min(max(round(1 + i * step), 0), n_target_layers - 1) for i in range(n_draft_layers))
 
 
 _TINY = dict(
+    n_layers=8,
     hidden=256,
     ffn=512,
     n_heads=4,
@@ -285,14 +289,12 @@ SHAPES: dict[str, ModelShape] = {
         tied_embeddings=True,
         tokenizer="smollm2",
     ),
-    # Tiny shapes for tests: every matrix row is a whole number of 256-value k-quant blocks.
-    "tiny-llama": ModelShape(
-        arch="llama", n_layers=2, rope_theta=1e4, rms_eps=1e-5, tied_embeddings=True, **_TINY
-    ),
-    "tiny-qwen3": ModelShape(arch="qwen3", n_layers=2, rope_theta=1e6, rms_eps=1e-6, **_TINY),
+    # Tiny shapes for tests: 8 layers (enough for a DFlash draft's feature layers), every matrix row a
+    # whole number of 256-value k-quant blocks, the Qwen3 tokenizer cut to 4096 ids.
+    "tiny-llama": ModelShape(arch="llama", rope_theta=1e4, rms_eps=1e-5, tied_embeddings=True, **_TINY),
+    "tiny-qwen3": ModelShape(arch="qwen3", rope_theta=1e6, rms_eps=1e-6, **_TINY),
     "tiny-qwen35": ModelShape(
         arch="qwen35",
-        n_layers=4,
         rope_theta=1e7,
         rms_eps=1e-6,
         rope_dim=16,
