@@ -1,13 +1,16 @@
 """Open a GGUF file: metadata as plain Python, a tensor table, memory-mapped data, torch dequantization.
 
-gguf-py's `GGUFReader` does the parsing. It was written for well-formed files: on a truncated or corrupted
-one it raises assorted exceptions, or loops for a long time over a garbage array length. `_CheckedReader`
-bounds-checks every read, and `GGUFFile` turns each failure into one `FlashtreeError` naming the file.
+gguf-py's `GGUFReader` parses the header and tensor table and maps the data. It was written for
+well-formed files: on a truncated or corrupted one it raises assorted exceptions, or loops for a long time
+over a garbage array length. `_CheckedReader` bounds-checks every read, and `GGUFFile` turns each failure
+into one `FlashtreeError` naming the file. The key/value section is parsed by `_KVParser` instead: gguf-py
+builds several numpy views per array item, which takes ~20 s for a 250k-token vocabulary.
 """
 
 from __future__ import annotations
 
 import math
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,16 +44,74 @@ class _PastEnd(Exception):
         self.offset, self.size, self.in_tensor_data = offset, size, in_tensor_data
 
 
-class _BadTensorType(Exception):
-    def __init__(self, tensor: str, qtype: int):
-        super().__init__(tensor, qtype)
-        self.tensor, self.qtype = tensor, qtype
+class _Unsupported(Exception):
+    """A well-formed file that flashtree cannot use; the message says why."""
+
+
+_SCALARS = {
+    GGUFValueType.UINT8: struct.Struct("<B"),
+    GGUFValueType.INT8: struct.Struct("<b"),
+    GGUFValueType.UINT16: struct.Struct("<H"),
+    GGUFValueType.INT16: struct.Struct("<h"),
+    GGUFValueType.UINT32: struct.Struct("<I"),
+    GGUFValueType.INT32: struct.Struct("<i"),
+    GGUFValueType.FLOAT32: struct.Struct("<f"),
+    GGUFValueType.BOOL: struct.Struct("<?"),
+    GGUFValueType.UINT64: struct.Struct("<Q"),
+    GGUFValueType.INT64: struct.Struct("<q"),
+    GGUFValueType.FLOAT64: struct.Struct("<d"),
+}
+
+
+class _KVParser:
+    """Reads little-endian GGUF values as plain Python, checking every length against the file size."""
+
+    def __init__(self, buf: memoryview, offset: int):
+        self.buf, self.offset = buf, offset
+
+    def _take(self, n_bytes: int) -> int:
+        """Advance past n_bytes; returns where they start."""
+        start, end = self.offset, self.offset + n_bytes
+        if end > len(self.buf):
+            raise _PastEnd(end, len(self.buf))
+        self.offset = end
+        return start
+
+    def scalar(self, vtype: GGUFValueType) -> Any:
+        fmt = _SCALARS[vtype]
+        return fmt.unpack_from(self.buf, self._take(fmt.size))[0]
+
+    def string(self) -> str:
+        n_bytes = self.scalar(GGUFValueType.UINT64)
+        start = self._take(n_bytes)
+        return str(self.buf[start : start + n_bytes], "utf-8")
+
+    def value(self, vtype: int) -> Any:
+        vtype = GGUFValueType(vtype)  # ValueError for a type number GGUF does not define
+        if vtype == GGUFValueType.STRING:
+            return self.string()
+        if vtype == GGUFValueType.ARRAY:
+            return self.array()
+        return self.scalar(vtype)
+
+    def array(self) -> list[Any]:
+        item_type = GGUFValueType(self.scalar(GGUFValueType.UINT32))
+        count = self.scalar(GGUFValueType.UINT64)
+        if item_type in _SCALARS:  # fixed-size items: one vectorized read
+            dtype = np.dtype(_SCALARS[item_type].format)
+            start = self._take(count * dtype.itemsize)
+            return np.frombuffer(self.buf, dtype, count, start).tolist()
+        if count * 8 > len(self.buf) - self.offset:  # strings and arrays start with an 8-byte length
+            raise _PastEnd(self.offset + count * 8, len(self.buf))
+        if item_type == GGUFValueType.STRING:
+            return [self.string() for _ in range(count)]
+        return [self.value(item_type) for _ in range(count)]
 
 
 class _CheckedReader(GGUFReader):
     """GGUFReader that refuses reads past the end of the file and counts that cannot fit in it.
 
-    Overrides gguf-py's private helpers (`_get`, `_get_field_parts`, `_build_tensor_info`, `_build_tensors`),
+    Overrides gguf-py's private helpers (`_get`, `_build_fields`, `_build_tensor_info`, `_build_tensors`),
     which have kept their signatures across gguf 0.1x releases.
     """
 
@@ -64,10 +125,27 @@ class _CheckedReader(GGUFReader):
         if int(count) * min_item_bytes > len(self.data) - offset:
             raise _PastEnd(offset + int(count) * min_item_bytes, len(self.data))
 
-    def _get_field_parts(self, orig_offs: int, raw_type: int) -> tuple[int, list, list, list]:
-        if raw_type == GGUFValueType.ARRAY:  # each item takes at least one byte after the 12-byte prefix
-            self._check_count(orig_offs + 12, self._get(orig_offs + 4, np.uint64)[0], 1)
-        return super()._get_field_parts(orig_offs, raw_type)
+    def _build_fields(self, offs: int, count: int) -> int:
+        """Parse the key/values into `self.kv` (plain Python values); returns the offset after them."""
+        if self.byte_order != "I":
+            raise _Unsupported("big-endian GGUF files are not supported")
+        self._check_count(offs, count, 8 + 4 + 1)  # key length, value type, at least one value byte
+        parser = _KVParser(memoryview(self.data), offs)
+        self.kv: dict[str, Any] = {}
+        for _ in range(count):
+            key = parser.string()
+            if key in self.kv:
+                raise ValueError(f"duplicate key {key!r}")
+            self.kv[key] = parser.value(parser.scalar(GGUFValueType.UINT32))
+        # gguf-py would read this from its own fields, which we no longer build
+        self.alignment = self.kv.get("general.alignment", self.alignment)
+        if (
+            not isinstance(self.alignment, int)
+            or self.alignment <= 0
+            or self.alignment & (self.alignment - 1)
+        ):
+            raise ValueError(f"general.alignment {self.alignment!r} is not a power of two")
+        return parser.offset
 
     def _build_tensor_info(self, offs: int, count: int) -> tuple[int, list[ReaderField]]:
         self._check_count(offs, count, _MIN_TENSOR_INFO_BYTES)
@@ -77,7 +155,8 @@ class _CheckedReader(GGUFReader):
         for field in fields:
             qtype = int(field.parts[4][0])
             if qtype not in SUPPORTED_TYPES:
-                raise _BadTensorType(str(bytes(field.parts[1]), encoding="utf-8"), qtype)
+                name = str(bytes(field.parts[1]), encoding="utf-8")
+                raise _Unsupported(f"tensor {name!r} has unsupported type {type_name(qtype)}")
         try:
             super()._build_tensors(start_offs, fields)
         except _PastEnd as e:
@@ -105,8 +184,8 @@ def _open_reader(path: Path) -> GGUFReader:
     except _PastEnd as e:
         problem = "truncated file: tensor data" if e.in_tensor_data else "truncated or corrupted header: it"
         raise FlashtreeError(f"{path}: {problem} needs {e.offset} bytes but the file has {e.size}") from None
-    except _BadTensorType as e:
-        raise FlashtreeError(f"{path}: tensor {e.tensor!r} has unsupported type {type_name(e.qtype)}") from e
+    except _Unsupported as e:
+        raise FlashtreeError(f"{path}: {e}") from None
     except OSError as e:
         raise FlashtreeError(f"{path}: cannot read: {e.strerror or e}") from None
     except Exception as e:  # whatever else gguf-py raises while parsing means the bytes are not valid GGUF
@@ -119,9 +198,7 @@ class GGUFFile:
     def __init__(self, path: str | Path):
         self.path = Path(path)
         self._reader = _open_reader(self.path)
-        if self._reader.byte_order != "I":
-            raise FlashtreeError(f"{self.path}: big-endian GGUF files are not supported")
-        self.metadata: dict[str, Any] = self._read_metadata()
+        self.metadata: dict[str, Any] = self._reader.kv
         self.tensors: dict[str, TensorInfo] = {
             t.name: TensorInfo(t.name, int(t.tensor_type), tuple(reversed(t.shape.tolist())), int(t.n_bytes))
             for t in self._reader.tensors
@@ -130,17 +207,6 @@ class GGUFFile:
         self.arch: str = self.get("general.architecture")
         if not isinstance(self.arch, str):
             raise FlashtreeError(f"{self.path}: general.architecture is not a string")
-
-    def _read_metadata(self) -> dict[str, Any]:
-        metadata = {}
-        for key, field in self._reader.fields.items():
-            if key.startswith("GGUF."):  # version and counts from the file header, not key/values
-                continue
-            try:
-                metadata[key] = field.contents()
-            except UnicodeDecodeError:
-                raise FlashtreeError(f"{self.path}: metadata {key!r} is not valid UTF-8") from None
-        return metadata
 
     def get(self, key: str, default: Any = _MISSING) -> Any:
         """Metadata value of `key`; without a default a missing key is a FlashtreeError."""
