@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as QT
-from gguf import GGUFReader, GGUFValueType
+from gguf import GGUFReader, GGUFValueType, GGUFWriter
 from gguf import quants as ref
 
 import flashtree.gguf.writer as writer_module
@@ -78,6 +78,29 @@ def test_metadata_round_trips_with_the_intended_gguf_types(written):
         assert g.metadata[key] == back, key
         assert on_disk[key].types == types, key
     assert g.metadata["test.f64"] == 0.1 and isinstance(g.metadata["test.flag"], bool)
+    # our key/value parser agrees with gguf-py's on every entry
+    assert g.metadata == {
+        key: field.contents() for key, field in on_disk.items() if not key.startswith("GGUF.")
+    }
+
+
+def test_files_with_custom_alignment_written_by_gguf_py(tmp_path):
+    path = tmp_path / "aligned.gguf"
+    w = GGUFWriter(path, "llama")
+    w.add_custom_alignment(256)
+    w.add_tensor("a", np.arange(3, dtype=np.float32))
+    w.add_tensor(
+        "b", ref.quantize(np.linspace(-1, 1, 64, dtype=np.float32).reshape(2, 32), QT.Q8_0), raw_dtype=QT.Q8_0
+    )
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    g = open_gguf(path)
+    assert g.get("general.alignment") == 256
+    np.testing.assert_array_equal(g.tensor("a").numpy(), [0, 1, 2])
+    expected = ref.dequantize(np.asarray(GGUFReader(path).tensors[1].data), QT.Q8_0)
+    np.testing.assert_array_equal(g.tensor("b").numpy(), expected)
 
 
 def test_tensors_round_trip_in_order_with_shapes_types_and_bytes(written):
@@ -143,7 +166,9 @@ def test_large_tensors_are_quantized_in_chunks(tmp_path, monkeypatch):
         ({"k": [1, "a"]}, [], "metadata 'k': arrays must hold"),
         ({"k": {"a": 1}}, [], "metadata 'k': cannot store a dict"),
         ({"general.architecture": "qwen3"}, [], "contradicts arch='llama'"),
+        ({"general.alignment": 64}, [], "only 32 is written"),
         ({}, [("w", np.zeros((2, 100), np.uint8), QT.Q4_K)], "tensor 'w': packed rows"),
+        ({}, [("w", np.zeros((2, 84), np.uint8), QT.Q2_K)], "tensor 'w': unsupported tensor type Q2_K"),
         (
             {},
             [("w", np.zeros((2, 100), np.float32), QT.Q4_K)],

@@ -19,7 +19,7 @@ from gguf import GGUF_DEFAULT_ALIGNMENT, GGUFValueType, GGUFWriter
 from tqdm import tqdm
 
 from flashtree.errors import FlashtreeError
-from flashtree.quant.formats import QT, block_bytes, block_size, type_name
+from flashtree.quant.formats import QT, block_bytes, block_size, check_supported, type_name
 from flashtree.quant.pack import quantize
 
 _CHUNK_VALUES = 1 << 24  # float values quantized and written per step
@@ -144,8 +144,9 @@ def _stream_tensors(writer: GGUFWriter, side: IO[bytes], tensors: Iterable[Tenso
     """Write every tensor, aligned, to `side` and register it with `writer`; returns the bytes written."""
     total = 0
     for name, array, qtype in tensors:
-        qtype = QT(qtype)
         try:
+            check_supported(qtype)  # never write a file our own reader refuses
+            qtype = QT(qtype)
             shape, n_bytes = _write_tensor(side, array, qtype, bar)
         except FlashtreeError as e:
             raise FlashtreeError(f"tensor {name!r}: {e}") from None
@@ -189,6 +190,10 @@ def write_gguf(
             if value != arch:
                 raise FlashtreeError(f"metadata general.architecture={value!r} contradicts arch={arch!r}")
             continue
+        if key == "general.alignment" and value != GGUF_DEFAULT_ALIGNMENT:  # e.g. copied from another file
+            raise FlashtreeError(
+                f"metadata general.alignment={value!r}: only {GGUF_DEFAULT_ALIGNMENT} is written"
+            )
         writer.add_key_value(key, *typed_value(key, value))
     try:
         with tqdm(desc="writing tensors", unit="B", unit_scale=True, disable=not progress) as bar:
