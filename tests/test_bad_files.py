@@ -94,6 +94,10 @@ BROKEN = {
         lambda g, d: _with(g, _embd_type_at(g), struct.pack("<I", 99)),
         r"'token_embd.weight' has unsupported type unknown \(99\)",
     ),
+    "zero_dimensions": (
+        lambda g, d: _with(g, _tensor_type_offset(g, "norm", 1) - 12, struct.pack("<I", 0)),
+        "corrupted GGUF header.*tensor 'norm' has 0 dimensions",
+    ),
     "unsupported_tensor_type": (
         lambda g, d: _gguf_with_tensor_type(d, QT.Q2_K),
         "'blk.0.ffn_up.weight' has unsupported type Q2_K",

@@ -26,6 +26,7 @@ from flashtree.quant.formats import SUPPORTED_TYPES, row_bytes, type_name
 
 _MISSING: Any = object()
 _MIN_TENSOR_INFO_BYTES = 8 + 4 + 8 + 4 + 8  # name length, n_dims, one dim, type, offset
+_MAX_DIMS = 4  # GGML_MAX_DIMS
 
 
 @dataclass(frozen=True)
@@ -153,9 +154,14 @@ class _CheckedReader(GGUFReader):
 
     def _build_tensors(self, start_offs: int, fields: list[ReaderField]) -> None:
         for field in fields:
-            qtype = int(field.parts[4][0])
+            name, n_dims, qtype = (
+                str(bytes(field.parts[1]), "utf-8"),
+                int(field.parts[2][0]),
+                int(field.parts[4][0]),
+            )
+            if not 1 <= n_dims <= _MAX_DIMS:
+                raise ValueError(f"tensor {name!r} has {n_dims} dimensions")
             if qtype not in SUPPORTED_TYPES:
-                name = str(bytes(field.parts[1]), encoding="utf-8")
                 raise _Unsupported(f"tensor {name!r} has unsupported type {type_name(qtype)}")
         try:
             super()._build_tensors(start_offs, fields)
