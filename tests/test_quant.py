@@ -146,6 +146,8 @@ def test_quantize_rejects_bad_inputs():
         quantize(np.zeros((2, 256), np.float32), QT.Q3_K)
     with pytest.raises(FlashtreeError, match="float values"):
         quantize(np.zeros((2, 256), np.int32), QT.Q8_0)
+    with pytest.raises(FlashtreeError, match="non-finite"):
+        quantize(np.full((2, 256), np.inf, np.float32), QT.F16)
 
 
 @pytest.mark.parametrize("qtype", PACKABLE, ids=type_name)

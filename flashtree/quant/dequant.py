@@ -22,8 +22,8 @@ def _f16(b: torch.Tensor) -> torch.Tensor:
 
 def _planes(x: torch.Tensor, shifts: tuple[int, ...], mask: int) -> torch.Tensor:
     """(..., m) bytes -> (..., len(shifts), m): plane i holds the bit field (x >> shifts[i]) & mask."""
-    s = torch.tensor(shifts, dtype=torch.uint8, device=x.device).view(-1, 1)
-    return (x.unsqueeze(-2) >> s) & mask
+    # one op per plane (at most 8) over all blocks; no index tensors, so it is also CUDA-graph safe
+    return torch.stack([(x >> s) & mask for s in shifts], dim=-2)
 
 
 def _nibbles(qs: torch.Tensor) -> torch.Tensor:

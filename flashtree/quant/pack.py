@@ -269,6 +269,8 @@ def quantize(x: torch.Tensor | np.ndarray, qtype: int) -> np.ndarray:
     chunk = max(1, _CHUNK_VALUES // max(cols, 1))
     for start in range(0, rows.shape[0], chunk):
         part = rows[start : start + chunk].detach().to("cpu", torch.float32)
+        if not torch.isfinite(part).all():  # NaN/Inf would silently poison whole blocks
+            raise FlashtreeError("cannot quantize non-finite values (NaN or Inf)")
         out_rows[start : start + chunk] = _pack_rows(part, qtype).numpy()
     return out
 
