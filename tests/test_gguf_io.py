@@ -184,6 +184,14 @@ def test_write_errors_are_flashtree_errors_and_leave_no_files(tmp_path, metadata
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_failed_write_keeps_an_existing_file(tmp_path):
+    path = tmp_path / "keep.gguf"
+    path.write_bytes(b"old model")
+    with pytest.raises(FlashtreeError, match="tensor 'w'"):
+        write_gguf(path, "llama", {}, [("w", np.zeros(4, np.int32), QT.F32)], progress=False)
+    assert path.read_bytes() == b"old model" and list(tmp_path.iterdir()) == [path]
+
+
 def test_unwritable_destination(tmp_path):
     with pytest.raises(FlashtreeError, match="cannot write"):
         write_gguf(tmp_path / "missing-dir" / "x.gguf", "llama", {}, [], progress=False)

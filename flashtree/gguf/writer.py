@@ -3,7 +3,7 @@
 GGUF puts the tensor table (names, shapes, types, offsets) before the data, but a tensor's size is only
 known once it has been produced. To stream tensors without holding them in memory, `write_gguf` writes
 each one to a side file as it arrives, then writes the header and tensor table with gguf-py's
-`GGUFWriter` and appends the side file.
+`GGUFWriter` and appends the side file. Peak disk use is about twice the model size.
 """
 
 from __future__ import annotations
@@ -183,8 +183,12 @@ def write_gguf(
     generator: only one tensor (and one chunk of its packed bytes) is in memory at a time.
     """
     path = Path(path)
-    side_path = path.with_name(path.name + ".tensors.partial")
-    writer = GGUFWriter(path, arch)
+    # build the file next to its destination and rename it at the end: a failure never leaves a
+    # half-written model, nor touches an existing file at `path`
+    partial_path, side_path = (
+        path.with_name(path.name + suffix) for suffix in (".partial", ".tensors.partial")
+    )
+    writer = GGUFWriter(partial_path, arch)
     for key, value in metadata.items():
         if key == "general.architecture":
             if value != arch:
@@ -206,11 +210,10 @@ def write_gguf(
             _pad(out, out.tell())
             _append(out, side_path, data_bytes, bar)
             writer.close()
-    except BaseException as e:
-        writer.close()
-        path.unlink(missing_ok=True)  # never leave a half-written file that looks like a model
-        if isinstance(e, OSError):
-            raise FlashtreeError(f"{path}: cannot write: {e.strerror or e}") from None
-        raise
+        partial_path.replace(path)
+    except OSError as e:
+        raise FlashtreeError(f"{path}: cannot write: {e.strerror or e}") from None
     finally:
+        writer.close()
+        partial_path.unlink(missing_ok=True)
         side_path.unlink(missing_ok=True)
