@@ -1,0 +1,390 @@
+"""`flashtree serve`: an OpenAI-compatible HTTP API (FastAPI + uvicorn) over one engine.
+
+Routes: GET /health, GET /metrics, GET /v1/models[/{id}], POST /v1/chat/completions, POST /v1/completions.
+Every error is OpenAI's body `{"error": {"message", "type", "param", "code"}}`. Each completion also
+carries the engine's speculative-decoding stats under the extra field "flashtree".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import socket
+import sys
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from pydantic import ValidationError
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+
+from flashtree.config import SamplingParams
+from flashtree.defaults import DEFAULT_TARGET_NAME
+from flashtree.errors import FlashtreeError
+from flashtree.generate import Chunk, Engine
+from flashtree.serve.schemas import ChatCompletionRequest, CompletionRequest
+from flashtree.serve.worker import EngineWorker, Job, Metrics
+
+DISCONNECT_POLL_S = 0.1
+
+
+class APIError(Exception):
+    """An error answered with OpenAI's error body."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    @property
+    def kind(self) -> str:
+        if self.status == 401:
+            return "authentication_error"
+        return "server_error" if self.status >= 500 else "invalid_request_error"
+
+    def response(self) -> JSONResponse:
+        body = {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}
+        return JSONResponse({"error": body}, status_code=self.status)
+
+
+def _param(loc: tuple) -> str | None:
+    """A pydantic error location as OpenAI names a parameter: messages[0].content."""
+    param = ""
+    for part in loc:
+        param += f"[{part}]" if isinstance(part, int) else f".{part}"
+    return param.lstrip(".") or None
+
+
+def _validation_error(e: ValidationError) -> APIError:
+    first = e.errors(include_url=False)[0]
+    if first["type"] == "json_invalid":
+        return APIError(400, f"We could not parse the JSON body of your request: {first['msg']}")
+    param = _param(first["loc"])
+    if first["type"] == "extra_forbidden":
+        return APIError(400, f"Unrecognized request argument supplied: {param}", param)
+    message = first["msg"].removeprefix("Value error, ")
+    return APIError(400, f"{param}: {message}" if param else message, param)
+
+
+class _ChatShape:
+    """How a reply looks on /v1/chat/completions."""
+
+    object, chunk_object, id_prefix = "chat.completion", "chat.completion.chunk", "chatcmpl-"
+
+    @staticmethod
+    def choice(text: str, finish_reason: str | None) -> dict:
+        message = {"role": "assistant", "content": text}
+        return {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}
+
+    @staticmethod
+    def delta(delta: dict, finish_reason: str | None) -> dict:
+        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+
+    @staticmethod
+    def opening() -> dict | None:
+        return {"role": "assistant", "content": ""}
+
+    @staticmethod
+    def text_delta(text: str) -> dict:
+        return {"content": text}
+
+
+class _TextShape:
+    """How a reply looks on /v1/completions: the same choice object whole or streamed."""
+
+    object = chunk_object = "text_completion"
+    id_prefix = "cmpl-"
+
+    @staticmethod
+    def choice(text: str, finish_reason: str | None) -> dict:
+        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+
+    @staticmethod
+    def delta(delta: dict, finish_reason: str | None) -> dict:
+        return _TextShape.choice(delta.get("text", ""), finish_reason)
+
+    @staticmethod
+    def opening() -> dict | None:
+        return None
+
+    @staticmethod
+    def text_delta(text: str) -> dict:
+        return {"text": text}
+
+
+class OpenAIServer:
+    """The FastAPI app around one engine, its worker thread and its metrics."""
+
+    def __init__(self, engine: Engine, model_id: str, api_key: str | None = None):
+        self.engine, self.model_id, self.api_key = engine, model_id, api_key
+        self.metrics = Metrics()
+        self.worker = EngineWorker(engine, self.metrics)
+        self.app = self._build_app()
+
+    def _build_app(self) -> FastAPI:
+        @asynccontextmanager
+        async def lifespan(app: FastAPI):
+            self.worker.start()
+            yield
+            self.worker.stop()
+
+        app = FastAPI(title="flashtree", lifespan=lifespan, docs_url=None, redoc_url=None)
+        auth = [Depends(self._authorize)]
+        app.add_api_route("/health", self.health, methods=["GET"])
+        app.add_api_route("/metrics", self.prometheus, methods=["GET"], dependencies=auth)
+        app.add_api_route("/v1/models", self.list_models, methods=["GET"], dependencies=auth)
+        app.add_api_route("/v1/models/{model:path}", self.get_model, methods=["GET"], dependencies=auth)
+        app.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"], dependencies=auth)
+        app.add_api_route("/v1/completions", self.completions, methods=["POST"], dependencies=auth)
+        app.add_exception_handler(APIError, self._on_api_error)
+        app.add_exception_handler(HTTPException, self._on_http_error)
+        app.add_exception_handler(Exception, self._on_unexpected_error)
+        return app
+
+    # --- errors and auth ---
+
+    async def _on_api_error(self, request: Request, e: APIError) -> JSONResponse:
+        if request.url.path.endswith("completions"):
+            self.metrics.record_outcome("rejected")
+        return e.response()
+
+    async def _on_http_error(self, request: Request, e: HTTPException) -> JSONResponse:
+        """Starlette's own errors (unknown route, wrong method) in OpenAI's shape."""
+        return APIError(e.status_code, f"{request.method} {request.url.path}: {e.detail}").response()
+
+    async def _on_unexpected_error(self, request: Request, e: Exception) -> JSONResponse:
+        return APIError(500, f"internal error: {type(e).__name__}: {e}").response()
+
+    async def _authorize(self, request: Request) -> None:
+        if self.api_key is None:
+            return
+        given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
+        if not secrets.compare_digest(given.encode(), self.api_key.encode()):
+            raise APIError(
+                401, "Incorrect or missing API key: send 'Authorization: Bearer KEY'.", code="invalid_api_key"
+            )
+
+    # --- informational routes ---
+
+    async def health(self) -> dict:
+        return {
+            "status": "ok",
+            "model": self.model_id,
+            "mode": self.engine.mode,
+            "queued": self.worker.queued,
+        }
+
+    async def prometheus(self) -> PlainTextResponse:
+        return PlainTextResponse(
+            self.metrics.render(self.worker.queued), media_type="text/plain; version=0.0.4"
+        )
+
+    def _model_card(self) -> dict:
+        return {
+            "id": self.model_id,
+            "object": "model",
+            "created": 0,
+            "owned_by": "flashtree",
+            "max_model_len": self.engine.max_ctx,
+        }
+
+    async def list_models(self) -> dict:
+        return {"object": "list", "data": [self._model_card()]}
+
+    async def get_model(self, model: str) -> dict:
+        self._check_model(model)
+        return self._model_card()
+
+    def _check_model(self, model: str) -> None:
+        if model != self.model_id:
+            raise APIError(
+                404,
+                f"The model `{model}` does not exist; this server serves `{self.model_id}`.",
+                "model",
+                "model_not_found",
+            )
+
+    # --- completions ---
+
+    async def chat_completions(self, request: Request):
+        req = await self._parse(request, ChatCompletionRequest)
+        messages = [m.for_template() for m in req.messages]
+        prompt_ids = await self._tokenize("messages", self.engine.encode_messages, messages)
+        return await self._complete(request, req, prompt_ids, "messages", _ChatShape)
+
+    async def completions(self, request: Request):
+        req = await self._parse(request, CompletionRequest)
+        prompt_ids = req.prompt
+        if isinstance(prompt_ids, str):
+            prompt_ids = await self._tokenize("prompt", self.engine.encode, req.prompt, chat=False)
+        return await self._complete(request, req, prompt_ids, "prompt", _TextShape)
+
+    async def _parse(self, request: Request, schema):
+        """The validated body; 400 for bad JSON, wrong types, unknown or unsupported fields; 404 for a model
+        other than ours."""
+        try:
+            req = schema.model_validate_json(await request.body())
+        except ValidationError as e:
+            raise _validation_error(e) from None
+        self._check_model(req.model)
+        unsupported = req.unsupported_field()
+        if unsupported:
+            raise APIError(400, unsupported[1], unsupported[0])
+        return req
+
+    @staticmethod
+    async def _tokenize(param: str, fn, *args, **kwargs) -> list[int]:
+        # Off the event loop: a long prompt takes a while to render and tokenize.
+        try:
+            return await run_in_threadpool(fn, *args, **kwargs)
+        except FlashtreeError as e:
+            raise APIError(400, str(e), param) from None
+
+    async def _complete(self, request: Request, req, prompt_ids: list[int], param: str, shape):
+        if len(prompt_ids) >= self.engine.max_ctx:
+            raise APIError(
+                400,
+                f"This model's maximum context length is {self.engine.max_ctx} tokens; "
+                f"the prompt has {len(prompt_ids)}.",
+                param,
+                "context_length_exceeded",
+            )
+        sampling = SamplingParams(
+            temperature=req.temperature,
+            top_p=req.top_p,
+            top_k=max(req.top_k, 0),
+            seed=secrets.randbits(32) if req.seed is None else req.seed,
+        )
+        # Without a limit the reply may run to the end of the context (the engine clips to what fits).
+        job = self.worker.submit(prompt_ids, req.token_limit or self.engine.max_ctx, sampling, req.stop)
+        chunks = self._watched(request, job)
+        try:
+            # Wait for the first chunk so that a rejected generation still gets an error status.
+            first = await anext(chunks)
+        except FlashtreeError as e:
+            raise APIError(400, str(e), param) from None
+        except StopAsyncIteration:  # cancelled before it started: the client is gone
+            return PlainTextResponse("", status_code=499)
+        reply = _Reply(shape, self.model_id, job)
+        if req.stream:
+            events = reply.sse(first, chunks, req.include_usage)
+            headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+            return StreamingResponse(events, media_type="text/event-stream", headers=headers)
+        return JSONResponse(await reply.whole(first, chunks))
+
+    @staticmethod
+    async def _watched(request: Request, job: Job) -> AsyncIterator[Chunk]:
+        """The job's chunks; the job is cancelled when the client disconnects or the reader stops early."""
+
+        async def watch_disconnect():
+            while not await request.is_disconnected():
+                await asyncio.sleep(DISCONNECT_POLL_S)
+            job.cancel.set()
+
+        watcher = asyncio.create_task(watch_disconnect())
+        try:
+            async for chunk in job.chunks():
+                yield chunk
+        finally:
+            watcher.cancel()
+            job.cancel.set()  # a no-op once the job has finished
+
+
+class _Reply:
+    """Builds the response objects of one completion, whole or as server-sent events."""
+
+    def __init__(self, shape, model_id: str, job: Job):
+        self.shape, self.job = shape, job
+        self.head = {
+            "id": shape.id_prefix + secrets.token_hex(12),
+            "created": int(time.time()),
+            "model": model_id,
+        }
+
+    def usage(self) -> dict:
+        stats = self.job.stats
+        return {
+            "prompt_tokens": stats.n_prompt,
+            "completion_tokens": stats.n_generated,
+            "total_tokens": stats.n_prompt + stats.n_generated,
+        }
+
+    async def whole(self, first: Chunk, rest: AsyncIterator[Chunk]) -> dict:
+        text, finish = [first.text], first.finish_reason
+        async for chunk in rest:
+            text.append(chunk.text)
+            finish = chunk.finish_reason or finish
+        return {
+            **self.head,
+            "object": self.shape.object,
+            "choices": [self.shape.choice("".join(text), finish)],
+            "usage": self.usage(),
+            "flashtree": self.job.stats.as_dict(),
+        }
+
+    def _event(self, choices: list[dict], include_usage: bool, **extra) -> str:
+        body = {**self.head, "object": self.shape.chunk_object, "choices": choices, **extra}
+        if include_usage:  # as OpenAI does: null on every chunk but the last
+            body.setdefault("usage", None)
+        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+    async def sse(self, first: Chunk, rest: AsyncIterator[Chunk], include_usage: bool) -> AsyncIterator[str]:
+        """Text deltas, then a chunk with the finish reason and stats, the usage chunk if asked, [DONE].
+        A cancelled job (client gone) ends without them."""
+        shape = self.shape
+        if shape.opening() is not None:
+            yield self._event([shape.delta(shape.opening(), None)], include_usage)
+        finish = None
+        chunk: Chunk | None = first
+        while chunk is not None:
+            if chunk.text:
+                yield self._event([shape.delta(shape.text_delta(chunk.text), None)], include_usage)
+            finish = chunk.finish_reason or finish
+            chunk = await anext(rest, None)
+        if finish is None:
+            return
+        yield self._event([shape.delta({}, finish)], include_usage, flashtree=self.job.stats.as_dict())
+        if include_usage:
+            yield self._event([], True, usage=self.usage())
+        yield "data: [DONE]\n\n"
+
+
+def model_id_for(target: Path | None) -> str:
+    """The name clients use in "model": the default target's name, else the GGUF file's stem."""
+    return DEFAULT_TARGET_NAME if target is None else Path(target).stem
+
+
+def _listen_socket(host: str, port: int) -> socket.socket:
+    """Bind before loading the model, so a taken port is reported at once."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise FlashtreeError(f"cannot listen on {host}:{port} ({e.strerror}); choose another --port") from e
+    return sock
+
+
+def serve_command(target, draft, mode, host, port, api_key, max_ctx, device) -> None:
+    import uvicorn
+
+    from flashtree.commands import engine_from_options
+
+    sock = _listen_socket(host, port)
+    engine = engine_from_options(target, draft, mode, max_ctx, device)
+    server = OpenAIServer(engine, model_id_for(target), api_key)
+    bound_port = sock.getsockname()[1]
+    print(
+        f"flashtree: serving {server.model_id} ({engine.mode}, {engine.max_ctx}-token context) "
+        f"at http://{host}:{bound_port}/v1",
+        file=sys.stderr,
+        flush=True,
+    )
+    config = uvicorn.Config(server.app, log_level="info", timeout_graceful_shutdown=3)
+    uvicorn.Server(config).run(sockets=[sock])
