@@ -189,6 +189,7 @@ def test_cli_tables_for_humans(files):
         "bytes read per token",
         "Q4_K",
         "chat template",
+        "│ 1e-06 ",  # rms_eps without float32 noise
     ):
         assert text in result.stdout, text
 

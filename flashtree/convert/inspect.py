@@ -167,6 +167,13 @@ def _size(n: int) -> str:
     return f"{n} B"
 
 
+def _value_text(value: Any) -> str:
+    """Metadata for the table: float32 values without their binary noise (1e-06, not 9.99999997e-07)."""
+    if isinstance(value, dict):
+        return ", ".join(f"{k} {_value_text(v)}" for k, v in value.items())
+    return f"{value:.7g}" if isinstance(value, float) else str(value)
+
+
 def _pattern_text(pattern: dict[str, Any]) -> str:
     if pattern["kind"] != "hybrid":
         return f"{pattern['layers']} attention layers"
@@ -185,9 +192,7 @@ def _print_tables(info: dict[str, Any]) -> None:
     if info["file_type"]:
         summary.add_row("file type", info["file_type"])
     for key, value in info["dimensions"].items():
-        summary.add_row(
-            key, ", ".join(f"{k} {v}" for k, v in value.items()) if isinstance(value, dict) else str(value)
-        )
+        summary.add_row(key, _value_text(value))
     summary.add_row("layer pattern", _pattern_text(info["layer_pattern"]))
     summary.add_row("parameters", f"{info['parameters'] / 1e9:.3f} billion in {info['n_tensors']} tensors")
     tok = info["tokenizer"]
