@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import json
 import os
 import random
 import tarfile
@@ -313,6 +314,25 @@ def test_smollm_chat_template_is_chatml(smollm):
     )
     assert default_system.startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")
     assert default_system.endswith("<|im_start|>user\nHi<|im_end|>\n")
+
+
+def test_hf_conversion_reproduces_smollm_gguf(smollm_reference, smollm_metadata, tmp_path):
+    # SmolLM2's vocabulary as a Hugging Face tokenizer.json (digits + byte-level steps) converts back to
+    # exactly what llama.cpp's converter wrote into the GGUF.
+    smollm_reference.save(str(tmp_path / "tokenizer.json"))
+    config = {
+        "bos_token": "<|im_start|>",
+        "eos_token": {"content": "<|im_end|>"},
+        "pad_token": "<|im_end|>",
+        "add_bos_token": False,
+        "chat_template": smollm_metadata["tokenizer.chat_template"],
+    }
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    converted = gguf_tokenizer_metadata(tmp_path / "tokenizer.json", tmp_path / "tokenizer_config.json")
+    for key, value in converted.items():
+        assert value == smollm_metadata[key], key
+    assert converted["tokenizer.ggml.pre"] == "smollm"
+    assert len(converted) == 10
 
 
 # --- llama.cpp's own test vectors ----------------------------------------------------------------

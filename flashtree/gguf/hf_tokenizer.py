@@ -21,7 +21,7 @@ _SPLIT_REGEX_PRE = {
     PRE_TOKENIZERS[name].regexes[0].replace(CONTRACTIONS, _HF_CONTRACTIONS): name
     for name in ("qwen2", "qwen35", "llama-bpe")
 }
-_SPECIAL_KINDS = ("bos", "eos", "pad")
+# tokenizer_config's "<kind>_token" -> GGUF's tokenizer.ggml.<key>.
 _GGUF_ID_KEY = {"bos": "bos_token_id", "eos": "eos_token_id", "pad": "padding_token_id"}
 
 
@@ -150,14 +150,14 @@ def _special_ids(
     """bos/eos/pad ids: tokenizer_config names the tokens, config.json fills what is left."""
     id_of = {a["content"]: i for i, a in sorted(added.items(), reverse=True)}  # first id wins
     ids = {}
-    for kind in _SPECIAL_KINDS:
+    for kind in _GGUF_ID_KEY:
         entry = config.get(f"{kind}_token")
         content = entry.get("content") if isinstance(entry, dict) else entry
         if isinstance(content, str) and content in id_of:
             ids[kind] = id_of[content]
     if model_config is not None:
         model = _read_json(model_config)
-        for kind in _SPECIAL_KINDS:
+        for kind in _GGUF_ID_KEY:
             if kind not in ids and isinstance(model.get(f"{kind}_token_id"), int):
                 ids[kind] = model[f"{kind}_token_id"]
     return ids

@@ -27,11 +27,12 @@ from tokenizers.models import BPE
 
 from flashtree.errors import FlashtreeError
 
-# GGUF token types (llama.cpp's llama_token_type).
-NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
+# GGUF token types (llama.cpp's llama_token_type; 6 = BYTE belongs to SentencePiece vocabularies).
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED = 1, 2, 3, 4, 5
 
 # llama.cpp's pre-tokenizer regexes, applied in order: each splits the pieces the previous one left.
 _GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
+# llama.cpp's spelling of tokenizer.json's case-insensitive (?i:'s|'t|...), shared by the newer regexes.
 CONTRACTIONS = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
 _LLAMA3 = (
     CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
@@ -131,7 +132,6 @@ class Tokenizer:
         self.add_bos = add_bos
         self.chat_template = chat_template
         self._tokens = tokens
-        self._types = token_types
         self._bytes = [self._bytes_of(text, typ) for text, typ in zip(tokens, token_types, strict=True)]
         self._special = frozenset(i for i, t in enumerate(token_types) if t in (CONTROL, UNKNOWN))
         self._hf = _build_hf_tokenizer(tokens, token_types, merges, pre)
