@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import numpy as np
 import pytest
@@ -14,6 +15,7 @@ from flashtree.convert.inspect import describe
 from flashtree.gguf.reader import open_gguf
 from flashtree.gguf.writer import write_gguf
 from flashtree.quant.formats import row_bytes
+from flashtree.quant.pack import random_blocks
 
 HIDDEN, FFN, VOCAB, N_LAYERS = 256, 512, 300, 8  # + one MTP (nextn) block, index 8
 
@@ -83,7 +85,11 @@ def _write(path, tied: bool) -> None:
     if not tied:
         layout.append(("output.weight", (VOCAB, HIDDEN), QT.Q6_K))
     rng = np.random.default_rng(0)
-    tensors = ((name, rng.standard_normal(shape).astype(np.float32), qtype) for name, shape, qtype in layout)
+    # contents do not matter here: random packed blocks are quick to make
+    tensors = (
+        (name, random_blocks(qtype, math.prod(shape[:-1]), shape[-1], rng).reshape(*shape[:-1], -1), qtype)
+        for name, shape, qtype in layout
+    )
     write_gguf(path, "qwen35", {**QWEN35_KEYS, **TOKENIZER}, tensors, progress=False)
 
 
