@@ -581,6 +581,14 @@ def test_unknown_type(llama, tmp_path):
     assert "unknown type 'q3_k'" in error_of(llama[0], tmp_path, "q3_k")
 
 
+def test_quantized_checkpoint(llama, tmp_path):
+    src = tmp_path / "fp8"
+    shutil.copytree(llama[0], src)
+    config = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps(config | {"quantization_config": {"quant_method": "fp8"}}))
+    assert "quantized checkpoints are not supported" in error_of(src, tmp_path)
+
+
 def test_missing_tensor(llama, tmp_path):
     src = tmp_path / "broken"
     shutil.copytree(llama[0], src)

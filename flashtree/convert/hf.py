@@ -176,6 +176,8 @@ def shape_from_config(config: dict, path: Path) -> ModelShape:
     f = _Fields(config, path)
     if f("attention_bias", False) or f("mlp_bias", False):
         raise FlashtreeError(f"{path}: attention/MLP biases are not supported")
+    if "quantization_config" in f.values:  # FP8/GPTQ/... weights would need their scales applied
+        raise FlashtreeError(f"{path}: quantized checkpoints are not supported (convert the bf16/f32 one)")
     n_heads, hidden = f("num_attention_heads"), f("hidden_size")
     head_dim = f("head_dim", hidden // n_heads)
     rope = f.rope()

