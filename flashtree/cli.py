@@ -112,6 +112,30 @@ def serve(
 
 @app.command()
 @user_errors
+def bench(
+    target: Path | None = TargetOpt,
+    draft: str | None = DraftOpt,
+    datasets: str = typer.Option("humaneval,gsm8k,math500", "--datasets", help="Comma-separated benchmarks."),
+    n: int = typer.Option(10, "--n", help="Prompts per dataset, chosen by --seed."),
+    max_tokens: int = typer.Option(256, "--max-tokens"),
+    modes: str = typer.Option("ar,chain,tree", "--modes", help="Comma-separated: ar, chain, tree."),
+    budget: int = typer.Option(22, "--budget", help="DDTree nodes (tree mode)."),
+    block_size: int | None = typer.Option(None, "--block-size"),
+    baseline: str | None = typer.Option(None, "--baseline", help="hf: transformers on the same weights."),
+    raw: bool = typer.Option(False, "--raw", help="Raw completion prompts, no chat template."),
+    seed: int = typer.Option(0, "--seed"),
+    device: str | None = DeviceOpt,
+    out: Path = typer.Option(..., "--out", help="Directory for results.json, results.md and plots."),
+):
+    """Benchmark AR vs chain vs tree decoding on HumanEval, GSM8K and MATH-500 prompts."""
+    options = dict(locals())
+    from flashtree.bench.run import bench_command
+
+    bench_command(**options)
+
+
+@app.command()
+@user_errors
 def convert(
     src: Path = typer.Argument(..., help="Hugging Face checkpoint dir (or a DFlash draft dir)."),
     out: Path = typer.Argument(..., help="Output .gguf"),

@@ -1,0 +1,285 @@
+"""`flashtree bench`: AR vs chain vs tree decoding (and optionally transformers) on benchmark prompts.
+
+One target + draft is loaded once; each mode gets its own `Engine` around the same weights. For every
+prompt, every mode generates greedily (after an untimed warm-up per mode), and the chain/tree outputs
+must equal AR's token for token: speculative decoding is lossless, so any difference is a bug, which
+fails the run (the results are written first). Writes results.json, results.md and two PNG plots.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import platform
+import shlex
+import subprocess
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+import flashtree
+from flashtree.bench.datasets import Prompt, load_prompts, parse_dataset_names
+from flashtree.bench.report import summarize, write_report
+from flashtree.bench.roofline import measure_ceilings, weight_bytes
+from flashtree.commands import engine_from_options
+from flashtree.config import MODES, SamplingParams
+from flashtree.errors import FlashtreeError
+from flashtree.generate import Engine, GenerationStats
+
+SCHEMA = "flashtree-bench/1"
+WARMUP_TOKENS = 32  # untimed tokens per mode before measuring: kernel selection, compilation, caches
+BASELINES = ("hf",)
+
+Runner = Callable[[list[int], int], tuple[list[int], GenerationStats]]
+
+
+def parse_modes(modes: str) -> list[str]:
+    chosen = list(dict.fromkeys(m.strip() for m in modes.split(",") if m.strip()))
+    unknown = [m for m in chosen if m not in MODES]
+    if unknown or not chosen:
+        raise FlashtreeError(f"--modes: unknown {unknown or modes!r} (choose from {', '.join(MODES)})")
+    return chosen
+
+
+def engine_runner(engine: Engine) -> Runner:
+    def run(prompt_ids: list[int], max_tokens: int) -> tuple[list[int], GenerationStats]:
+        stats = GenerationStats(engine.mode)
+        steps = engine.generate(prompt_ids, max_tokens, SamplingParams(), stats=stats)  # greedy
+        return [t for step in steps for t in step], stats
+
+    return run
+
+
+def make_runners(base: Engine, modes: list[str], baseline: str | None, max_ctx: int) -> dict[str, Runner]:
+    """One runner per mode sharing `base`'s weights, plus the baseline's."""
+    if base.draft is None and any(m != "ar" for m in modes):
+        raise FlashtreeError("--modes chain/tree need a draft: pass --draft DIR (or --modes ar)")
+    runners = {}
+    for mode in modes:
+        draft = base.draft if mode != "ar" else None
+        engine = Engine(base.target, base.tokenizer, draft, replace(base.spec, mode=mode), max_ctx)
+        runners[mode] = engine_runner(engine)
+    if baseline == "hf":
+        from flashtree.bench.hf_baseline import HFBaseline
+
+        runners["hf"] = HFBaseline(base.target, base.tokenizer.stop_ids, max_ctx).generate
+    return runners
+
+
+def context_for(prompts: list[Prompt], encoded: list[list[int]], max_tokens: int, limit: int) -> int:
+    """Context the engines need: the longest prompt plus max_tokens, checked against the target's."""
+    longest = max(range(len(prompts)), key=lambda i: len(encoded[i]))
+    need = len(encoded[longest]) + max_tokens
+    if need > limit:
+        p = prompts[longest]
+        raise FlashtreeError(
+            f"{p.dataset} prompt {p.id} has {len(encoded[longest])} tokens: with --max-tokens {max_tokens} "
+            f"it needs {need}, more than the target's context of {limit}"
+        )
+    return need
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """Index of the first token where a and b differ (a shorter one differs where it ends)."""
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def check_identity(rows: list[dict]) -> list[dict]:
+    """Mark every non-AR row with identical_to_ar; return the chain/tree rows that differ (bugs)."""
+    reference = {(r["dataset"], r["prompt_id"]): r["output_ids"] for r in rows if r["mode"] == "ar"}
+    mismatches = []
+    for r in rows:
+        ar = reference.get((r["dataset"], r["prompt_id"]))
+        if r["mode"] == "ar" or ar is None:
+            r["identical_to_ar"] = r["first_difference"] = None
+            continue
+        r["first_difference"] = first_difference(r["output_ids"], ar)
+        r["identical_to_ar"] = r["first_difference"] is None
+        if not r["identical_to_ar"] and r["mode"] in MODES:  # a peer's rounding may differ; ours may not
+            mismatches.append(
+                {
+                    "dataset": r["dataset"],
+                    "prompt_id": r["prompt_id"],
+                    "mode": r["mode"],
+                    "at": r["first_difference"],
+                }
+            )
+    return mismatches
+
+
+def make_row(prompt: Prompt, ids: list[int], stats: GenerationStats, tokenizer) -> dict:
+    total_s = stats.prefill_s + stats.decode_s
+    return {
+        "dataset": prompt.dataset,
+        "prompt_id": prompt.id,
+        **stats.as_dict(),
+        "ttft_s": stats.prefill_s,
+        "prefill_s": stats.prefill_s,
+        "decode_s": stats.decode_s,
+        "e2e_tok_s": stats.n_generated / total_s if total_s else 0.0,
+        "output_ids": ids,
+        "text": tokenizer.decode(ids),
+    }
+
+
+def run_all(
+    runners: dict[str, Runner], prompts: list[Prompt], encoded: list[list[int]], max_tokens: int, tokenizer
+) -> list[dict]:
+    """Warm every runner up on the longest prompt, then run every prompt through every runner."""
+    longest = max(encoded, key=len)
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    rows = []
+    with Progress(*columns, console=Console(stderr=True)) as progress:
+        task = progress.add_task("warm-up", total=len(runners) * (len(prompts) + 1))
+        for mode, run in runners.items():
+            progress.update(task, description=f"warm-up {mode}")
+            run(longest, min(WARMUP_TOKENS, max_tokens))
+            progress.advance(task)
+        for prompt, ids in zip(prompts, encoded, strict=True):
+            for mode, run in runners.items():
+                progress.update(task, description=f"{prompt.dataset} {prompt.id} {mode}")
+                output, stats = run(ids, max_tokens)
+                rows.append(make_row(prompt, output, stats, tokenizer))
+                progress.advance(task)
+    return rows
+
+
+# --- provenance ---------------------------------------------------------------------------------------
+
+
+def command_line(options: dict) -> str:
+    """The `flashtree bench` command that reproduces this run."""
+    args = ["flashtree", "bench"]
+    for key, value in options.items():
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            args.append(flag)
+        elif value is not None and value is not False:
+            args += [flag, str(value)]
+    return shlex.join(args)
+
+
+def git_info() -> dict:
+    root = Path(flashtree.__file__).resolve().parent.parent
+
+    def git(*args: str) -> str | None:
+        try:
+            done = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return done.stdout.strip() if done.returncode == 0 else None
+
+    commit = git("rev-parse", "HEAD")
+    status = git("status", "--porcelain", "--untracked-files=no") if commit else None
+    return {"commit": commit, "dirty": bool(status)}
+
+
+def device_info(device: torch.device) -> dict:
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+    else:
+        name = f"{platform.processor() or platform.machine()} CPU, {torch.get_num_threads()} threads"
+    return {"type": device.type, "name": name}
+
+
+def versions() -> dict:
+    found = {"python": platform.python_version(), "torch": torch.__version__}
+    for package in ("triton", "transformers", "gguf", "flashtree"):
+        try:
+            found[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            found[package] = None
+    return found
+
+
+def model_info(base: Engine) -> tuple[dict, dict | None]:
+    c = base.target.config
+    target = {"name": c.name, "arch": c.arch, "dtype": str(base.target.dtype).removeprefix("torch."),
+              "weight_bytes": weight_bytes(base.target)}  # fmt: skip
+    if base.draft is None:
+        return target, None
+    d = base.draft.config
+    return target, {
+        "n_layers": d.n_layers,
+        "block_size": d.block_size,
+        "target_layer_ids": list(d.target_layer_ids),
+    }
+
+
+# --- the command --------------------------------------------------------------------------------------
+
+
+def bench_command(
+    target,
+    draft,
+    datasets,
+    n,
+    max_tokens,
+    modes,
+    budget,
+    block_size,
+    baseline,
+    raw,
+    seed,
+    device,
+    out,
+) -> None:
+    options = dict(locals())
+    mode_list = parse_modes(modes)
+    if baseline not in (None, *BASELINES):
+        raise FlashtreeError(f"--baseline: unknown {baseline!r} (choose from {', '.join(BASELINES)})")
+    if max_tokens < 1:
+        raise FlashtreeError(f"--max-tokens must be >= 1, got {max_tokens}")
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise FlashtreeError(f"--out {out}: exists and is not a directory")
+    # Prompts first: a missing dataset should fail before minutes of model loading.
+    prompts = [p for name in parse_dataset_names(datasets) for p in load_prompts(name, n, seed, raw)]
+
+    # The loading engine only lends its target, tokenizer and draft to the per-mode engines: tiny cache.
+    base = engine_from_options(target, draft, "ar", 1, device, block_size, budget)
+    encoded = [base.encode(p.text, chat=not raw) for p in prompts]
+    max_ctx = context_for(prompts, encoded, max_tokens, base.target.config.context_length)
+    runners = make_runners(base, mode_list, baseline, max_ctx)
+    ceilings = measure_ceilings(base.device)
+    rows = run_all(runners, prompts, encoded, max_tokens, base.tokenizer)
+    mismatches = check_identity(rows)
+
+    target_info, draft_info = model_info(base)
+    all_modes = list(runners)
+    results = {
+        "schema": SCHEMA,
+        "command": command_line(options),
+        "options": {k: str(v) if isinstance(v, Path) else v for k, v in options.items()},
+        "modes": all_modes,
+        "git": git_info(),
+        "device": device_info(base.device),
+        "versions": versions(),
+        "target": target_info,
+        "draft": draft_info,
+        "ceilings": ceilings.as_dict(),
+        "weight_read_tok_s": ceilings.weight_read_tok_s(target_info["weight_bytes"]),
+        "rows": rows,
+        "summary": summarize(rows, all_modes),
+        "mismatches": mismatches,
+        "passed": not mismatches,
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
+    paths = write_report(results, out)
+    print((out / "results.md").read_text(encoding="utf-8"))
+    written = ", ".join(str(p) for p in [out / "results.json", *paths])
+    Console(stderr=True).print(f"wrote {written}", style="dim")
+    if mismatches:
+        Console(stderr=True).print(
+            f"[bold red]IDENTITY CHECK FAILED:[/] {len(mismatches)} chain/tree outputs differ from AR "
+            "(greedy speculative decoding must reproduce AR exactly)"
+        )
+        raise FlashtreeError(f"{len(mismatches)} outputs differ from AR; see {out / 'results.md'}")
