@@ -32,7 +32,7 @@ from flashtree.convert.synth import tiny_qwen_tokenizer_dir
 from flashtree.errors import FlashtreeError
 
 U32, I32, F32, STR = GGUFValueType.UINT32, GGUFValueType.INT32, GGUFValueType.FLOAT32, GGUFValueType.STRING
-VOCAB = 4096
+VOCAB = 1024  # the Qwen3 tokenizer cut to 1024 ids keeps the quantized embeddings small
 COMMON = dict(
     vocab_size=VOCAB,
     hidden_size=256,
@@ -464,7 +464,7 @@ DRAFT_CONFIG = {
     "sliding_window": 2048,
     "block_size": 16,
     "num_target_layers": 8,
-    "dflash_config": {"mask_token_id": 4095, "target_layer_ids": [1, 5]},
+    "dflash_config": {"mask_token_id": VOCAB - 1, "target_layer_ids": [1, 5]},
 }
 
 
@@ -514,7 +514,7 @@ def test_dflash_draft(tmp_path):
         "rope.freq_base": (1e6, F32),
         "rope.dimension_count": (64, U32),
         "dflash.block_size": (16, U32),
-        "dflash.mask_token_id": (4095, U32),
+        "dflash.mask_token_id": (VOCAB - 1, U32),
         "dflash.target_layer_ids": ([1, 5], GGUFValueType.ARRAY),
         "dflash.n_target_layers": (8, U32),
         "attention.sliding_window": (2048, U32),
