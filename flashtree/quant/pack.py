@@ -227,7 +227,8 @@ def _q6_k(x: torch.Tensor) -> torch.Tensor:
     q = (torch.round(x.view(n, 16, 16) * _inverse(step)).clamp(-32, 31) + 32).to(torch.uint8)
     q = q.view(n, 2, 4, 32)  # [half, quarter, i]: quarter k of a half is values 32k..32k+31
     ql = ((q[:, :, :2] & 0x0F) | ((q[:, :, 2:] & 0x0F) << 4)).flatten(1)  # (n, 128)
-    qh = ((q >> 4) << torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(4, 1)).sum(2, dtype=torch.uint8)
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=x.device).view(4, 1)
+    qh = ((q >> 4) << shifts).sum(2, dtype=torch.uint8)  # (n, 2, 32): 2 bits from each quarter
     return torch.cat([ql, qh.flatten(1), sc.to(torch.int8).view(torch.uint8), _f16_bytes(d)], dim=1)
 
 
@@ -255,7 +256,10 @@ def _pack_rows(rows: torch.Tensor, qtype: QT) -> torch.Tensor:
 
 
 def quantize(x: torch.Tensor | np.ndarray, qtype: int) -> np.ndarray:
-    """Quantize float values [..., cols] to GGML `qtype`: uint8 [..., row_bytes] (cols: whole blocks)."""
+    """Quantize float values [..., cols] to GGML `qtype`: uint8 [..., row_bytes] (cols: whole blocks).
+
+    A CUDA tensor is packed on its GPU (much faster for the k-quant search); the result is on the host.
+    """
     if int(qtype) not in PACKABLE_TYPES:
         names = ", ".join(type_name(t) for t in sorted(PACKABLE_TYPES))
         raise FlashtreeError(f"cannot quantize to {type_name(qtype)} (supported: {names})")
@@ -268,10 +272,10 @@ def quantize(x: torch.Tensor | np.ndarray, qtype: int) -> np.ndarray:
     rows, out_rows = x.reshape(-1, cols), out.reshape(-1, out.shape[-1])
     chunk = max(1, _CHUNK_VALUES // max(cols, 1))
     for start in range(0, rows.shape[0], chunk):
-        part = rows[start : start + chunk].detach().to("cpu", torch.float32)
+        part = rows[start : start + chunk].detach().float()  # packed where it lives: CPU or GPU
         if not torch.isfinite(part).all():  # NaN/Inf would silently poison whole blocks
             raise FlashtreeError("cannot quantize non-finite values (NaN or Inf)")
-        out_rows[start : start + chunk] = _pack_rows(part, qtype).numpy()
+        out_rows[start : start + chunk] = _pack_rows(part, qtype).cpu().numpy()
     return out
 
 
