@@ -197,10 +197,6 @@ class Tokenizer:
         """The raw bytes token `id` stands for (a fragment of a UTF-8 character for some tokens)."""
         return self._bytes[id]
 
-    def token_text(self, id: int) -> str:
-        """The token as the vocabulary spells it (byte-level form for normal tokens)."""
-        return self._tokens[id]
-
     def is_special(self, id: int) -> bool:
         """Control (or unknown) tokens: the ones decode(skip_special=True) leaves out."""
         return id in self._special
