@@ -39,6 +39,15 @@ SUMMARY_FIELDS = {"n_prompts", "n_generated", "decode_tok_s", "e2e_tok_s", "ttft
                   "mean_accept_len", "identical_to_ar", "speedup", "e2e_speedup"}  # fmt: skip
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models gain nothing from threads, and a busy shared CI machine loses a lot to them (10x here)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 # --- prompts ------------------------------------------------------------------------------------------
 
 
