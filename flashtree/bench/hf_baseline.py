@@ -171,10 +171,9 @@ class HFBaseline:
         self.model = hf_model_from(target)
         self.stop_ids = sorted(stop_ids)
         self.max_ctx = max_ctx
+        # transformers keeps a static cache as large as the largest call so far: after a warm-up on the
+        # longest prompt, later prompts neither reallocate it nor recompile the decode step.
         self.static = target.device.type == "cuda"
-        if self.static:
-            # One cache for every prompt: no reallocation (and recompilation) for a longer one.
-            self.model.generation_config.max_cache_len = max_ctx
 
     @torch.inference_mode()
     def generate(self, prompt_ids: list[int], max_tokens: int) -> tuple[list[int], GenerationStats]:

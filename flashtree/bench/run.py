@@ -1,9 +1,11 @@
 """`flashtree bench`: AR vs chain vs tree decoding (and optionally transformers) on benchmark prompts.
 
-One target + draft is loaded once; each mode gets its own `Engine` around the same weights. For every
-prompt, every mode generates greedily (after an untimed warm-up per mode), and the chain/tree outputs
-must equal AR's token for token: speculative decoding is lossless, so any difference is a bug, which
-fails the run (the results are written first). Writes results.json, results.md and two PNG plots.
+One target + draft is loaded once; each mode gets its own `Engine` around the same weights. Each mode
+first runs the longest prompt untimed at full length, so every shape the run meets (KV or static cache
+sizes, compiled graphs, kernel choices) has been seen once. Then every prompt goes through every mode,
+greedy, and the chain/tree outputs must equal AR's token for token: speculative decoding is lossless,
+so any difference is a bug, which fails the run (the results are written first). Writes results.json,
+results.md and two PNG plots.
 """
 
 from __future__ import annotations
@@ -31,7 +33,6 @@ from flashtree.errors import FlashtreeError
 from flashtree.generate import Engine, GenerationStats
 
 SCHEMA = "flashtree-bench/1"
-WARMUP_TOKENS = 32  # untimed tokens per mode before measuring: kernel selection, compilation, caches
 BASELINES = ("hf",)
 
 Runner = Callable[[list[int], int], tuple[list[int], GenerationStats]]
@@ -132,7 +133,7 @@ def make_row(prompt: Prompt, ids: list[int], stats: GenerationStats, tokenizer) 
 def run_all(
     runners: dict[str, Runner], prompts: list[Prompt], encoded: list[list[int]], max_tokens: int, tokenizer
 ) -> list[dict]:
-    """Warm every runner up on the longest prompt, then run every prompt through every runner."""
+    """Warm each runner up on the longest prompt at full length; then run every prompt through each."""
     longest = max(encoded, key=len)
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     rows = []
@@ -140,7 +141,7 @@ def run_all(
         task = progress.add_task("warm-up", total=len(runners) * (len(prompts) + 1))
         for mode, run in runners.items():
             progress.update(task, description=f"warm-up {mode}")
-            run(longest, min(WARMUP_TOKENS, max_tokens))
+            run(longest, max_tokens)
             progress.advance(task)
         for prompt, ids in zip(prompts, encoded, strict=True):
             for mode, run in runners.items():
