@@ -308,6 +308,26 @@ def test_hf_model_from_our_target_is_the_original_transformers_model(family, tin
         torch.testing.assert_close(rebuilt(ids).logits, reference(ids).logits, atol=1e-5, rtol=1e-5)
 
 
+class Packed(torch.nn.Module):
+    """Stands in for a quantized layer: no `.weight`, only `dense_weight(dtype)` decoding its storage."""
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        self.packed = weight.t().contiguous()
+
+    def dense_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return self.packed.t().to(dtype)
+
+
+def test_quantized_layers_are_decoded_through_dense_weight(tiny_root):
+    target, _ = load_target(tiny_gguf("llama", 1, tiny_root), device="cpu", dtype=torch.float32)
+    expected = hf_model_from(target).state_dict()
+    for layer in target.layers:
+        layer.mlp.down, layer.mixer.v = Packed(layer.mlp.down.weight), Packed(layer.mixer.v.weight)
+    got = hf_model_from(target).state_dict()
+    assert all(torch.equal(got[name], tensor) for name, tensor in expected.items())
+
+
 def test_hf_baseline_generates_what_our_ar_engine_generates(tiny_root):
     engine = Engine.load(tiny_gguf("llama", 0, tiny_root), "none", "ar", max_ctx=128, device="cpu")
     prompt = torch.randint(0, 320, (20,), generator=torch.Generator().manual_seed(1)).tolist()

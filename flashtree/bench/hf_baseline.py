@@ -8,7 +8,8 @@ from a `DecoderModel`, undoing what our loading did to the GGUF tensors:
 - qwen35: the zero-centred norms carry +1 that Qwen3_5RMSNorm adds itself (subtract it), ssm_a is
   -exp(A_log), and the GGUF tiles V heads over K heads where HF groups them (inverse of the
   converter's `tile_v_heads`).
-Every tensor is handed over without a copy where no transform is needed, in the target's dtype.
+Dense tensors are handed over without a copy where no transform is needed, in the target's dtype;
+quantized layers (anything with `dense_weight`, e.g. the CUDA QuantLinear) are decoded from their blocks.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import time
 
 import torch
+from torch import nn
 
 from flashtree.errors import FlashtreeError
 from flashtree.generate import GenerationStats
@@ -30,19 +32,25 @@ def group_v_heads(x: torch.Tensor, dim: int, n_k_heads: int, head_dim: int) -> t
     return tiled.transpose(dim, dim + 1).reshape(x.shape)
 
 
-def _attention(a: Attention, norm_offset: float) -> dict[str, torch.Tensor]:
+def _weight(linear: nn.Module, dtype: torch.dtype) -> torch.Tensor:
+    """The (out, in) weight of a linear layer: as stored, or decoded from a quantized layer's blocks."""
+    dense_weight = getattr(linear, "dense_weight", None)
+    return dense_weight(dtype) if dense_weight is not None else linear.weight
+
+
+def _attention(a: Attention, norm_offset: float, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     tensors = {
-        "q_proj.weight": a.q.weight,  # qwen35: per head [q_h | gate_h], as HF packs it too
-        "k_proj.weight": a.k.weight,
-        "v_proj.weight": a.v.weight,
-        "o_proj.weight": a.o.weight,
+        "q_proj.weight": _weight(a.q, dtype),  # qwen35: per head [q_h | gate_h], as HF packs it too
+        "k_proj.weight": _weight(a.k, dtype),
+        "v_proj.weight": _weight(a.v, dtype),
+        "o_proj.weight": _weight(a.o, dtype),
     }
     if a.q_norm is not None:
         tensors |= {"q_norm.weight": a.q_norm - norm_offset, "k_norm.weight": a.k_norm - norm_offset}
     return {f"self_attn.{k}": v for k, v in tensors.items()}
 
 
-def _deltanet(m: GatedDeltaNet) -> dict[str, torch.Tensor]:
+def _deltanet(m: GatedDeltaNet, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     nk, kd, vd = m.n_k_heads, m.k_dim, m.v_dim
 
     def heads(x: torch.Tensor, head_dim: int, dim: int = 0) -> torch.Tensor:
@@ -52,15 +60,15 @@ def _deltanet(m: GatedDeltaNet) -> dict[str, torch.Tensor]:
         return torch.cat([x[: 2 * nk * kd], heads(x[2 * nk * kd :], vd)])
 
     tensors = {
-        "in_proj_qkv.weight": qkv(m.qkv.weight),
+        "in_proj_qkv.weight": qkv(_weight(m.qkv, dtype)),
         "conv1d.weight": qkv(m.conv_weight).unsqueeze(1),  # (channels, 1, kernel)
-        "in_proj_z.weight": heads(m.z.weight, vd),
-        "in_proj_b.weight": heads(m.beta.weight, 1),
-        "in_proj_a.weight": heads(m.alpha.weight, 1),
+        "in_proj_z.weight": heads(_weight(m.z, dtype), vd),
+        "in_proj_b.weight": heads(_weight(m.beta, dtype), 1),
+        "in_proj_a.weight": heads(_weight(m.alpha, dtype), 1),
         "dt_bias": heads(m.dt_bias, 1),
         "A_log": heads(torch.log(-m.ssm_a), 1),
         "norm.weight": m.norm_weight,  # the gated norm is plain in both
-        "out_proj.weight": heads(m.out.weight, vd, dim=1),
+        "out_proj.weight": heads(_weight(m.out, dtype), vd, dim=1),
     }
     return {f"linear_attn.{k}": v for k, v in tensors.items()}
 
@@ -68,25 +76,25 @@ def _deltanet(m: GatedDeltaNet) -> dict[str, torch.Tensor]:
 def hf_state_dict(target: DecoderModel) -> dict[str, torch.Tensor]:
     """The transformers state dict of `target`'s weights, in its dtype."""
     offset = 1.0 if target.config.arch == "qwen35" else 0.0
+    dtype = target.dtype
     state = {
         "model.embed_tokens.weight": target.embedding,
         "model.norm.weight": target.norm.weight - offset,
-        "lm_head.weight": target.lm_head.weight,
+        "lm_head.weight": _weight(target.lm_head, dtype),
     }
     for i, layer in enumerate(target.layers):
-        mixer = (
-            _attention(layer.mixer, offset) if isinstance(layer.mixer, Attention) else _deltanet(layer.mixer)
-        )
+        m = layer.mixer
+        mixer = _attention(m, offset, dtype) if isinstance(m, Attention) else _deltanet(m, dtype)
         tensors = {
             "input_layernorm.weight": layer.mixer_norm.weight - offset,
             "post_attention_layernorm.weight": layer.mlp_norm.weight - offset,
-            "mlp.gate_proj.weight": layer.mlp.gate.weight,
-            "mlp.up_proj.weight": layer.mlp.up.weight,
-            "mlp.down_proj.weight": layer.mlp.down.weight,
+            "mlp.gate_proj.weight": _weight(layer.mlp.gate, dtype),
+            "mlp.up_proj.weight": _weight(layer.mlp.up, dtype),
+            "mlp.down_proj.weight": _weight(layer.mlp.down, dtype),
             **mixer,
         }
         state |= {f"model.layers.{i}.{k}": v for k, v in tensors.items()}
-    return {k: v.detach().to(target.dtype) for k, v in state.items()}
+    return {k: v.detach().to(dtype) for k, v in state.items()}
 
 
 def hf_config(target: DecoderModel):
