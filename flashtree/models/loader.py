@@ -4,6 +4,7 @@ what they share: strict weight access and the arch registry."""
 from __future__ import annotations
 
 import importlib
+import os
 from pathlib import Path
 
 import torch
@@ -16,15 +17,29 @@ ARCHITECTURES = {"llama": "llama", "qwen3": "qwen3", "qwen35": "qwen35"}  # GGUF
 
 
 class Weights:
-    """Strict access to a GGUF's tensors, dequantized to the compute dtype on the target device."""
+    """Strict access to a GGUF's tensors, dequantized to the compute dtype on the target device.
 
-    def __init__(self, gguf: GGUFFile, device: torch.device | str, dtype: torch.dtype):
+    With `quantized` (the default on CUDA), quantized matrices stay packed in `QuantLinear`s that run
+    the Triton kernels; otherwise, and always for float tensors, `linear` gives a dense `Linear`."""
+
+    def __init__(
+        self, gguf: GGUFFile, device: torch.device | str, dtype: torch.dtype, quantized: bool | None = None
+    ):
         self.gguf, self.device, self.dtype = gguf, torch.device(device), dtype
+        self.quantized = default_quantized(self.device) if quantized is None else quantized
 
     def dense(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         return self.gguf.tensor(name, dtype=dtype or self.dtype, device=self.device)
 
     def linear(self, name: str) -> Linear:
+        info = self.gguf.info(name)
+        if self.quantized and len(info.shape) == 2:
+            from flashtree.kernels.qlinear import QuantLinear
+            from flashtree.kernels.qmatmul import KERNEL_TYPES
+
+            if info.qtype in KERNEL_TYPES:  # float tensors and types without a kernel stay dense
+                raw = torch.from_numpy(self.gguf.raw(name)).to(self.device)  # (out, row_bytes) uint8
+                return QuantLinear(raw, info.qtype, info.shape)
         return Linear(self.dense(name))
 
     def vector(self, name: str) -> torch.Tensor:
@@ -50,13 +65,24 @@ def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def default_quantized(device: torch.device) -> bool:
+    """Quantized kernels on CUDA unless FLASHTREE_QUANT_KERNELS=0 (dense bf16 weights instead)."""
+    return device.type == "cuda" and os.environ.get("FLASHTREE_QUANT_KERNELS", "1") != "0"
+
+
 def default_dtype(device: torch.device) -> torch.dtype:
     """bf16 on the GPU; fp32 on the CPU, where bf16 matmuls are slower and tests want exactness."""
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
-def load_target(path: str | Path, device: str | torch.device | None = None, dtype: torch.dtype | None = None):
-    """Open a GGUF target and build its model on `device`. Returns (DecoderModel, GGUFFile)."""
+def load_target(
+    path: str | Path,
+    device: str | torch.device | None = None,
+    dtype: torch.dtype | None = None,
+    quantized: bool | None = None,
+):
+    """Open a GGUF target and build its model on `device` (`quantized`: see Weights).
+    Returns (DecoderModel, GGUFFile)."""
     gguf = open_gguf(path)
     family = ARCHITECTURES.get(gguf.arch)
     if family is None:
@@ -65,4 +91,5 @@ def load_target(path: str | Path, device: str | torch.device | None = None, dtyp
         )
     device = torch.device(device) if device is not None else default_device()
     module = importlib.import_module(f"flashtree.models.{family}")
-    return module.build(gguf, Weights(gguf, device, dtype or default_dtype(device))), gguf
+    weights = Weights(gguf, device, dtype or default_dtype(device), quantized)
+    return module.build(gguf, weights), gguf

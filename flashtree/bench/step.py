@@ -1,0 +1,340 @@
+"""`flashtree bench-step`: what one step of each kind costs on a target + draft, next to the device ceilings.
+
+Measured in one run: copy bandwidth and bf16 matmul rate (roofline.py); the AR step (a 1-token forward,
+eager and, on CUDA, replayed from a CUDA graph captured at a fixed position); verify forwards of tree
+layouts with N = 16, 23, 32, 64 tokens; the draft step (DFlash propose + tree build); prefill tok/s at
+512 and 8192 tokens (in the engine's chunks); peak memory; and a kernel-time profile of the AR step and
+the 23-token verify, so a missed target says what bounds it. Times are medians of CUDA-event timings
+after warm-up. AR roofline ratio = (weight bytes read per token / copy bandwidth) / AR step time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import astuple
+from pathlib import Path
+
+import torch
+
+from flashtree.bench.roofline import measure_ceilings
+from flashtree.bench.run import device_info, git_info, versions
+from flashtree.convert.inspect import describe
+from flashtree.errors import FlashtreeError
+from flashtree.generate import PREFILL_CHUNK
+from flashtree.models.dflash import load_draft
+from flashtree.models.loader import default_device, load_target
+from flashtree.spec.tree import build_tree
+
+SCHEMA = "flashtree-bench-step/1"
+VERIFY_SIZES = (16, 23, 32, 64)
+PREFILL_SIZES = (512, 8192)
+CONTEXT = 512  # tokens prefilled before the decode-step measurements
+TREE_TOP_K = 8
+PROFILE_TOP = 12
+
+
+def time_ms(fn: Callable[[], object], device: torch.device, repeats: int, warmup: int = 2) -> float:
+    """Median wall time of fn() in ms: CUDA events on a GPU (GPU idle gaps included), perf_counter on CPU."""
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    if device.type != "cuda":
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times)
+    events = [
+        (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(repeats)
+    ]
+    for start, end in events:
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize(device)
+    return statistics.median(start.elapsed_time(end) for start, end in events)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def capture_graph(fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
+    """Capture fn() (already warmed up, so kernels are compiled) into a CUDA graph."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()  # PyTorch wants one run on a side stream before capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
+def tree_block(n_tokens: int, block_size: int, vocab: int, device: torch.device, seed: int):
+    """A DDTree verify block of `n_tokens` (root + n_tokens - 1 nodes) built from random draft logits."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    logits = torch.randn(block_size - 1, vocab, generator=gen).mul_(4).to(device)  # peaked, like a draft
+    tree = build_tree(0, logits, n_tokens - 1, TREE_TOP_K)
+    tokens = torch.randint(0, vocab, (tree.tokens.shape[0],), generator=gen).to(device)
+    return tokens, tree.layout
+
+
+def profile_kernels(fn: Callable[[], object], device: torch.device) -> dict:
+    """One call of fn under torch.profiler: total kernel time by category, the top kernels, and wall time.
+    Kernel time far below wall time means the step is bound by launches (the Python loop), not the GPU."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    _sync(device)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        wall_ms = (time.perf_counter() - t0) * 1e3
+    kernels = []
+    for e in prof.key_averages():
+        us = getattr(e, "device_time_total", None)
+        us = us if us is not None else getattr(e, "cuda_time_total", 0)
+        if e.device_type.name == "CUDA" and us > 0:
+            kernels.append({"name": e.key[:120], "calls": e.count, "ms": us / 1e3})
+    kernels.sort(key=lambda k: -k["ms"])
+    by_category: dict[str, float] = {}
+    for k in kernels:
+        by_category[_category(k["name"])] = by_category.get(_category(k["name"]), 0.0) + k["ms"]
+    return {
+        "wall_ms": wall_ms,
+        "kernel_ms": sum(k["ms"] for k in kernels),
+        "launches": sum(k["calls"] for k in kernels),
+        "by_category_ms": dict(sorted(by_category.items(), key=lambda kv: -kv[1])),
+        "top": kernels[:PROFILE_TOP],
+    }
+
+
+def _category(name: str) -> str:
+    n = name.lower()
+    for category, keys in (
+        ("quant matmul", ("_qmm_kernel",)),
+        ("dequant", ("_dequant_kernel",)),
+        ("dense gemm", ("gemm", "gemv", "cutlass", "xmma", "sm90_")),
+        ("attention", ("flash", "fmha", "attention", "sdpa")),
+        ("copy", ("copy", "memcpy", "memset", "fill")),
+        ("reduce", ("reduce",)),
+    ):
+        if any(key in n for key in keys):
+            return category
+    return "elementwise/other"
+
+
+class StepBench:
+    """The measurements, sharing one loaded target + draft."""
+
+    def __init__(
+        self, target: Path, draft: Path, quantized: bool, budget: int, block_size: int, repeats: int
+    ):
+        self.device = default_device()
+        self.model, self.gguf = load_target(target, device=self.device, quantized=quantized)
+        self.draft = load_draft(draft, self.model)
+        self.n_quant_linears = sum(type(m).__name__ == "QuantLinear" for m in self.model.modules())
+        self.budget, self.block_size, self.repeats = budget, block_size, repeats
+        self.vocab = self.model.config.vocab
+        self.capture = self.draft.config.target_layer_ids
+        gen = torch.Generator(device="cpu").manual_seed(0)
+        self.prompt = torch.randint(0, self.vocab, (max(PREFILL_SIZES) + CONTEXT,), generator=gen).to(
+            self.device
+        )
+
+    def time(self, fn: Callable[[], object], repeats: int | None = None) -> float:
+        return time_ms(fn, self.device, repeats or self.repeats)
+
+    def decode_state(self):
+        """A state holding CONTEXT prompt tokens, and their draft features."""
+        state = self.model.new_state(CONTEXT + 4 * self.repeats + 256)
+        out = self.model(self.prompt[:CONTEXT], state, logits="none", capture=self.capture)
+        return state, out.features
+
+    def ar_step(self, state) -> tuple[Callable[[], object], float]:
+        token = self.prompt[:1].clone()
+        step = lambda: self.model(token, state, logits="last")  # noqa: E731
+        return step, self.time(step)
+
+    def ar_graph(self, step: Callable[[], object]) -> float:
+        graph = capture_graph(step)
+        return self.time(graph.replay)
+
+    def verify(self, state, n_tokens: int) -> tuple[Callable[[], object], float]:
+        tokens, layout = tree_block(n_tokens, self.block_size, self.vocab, self.device, seed=n_tokens)
+        step = lambda: self.model(tokens, state, layout, commit=False, capture=self.capture)  # noqa: E731
+        ms = self.time(step, max(3, self.repeats // 4))
+        state.pending = 0  # nothing of the verify is kept
+        return step, ms
+
+    def draft_step(self, features: torch.Tensor) -> dict:
+        ctx = self.draft.new_context(4096)
+        self.draft.append_context(ctx, features)
+        logits = self.draft.propose(ctx, 0, self.block_size)
+        propose = lambda: self.draft.propose(ctx, 0, self.block_size)  # noqa: E731
+        tree = lambda: build_tree(0, logits, self.budget, TREE_TOP_K)  # noqa: E731
+        found = {"propose_ms": self.time(propose), "tree_ms": self.time(tree)}
+        found["total_ms"] = found["propose_ms"] + found["tree_ms"]
+        if self.device.type == "cuda":
+            found["propose_graph_ms"] = _try(lambda: self.time(capture_graph(propose).replay))
+        return found
+
+    def prefill(self, n_tokens: int) -> dict:
+        state = self.model.new_state(n_tokens + 1)
+        chunk = PREFILL_CHUNK.get(self.device.type, 2048)
+
+        def run():
+            state.reset()
+            for s in range(0, n_tokens, chunk):
+                last = s + chunk >= n_tokens
+                self.model(
+                    self.prompt[s : min(s + chunk, n_tokens)], state, logits="last" if last else "none"
+                )
+
+        ms = time_ms(run, self.device, repeats=3, warmup=1)
+        return {"tokens": n_tokens, "ms": ms, "tok_s": n_tokens / ms * 1e3}
+
+
+def _try(fn: Callable[[], object]):
+    """fn(), or the error as text: one failed measurement must not lose the others."""
+    try:
+        return fn()
+    except Exception as e:  # noqa: BLE001 - reported in the results
+        return f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+
+
+def run_bench_step(
+    target: Path,
+    draft: Path,
+    budget: int,
+    block_size: int,
+    quantized: bool | None,
+    repeats: int,
+    verify_sizes: tuple[int, ...] = VERIFY_SIZES,
+    prefill_sizes: tuple[int, ...] = PREFILL_SIZES,
+) -> dict:
+    """Every measurement of one run, as a JSON-ready dict (`quantized`: see loader.Weights)."""
+    device = default_device()
+    ceilings = measure_ceilings(device)
+    bench = StepBench(target, draft, quantized, budget, block_size, repeats)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    state, features = bench.decode_state()
+    ar_fn, ar_ms = bench.ar_step(state)
+    ar_graph_ms = _try(lambda: bench.ar_graph(ar_fn)) if device.type == "cuda" else None
+    verify = {n: bench.verify(state, n) for n in verify_sizes}
+    results = {
+        "ar": {"eager_ms": ar_ms, "graph_ms": ar_graph_ms},
+        "verify_ms": {str(n): ms for n, (_, ms) in verify.items()},
+        "draft": bench.draft_step(features),
+        "prefill": [bench.prefill(n) for n in prefill_sizes],
+        "profile": {
+            "ar_step": _try(lambda: profile_kernels(ar_fn, device)),
+            f"verify_{verify_sizes[1]}": _try(lambda: profile_kernels(verify[verify_sizes[1]][0], device)),
+        },
+        "peak_memory_gb": torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None,
+    }
+    info = describe(bench.gguf)
+    best_ar = ar_graph_ms if isinstance(ar_graph_ms, float) else ar_ms
+    roofline_ms = info["bytes_per_token"] / (ceilings.copy_gb_s * 1e9) * 1e3
+    results["ratios"] = {
+        "ar_roofline_ms": roofline_ms,
+        "ar_roofline_ratio": roofline_ms / best_ar,
+        "ar_roofline_ratio_eager": roofline_ms / ar_ms,
+        "verify_23_over_ar": results["verify_ms"].get("23", float("nan")) / best_ar,
+        "draft_over_ar": results["draft"]["total_ms"] / best_ar,
+    }
+    if bench.n_quant_linears:
+        from flashtree.kernels.qmatmul import TILES
+
+        results["tiles"] = {key: list(astuple(tile)) for key, tile in TILES.items()}
+    return {
+        "schema": SCHEMA,
+        "git": git_info() | _commit_override(),
+        "device": device_info(device),
+        "versions": versions(),
+        "ceilings": ceilings.as_dict(),
+        "weights": "quantized" if bench.n_quant_linears else "dense",
+        "quant_linears": bench.n_quant_linears,
+        "target": {
+            "file": str(target),
+            "bytes_per_token": info["bytes_per_token"],
+            "file_bytes": info["file_bytes"],
+        },
+        "draft": {"dir": str(draft), "layers": bench.draft.config.n_layers},
+        "budget": budget,
+        "block_size": block_size,
+        "context_tokens": CONTEXT,
+        **results,
+    }
+
+
+def _commit_override() -> dict:
+    """The device machine gets a copy of the tree without .git: the caller passes the commit."""
+    commit = os.environ.get("FLASHTREE_GIT_COMMIT")
+    return {"commit": commit} if commit else {}
+
+
+def _ms(value) -> str:
+    return f"{value:8.3f} ms" if isinstance(value, float) else str(value)
+
+
+def summary_lines(r: dict) -> list[str]:
+    ar = r["ratios"]
+    best = ar["ar_roofline_ms"] / ar["ar_roofline_ratio"]
+    lines = [
+        f"ceilings: copy {r['ceilings']['copy_gb_s']:.0f} GB/s,"
+        f" {r['ceilings']['matmul_dtype']} matmul {r['ceilings']['matmul_tflops']:.0f} TFLOP/s",
+        f"weights: {r['weights']}, {r['target']['bytes_per_token'] / 1e9:.2f} GB read per token",
+        f"AR step eager     {_ms(r['ar']['eager_ms'])}",
+        f"AR step graph     {_ms(r['ar']['graph_ms'])}",
+        f"AR roofline       {_ms(ar['ar_roofline_ms'])}  ratio {ar['ar_roofline_ratio']:.2f}"
+        f" (eager {ar['ar_roofline_ratio_eager']:.2f})",
+    ]
+    lines += [f"verify N={n:<3}      {_ms(ms)}  {ms / best:5.2f}x AR" for n, ms in r["verify_ms"].items()]
+    d = r["draft"]
+    lines.append(
+        f"draft step        {_ms(d['total_ms'])}  {d['total_ms'] / best:5.2f}x AR"
+        f" (propose {d['propose_ms']:.3f}, tree {d['tree_ms']:.3f},"
+        f" propose graph {d.get('propose_graph_ms')})"
+    )
+    lines += [f"prefill {p['tokens']:>5}     {p['tok_s']:8.0f} tok/s" for p in r["prefill"]]
+    if r["peak_memory_gb"] is not None:
+        lines.append(f"peak memory       {r['peak_memory_gb']:.1f} GB")
+    for name, prof in r["profile"].items():
+        if isinstance(prof, dict):
+            cats = ", ".join(f"{k} {v:.2f}" for k, v in prof["by_category_ms"].items())
+            lines.append(
+                f"profile {name}: wall {prof['wall_ms']:.2f} ms, kernels {prof['kernel_ms']:.2f} ms"
+                f" in {prof['launches']} launches ({cats})"
+            )
+    return lines
+
+
+def bench_step_command(
+    target: Path, draft: Path, budget: int, block_size: int, out: Path, dense: bool, repeats: int
+) -> None:
+    for path in (target, draft):
+        if not Path(path).exists():
+            raise FlashtreeError(f"{path}: not found")
+    if repeats < 1:
+        raise FlashtreeError(f"--repeats must be >= 1, got {repeats}")
+    result = run_bench_step(target, draft, budget, block_size, False if dense else None, repeats)
+    flags = ["--budget", str(budget), "--block-size", str(block_size), "--repeats", str(repeats)]
+    result["command"] = " ".join(
+        ["flashtree", "bench-step", "--target", str(target), "--draft", str(draft), *flags, "--out", str(out)]
+        + (["--dense"] if dense else [])
+    )
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    print("\n".join(summary_lines(result)))

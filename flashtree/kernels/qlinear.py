@@ -1,0 +1,45 @@
+"""QuantLinear: a drop-in `Linear` whose weight stays GGUF-quantized (repacked once, see qmatmul.py)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from flashtree.kernels.qmatmul import quant_matmul, repack, unpack
+from flashtree.quant.dequant import dequantize
+from flashtree.quant.formats import type_name
+
+
+class QuantLinear(nn.Module):
+    """y = x @ W^T with W kept as quantized blocks, same interface as `Linear`. CUDA runs the Triton
+    kernels; any other device dequantizes with the reference decoder on every call."""
+
+    def __init__(self, raw: torch.Tensor, qtype: int, shape: tuple[int, int]):
+        """raw: the GGUF rows (out, row_bytes) uint8 on the layer's device; shape: (out, in)."""
+        super().__init__()
+        self.qtype, self.out_features, self.in_features = int(qtype), int(shape[0]), int(shape[1])
+        fields = repack(raw, qtype, self.in_features)
+        for i, field in enumerate(fields):
+            self.register_buffer(f"field{i}", field, persistent=False)
+        self.n_fields = len(fields)
+
+    @property
+    def fields(self) -> list[torch.Tensor]:
+        return [getattr(self, f"field{i}") for i in range(self.n_fields)]
+
+    def dense_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The (out, in) weight, decoded by the reference dequantizer from the exact GGUF bytes."""
+        raw = unpack(self.fields, self.qtype, self.in_features)
+        return dequantize(raw, self.qtype, (self.out_features, self.in_features), dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features)  # (M, in)
+        if x.is_cuda:
+            y = quant_matmul(x2, self.fields, self.qtype, self.out_features, self.in_features)
+        else:
+            y = F.linear(x2, self.dense_weight(x.dtype))
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, type={type_name(self.qtype)}"
