@@ -85,11 +85,13 @@ def draft_hidden(
     x = draft.target.embed(block_ids).to(draft.dtype)  # (b, Q, H)
     ctx_rope = draft.rotary.cos_sin(ctx_pos.reshape(-1), x.dtype)
     block_rope = draft.rotary.cos_sin(block_pos.reshape(-1), x.dtype)
-    key_pos = torch.cat([ctx_pos, block_pos], dim=1)  # (b, S + Q)
     for layer in draft.layers:
         layer_mask = mask
-        if layer.window is not None:  # sliding layers only see the last `window` positions
-            layer_mask = mask & (block_pos[:, :, None] - key_pos[:, None, :] < layer.window)
+        if layer.window is not None:  # sliding layers see the last `window` context positions
+            recent = block_pos[:, :, None] - ctx_pos[:, None, :] < layer.window  # (b, Q, S)
+            layer_mask = mask & torch.cat(
+                [recent, recent.new_ones(b, block_pos.shape[1], block_pos.shape[1])], 2
+            )
         x = _layer(layer, x, fused, ctx_rope, block_rope, layer_mask)
     return draft.norm(x)
 

@@ -1,0 +1,272 @@
+"""Draft training: features, masks, loss, the batched training forward against DFlashDraft.propose,
+the target-written data against our own greedy decoding, and a tiny run that learns.
+
+Tiny random targets from tests/tiny.py (2 llama layers, hidden 64, vocab 320), fp32 on the CPU.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import pytest
+import torch
+from tiny import tiny_gguf
+from typer.testing import CliRunner
+
+from flashtree.bench.hf_baseline import hf_model_from
+from flashtree.cli import app
+from flashtree.config import SamplingParams
+from flashtree.convert.synth import draft_shape_for
+from flashtree.generate import Engine
+from flashtree.gguf.tokenizer import Tokenizer
+from flashtree.models.dflash import load_draft
+from flashtree.models.loader import load_target
+from flashtree.train import data as D
+from flashtree.train.forward import draft_hidden, new_draft, save_draft
+from flashtree.train.hf_target import hf_features
+from flashtree.train.loss import block_attention_mask, dflash_loss, make_blocks, sample_anchors
+from flashtree.train.prompts import read_prompts, write_prompts
+from flashtree.train.trainer import TrainConfig, Trainer
+
+BLOCK = 8
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models gain nothing from threads, and a busy shared CI machine loses a lot to them."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_root):
+    path = tiny_gguf("llama", 0, tiny_root)
+    model, gguf = load_target(path, "cpu", torch.float32)
+    return path, model, gguf
+
+
+def _shape(gguf, layers=2, **dflash):
+    shape = draft_shape_for(gguf, layers)
+    return replace(shape, dflash=replace(shape.dflash, block_size=BLOCK, **dflash))
+
+
+# --- target features -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", [0, 1])  # tied and untied LM head
+def test_hf_features_equal_our_captured_layers(tiny_root, seed):
+    model, _ = load_target(tiny_gguf("llama", seed, tiny_root), "cpu", torch.float32)
+    hf = hf_model_from(model)
+    lengths = [11, 7]
+    ids = torch.randint(0, model.config.vocab, (2, 11), generator=torch.Generator().manual_seed(seed))
+    attention = (torch.arange(11)[None, :] < torch.tensor(lengths)[:, None]).long()  # right padding
+    feats = hf_features(hf, ids, attention, (0, 1))  # the last layer too: hooks, not hidden_states
+    for row, n in enumerate(lengths):
+        ours = model(ids[row, :n], model.new_state(32), capture=(0, 1)).features
+        torch.testing.assert_close(feats[row, :n], ours, atol=1e-5, rtol=1e-5)
+
+
+# --- blocks, masks, loss -------------------------------------------------------------------------------
+
+
+def test_anchors_are_distinct_sorted_response_positions_with_a_successor():
+    loss_mask = torch.zeros(3, 40, dtype=torch.bool)
+    loss_mask[0, 10:40] = True
+    loss_mask[1, 5:9] = True  # 3 candidates only (5, 6, 7)
+    loss_mask[2, 30:31] = True  # a single response token: no candidate
+    anchors, keep = sample_anchors(loss_mask, 6, torch.Generator().manual_seed(0))
+    assert keep.sum(1).tolist() == [6, 3, 0]
+    assert anchors[1][keep[1]].tolist() == [5, 6, 7]
+    kept = anchors[0][keep[0]]
+    assert kept.unique().numel() == 6 and (kept.diff() > 0).all()
+    assert ((kept >= 10) & (kept <= 38)).all()
+
+
+def test_blocks_labels_weights_and_mask():
+    s, gamma = 20, 3.0
+    ids = torch.arange(100, 100 + s)[None]
+    loss_mask = torch.zeros(1, s, dtype=torch.bool)
+    loss_mask[0, 6:] = True
+    anchors, keep = torch.tensor([[6, 15, 0]]), torch.tensor([[True, True, False]])
+    blocks = make_blocks(ids, loss_mask, anchors, keep, BLOCK, mask_token_id=7, gamma=gamma)
+
+    assert blocks.ids.view(3, BLOCK)[0].tolist() == [106] + [7] * (BLOCK - 1)
+    assert blocks.positions.view(3, BLOCK)[1].tolist() == list(range(15, 15 + BLOCK))
+    assert blocks.labels[0, 0].tolist() == list(range(106, 106 + BLOCK))  # same position, no shift
+    decay = [0.0] + [math.exp(-(k - 1) / gamma) for k in range(1, BLOCK)]
+    torch.testing.assert_close(blocks.weights[0, 0], torch.tensor(decay))
+    assert (blocks.weights[0, 1, 5:] == 0).all() and (blocks.weights[0, 1, 1:5] > 0).all()  # past the end
+    assert (blocks.weights[0, 2] == 0).all()  # padding block
+
+    mask = blocks.mask[0]  # (3 * B, S + 3 * B)
+    assert mask.shape == (3 * BLOCK, s + 3 * BLOCK)
+    assert mask[:BLOCK, :s].sum(1).tolist() == [6] * BLOCK  # context strictly before the anchor
+    assert mask[BLOCK : 2 * BLOCK, :s].sum(1).tolist() == [15] * BLOCK
+    own = torch.block_diag(*[torch.ones(BLOCK, BLOCK, dtype=torch.bool)] * 3)
+    assert torch.equal(mask[:, s:], own)  # bidirectional inside a block, other blocks invisible
+    assert torch.equal(block_attention_mask(anchors, s, BLOCK), blocks.mask)
+
+
+def test_loss_is_the_weighted_mean_ce_and_accept_len_counts_the_correct_prefix():
+    vocab = 16
+    ids = torch.randint(0, vocab, (1, 24), generator=torch.Generator().manual_seed(3))
+    loss_mask = torch.ones(1, 24, dtype=torch.bool)
+    blocks = make_blocks(
+        ids, loss_mask, torch.tensor([[2, 12]]), torch.ones(1, 2, dtype=torch.bool), BLOCK, 0, 7.0
+    )
+    hidden = torch.randn(1, 2 * BLOCK, vocab, generator=torch.Generator().manual_seed(4))
+    labels = blocks.labels.view(-1)
+    hidden.view(-1, vocab)[:11, :] = -5.0
+    hidden.view(-1, vocab)[torch.arange(11), labels[:11]] = 5.0  # block 0: tokens 1..7 right; block 1: 1..2
+    hidden.view(-1, vocab)[11, :] = 0.0
+    hidden.view(-1, vocab)[11, (labels[11] + 1) % vocab] = 9.0  # block 1, k = 3 wrong
+    out = dflash_loss(hidden, torch.nn.Identity(), blocks)
+
+    w = blocks.weights.view(-1)
+    ce = torch.nn.functional.cross_entropy(hidden.view(-1, vocab), labels, reduction="none")
+    torch.testing.assert_close(out.loss, (ce * w).sum() / w.sum())
+    assert out.accept_len == pytest.approx((BLOCK + 3) / 2)  # (1 + 7 + 1 + 2) / 2
+
+
+# --- training forward == inference -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_training_forward_equals_propose_per_block(tiny, window):
+    _, model, gguf = tiny
+    dflash = (
+        dict(layer_types=("sliding_attention", "full_attention"), sliding_window=window) if window else {}
+    )
+    draft = new_draft(_shape(gguf, **dflash), model, seed=1)
+    with torch.no_grad():  # norms away from 1 so that a missing norm would show
+        for p in draft.parameters():
+            if p.ndim == 1:
+                p.add_(0.3 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    s = 30
+    ids = torch.randint(0, model.config.vocab, (2, s), generator=torch.Generator().manual_seed(5))
+    layers = draft.config.target_layer_ids
+    feats = torch.stack([model(ids[r], model.new_state(64), capture=layers).features for r in range(2)])
+    anchors = torch.tensor([[4, 19], [0, 22]])
+    mask_id = draft.config.mask_token_id
+    blocks = make_blocks(
+        ids, torch.ones_like(ids, dtype=torch.bool), anchors, anchors >= 0, BLOCK, mask_id, 7.0
+    )
+    with torch.no_grad():
+        logits = model.lm_head(draft_hidden(draft, feats, blocks.ids, blocks.positions, blocks.mask)).float()
+    for row in range(2):
+        for n, anchor in enumerate(anchors[row].tolist()):
+            ctx = draft.new_context(64)
+            if anchor:
+                draft.append_context(ctx, feats[row, :anchor])
+            ref = draft.propose(ctx, int(ids[row, anchor]), BLOCK)  # (B - 1, V)
+            got = logits[row, n * BLOCK + 1 : (n + 1) * BLOCK]
+            torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_saved_draft_loads_with_load_draft(tiny, tmp_path):
+    _, model, gguf = tiny
+    shape = _shape(gguf)
+    draft = new_draft(shape, model, seed=2)
+    save_draft(draft, shape, tmp_path / "d")
+    loaded = load_draft(tmp_path / "d", model)
+    assert loaded.config.block_size == BLOCK and loaded.config.n_layers == 2
+    for a, b in zip(draft.state_dict().values(), loaded.state_dict().values(), strict=True):
+        torch.testing.assert_close(b, a.to(torch.bfloat16).float() if a.ndim == 2 else a)  # bf16 matrices
+
+
+# --- data ----------------------------------------------------------------------------------------------
+
+
+def test_batched_hf_responses_equal_our_greedy_decoding(tiny):
+    path, model, gguf = tiny
+    tokenizer = Tokenizer.from_gguf_metadata(gguf.metadata)
+    texts = ["def add(a, b):", "What is 7 * 6? Explain step by step."]  # different lengths: left padding
+    prompts = [D.chat_prompt_ids(tokenizer, t) for t in texts]
+    stop = [tokenizer.eos_id]
+    responses = D.generate_responses(hf_model_from(model), prompts, 12, stop)
+    engine = Engine(model, tokenizer)
+    for prompt, response, text in zip(prompts, responses, texts, strict=True):
+        assert prompt == engine.encode(text)
+        ours = [t for step in engine.generate(prompt, 12, SamplingParams(), stop) for t in step]
+        assert response == ours
+
+
+def test_shards_round_trip_and_short_responses_are_dropped(tmp_path):
+    D.write_shard(tmp_path / D.SHARD.format(0), [[1, 2, 3], [4]], [[5] * 20, [6, 7]], sampled=False)
+    D.write_shard(tmp_path / D.SHARD.format(1), [[8, 9]], [[10] * 16], sampled=True)
+    seqs = D.load_sequences(tmp_path, min_response=16)
+    assert [t.tolist() for t in seqs.tokens] == [[1, 2, 3] + [5] * 20, [8, 9] + [10] * 16]
+    assert seqs.prompt_lens == [3, 2] and seqs.n_response_tokens == 36
+    ids, attention, response = D.collate(seqs, [1, 0], "cpu")
+    assert ids.shape == (2, 23) and attention.sum(1).tolist() == [18, 23]
+    assert response[0].tolist() == [False] * 2 + [True] * 16 + [False] * 5
+
+
+def test_prompt_files_round_trip(tmp_path):
+    records = [{"source": "x", "text": "hello"}, {"text": "wörld\nwith lines"}]
+    write_prompts(records, tmp_path / "p.jsonl.gz")
+    assert read_prompts(tmp_path / "p.jsonl.gz") == records
+
+
+# --- a tiny run ----------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_data(tiny, tmp_path_factory):
+    """Responses of the tiny target to a few prompts (greedy and sampled), as shards."""
+    _, model, gguf = tiny
+    tokenizer = Tokenizer.from_gguf_metadata(gguf.metadata)
+    texts = [f"Question: what is {i} * {i + 1}? Answer step by step." for i in range(12)]
+    prompts = [D.chat_prompt_ids(tokenizer, t) for t in texts]
+    out = tmp_path_factory.mktemp("tiny-data")
+    jobs = D.generation_jobs(prompts, 6, sampled_every=2, seed=0)
+    D.generate_dataset(
+        hf_model_from(model), jobs, out, 48, [tokenizer.eos_id], 0.8, 0.95, 0, log=lambda m: None
+    )
+    return D.load_sequences(out, min_response=2 * BLOCK)
+
+
+def test_tiny_run_lowers_loss_raises_accept_len_and_resumes(tiny, tiny_data, tmp_path):
+    _, model, gguf = tiny
+    hf = hf_model_from(model)
+    cfg = TrainConfig(block_size=BLOCK, anchors=8, batch=4, lr=3e-3, warmup_steps=5, steps=60, log_every=5)
+    draft = new_draft(_shape(gguf), model, seed=0)
+    first = Trainer(draft, hf, tiny_data, cfg, tmp_path, log=lambda m: None)
+    start = [first.train_step(b) for b in (list(range(4)), list(range(4, 8)))]
+    first.step = 0  # the two probe steps above do not count
+
+    trainer = Trainer(draft, hf, tiny_data, replace(cfg, steps=30), tmp_path, log=lambda m: None)
+    trainer.run()  # stops at step 30 and checkpoints
+    resumed = Trainer(
+        new_draft(_shape(gguf), model, seed=9), hf, tiny_data, cfg, tmp_path, log=lambda m: None
+    )
+    assert resumed.step == 30 and resumed.total == 30  # the checkpoint's schedule, not the new config's
+    for a, b in zip(draft.state_dict().values(), resumed.draft.state_dict().values(), strict=True):
+        torch.testing.assert_close(a, b)
+    resumed.total = 60
+    resumed.run()
+    end = [resumed.train_step(b) for b in (list(range(4)), list(range(4, 8)))]
+
+    loss0, loss1 = (sum(s["loss"] for s in x) / 2 for x in (start, end))
+    acc0, acc1 = (sum(s["accept_len"] for s in x) / 2 for x in (start, end))
+    assert loss1 < 0.7 * loss0, (loss0, loss1)
+    assert acc1 > acc0 + 0.5, (acc0, acc1)
+    logged = [line for line in (tmp_path / "train_log.jsonl").read_text().splitlines() if line]
+    assert len(logged) == 12  # every 5 steps over 60
+
+
+def test_train_draft_command_writes_a_loadable_draft(tiny, tmp_path):
+    path, model, _ = tiny
+    write_prompts([{"text": f"Say {i} words about trees."} for i in range(4)], tmp_path / "p.jsonl.gz")
+    out = tmp_path / "run"
+    args = ["train-draft", "--target", str(path), "--out", str(out), "--layers", "1", "--block-size", "8",
+            "--prompts", str(tmp_path / "p.jsonl.gz"), "--max-new-tokens", "24", "--gen-batch", "4",
+            "--steps", "2", "--batch", "2", "--anchors", "4", "--device", "cpu"]  # fmt: skip
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    draft = load_draft(out, model)
+    assert draft.config.n_layers == 1 and draft.config.block_size == 8
+    assert (out / "checkpoint.pt").is_file() and len(list((out / "data").glob("shard-*.pt"))) == 1
