@@ -24,9 +24,9 @@ if [ "${1:-}" = smoke ]; then
   python3 -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'
   python3 -m flashtree train-draft --target $S/tiny.gguf --out /tmp/smoke --layers 2 \
     --prompts $S/smoke_prompts.jsonl.gz --max-new-tokens 40 --gen-batch 8 --gen-minutes 1 \
-    --train-minutes 0.3 --batch 4 --anchors 8 --device cuda || exit 1
+    --train-minutes 0.15 --batch 4 --anchors 8 --device cuda || exit 1
   python3 -m flashtree.train.evaluate --target $S/tiny.gguf --draft /tmp/smoke --out $OUT/smoke_eval.json \
-    --n 1 --max-new-tokens 24 --workers 2 --datasets humaneval,gsm8k --device cuda
+    --n 1 --max-new-tokens 24 --workers 2 --datasets humaneval --device cuda
   exit
 fi
 
@@ -35,9 +35,9 @@ echo "$GGUF_MD5  $GGUF" | md5sum -c || exit 1
 RUN=$STASH/run
 nvidia-smi -L | tee $OUT/train.log
 python3 -m flashtree train-draft --target $GGUF --out $RUN --layers 3 --prompts $S/prompts.jsonl.gz \
-  --gen-batch 2048 --gen-minutes ${GEN_MINUTES:-3.2} --train-minutes ${TRAIN_MINUTES:-3.5} \
+  --gen-batch 2048 --gen-minutes ${GEN_MINUTES:-2.8} --train-minutes ${TRAIN_MINUTES:-3.0} \
   --batch 32 --anchors 64 --lr 6e-4 --device cuda 2>&1 | tee -a $OUT/train.log
 cp $RUN/config.json $RUN/train_log.jsonl $RUN/train_config.json $OUT/
 split -b 15M $RUN/model.safetensors $OUT/model.safetensors.part.
 python3 -m flashtree.train.evaluate --target $GGUF --draft $RUN --out $OUT/eval.json --workers 6 \
-  --minutes ${EVAL_MINUTES:-1.1} --device cuda 2>&1 | tee $OUT/eval.log
+  --minutes ${EVAL_MINUTES:-1.0} --device cuda 2>&1 | tee $OUT/eval.log
