@@ -3,6 +3,7 @@
 #   bench/gpu_step.sh kernels   kernel checks + tile sweep + 27B layer shapes (bench/gpu_kernels.py);
 #                               starts the synthetic Qwen3.6-27B Q4_K_M + 5-layer draft in the background
 #   bench/gpu_step.sh step      flashtree bench-step with the quantized kernels, then with dense bf16
+#   bench/gpu_step.sh all       both, in one call
 # Needs: carry .wheels/issue6 (gguf wheel) and .cache/issue6 (Qwen3 tokenizer files for synth); $OUT.
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
@@ -18,18 +19,18 @@ synth() {
         && touch "$STASH/synth.done"
 }
 
-case "$1" in
-kernels)
+kernels() {
     nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv
     if [ ! -f "$STASH/synth.done" ]; then
         # own session: survives this command; nice: Triton compiles in the foreground keep the CPU
         export -f synth; export FT STASH
         setsid nohup nice -n 19 bash -c 'time synth' >"$STASH/synth.log" 2>&1 </dev/null &
     fi
-    python3 bench/gpu_kernels.py "$OUT" --tiles-out "$STASH/tiles.json"
+    python3 bench/gpu_kernels.py "$OUT" --tiles-out "$STASH/tiles.json" 2>&1 | tee "$OUT/kernels.log"
     tail -c 600 "$STASH/synth.log"
-    ;;
-step)
+}
+
+step() {
     if [ ! -f "$STASH/synth.done" ]; then
         if ! pgrep -f "synth --" >/dev/null; then time synth >"$STASH/synth.log" 2>&1; fi
         while [ ! -f "$STASH/synth.done" ] && pgrep -f "synth --" >/dev/null; do sleep 2; done
@@ -37,11 +38,18 @@ step)
     tail -c 300 "$STASH/synth.log"; ls -la "$STASH" "$STASH/draft5"
     [ -f "$STASH/tiles.json" ] && export FLASHTREE_QMM_TILES="$(cat "$STASH/tiles.json")"
     echo "tiles: ${FLASHTREE_QMM_TILES:-defaults}"
-    $FT bench-step --target "$STASH/q27.gguf" --draft "$STASH/draft5" --out "$OUT/step_quant.json"
-    $FT bench-step --target "$STASH/q27.gguf" --draft "$STASH/draft5" --out "$OUT/step_dense.json" --dense
-    ;;
+    $FT bench-step --target "$STASH/q27.gguf" --draft "$STASH/draft5" --out "$OUT/step_quant.json" 2>&1 \
+        | grep -v USDT | tee "$OUT/step_quant.log"
+    $FT bench-step --target "$STASH/q27.gguf" --draft "$STASH/draft5" --out "$OUT/step_dense.json" --dense 2>&1 \
+        | grep -v USDT | tee "$OUT/step_dense.log"
+}
+
+case "$1" in
+kernels) kernels ;;
+step) step ;;
+all) kernels && step ;;
 *)
-    echo "usage: $0 kernels|step" >&2
+    echo "usage: $0 kernels|step|all" >&2
     exit 2
     ;;
 esac
