@@ -1,0 +1,108 @@
+"""`flashtree chat`: a terminal REPL that streams replies and keeps the conversation in the chat template.
+
+Commands: /reset (forget the conversation), /system TEXT (set the system prompt; /system alone clears it),
+/stats (the last reply's speed and acceptance), /help. Ctrl-C stops a reply, Ctrl-D quits.
+"""
+
+from __future__ import annotations
+
+from prompt_toolkit import PromptSession
+from rich.console import Console
+
+from flashtree.config import SamplingParams
+from flashtree.errors import FlashtreeError
+from flashtree.generate import Engine, GenerationStats
+
+HELP = (
+    "/reset forget the conversation · /system TEXT set the system prompt · /stats last reply's speed · "
+    "Ctrl-C stop a reply · Ctrl-D quit"
+)
+
+
+class ChatSession:
+    """The conversation so far and the REPL around it."""
+
+    def __init__(
+        self, engine: Engine, name: str, sampling: SamplingParams, max_tokens: int, console: Console
+    ):
+        self.engine, self.name, self.console = engine, name, console
+        self.sampling, self.max_tokens = sampling, max_tokens
+        self.system: str | None = None
+        self.turns: list[dict] = []  # user and assistant messages, alternating
+        self.last_stats: GenerationStats | None = None
+
+    def run(self) -> None:
+        session = PromptSession()
+        self.console.print(f"flashtree chat · {self.name} ({self.engine.mode})", style="bold")
+        self.console.print(HELP, style="dim")
+        while True:
+            try:
+                line = session.prompt("> ").strip()
+            except KeyboardInterrupt:  # Ctrl-C at the prompt clears the line, as in a shell
+                continue
+            except EOFError:
+                return
+            if line.startswith("/"):
+                self.command(line)
+            elif line:
+                self.reply(line)
+
+    def command(self, line: str) -> None:
+        name, _, arg = line.partition(" ")
+        if name == "/reset":
+            self.turns = []
+            self.console.print("conversation cleared", style="dim")
+        elif name == "/system":
+            self.system = arg.strip() or None
+            self.console.print(f"system prompt {'set' if self.system else 'cleared'}", style="dim")
+        elif name == "/stats":
+            self.console.print(self.describe_stats(), style="dim")
+        elif name == "/help":
+            self.console.print(HELP, style="dim")
+        else:
+            self.console.print(f"unknown command {name}; {HELP}", style="yellow")
+
+    def messages(self, user_text: str) -> list[dict]:
+        system = [{"role": "system", "content": self.system}] if self.system else []
+        return [*system, *self.turns, {"role": "user", "content": user_text}]
+
+    def reply(self, user_text: str) -> None:
+        """Stream the assistant's reply; a stopped reply is kept as far as it got, since that is what
+        the user saw."""
+        stats = GenerationStats(self.engine.mode)
+        parts: list[str] = []
+        try:
+            prompt_ids = self.engine.encode_messages(self.messages(user_text))
+            for chunk in self.engine.stream(prompt_ids, self.max_tokens, self.sampling, stats=stats):
+                parts.append(chunk.text)
+                self.console.out(chunk.text, end="", highlight=False)
+        except FlashtreeError as e:
+            self.console.print(f"error: {e} (/reset starts over)", style="red")
+            return
+        except KeyboardInterrupt:
+            self.console.out("")
+            self.console.print("[stopped]", style="dim", markup=False)
+        else:
+            self.console.out("")
+        self.turns.append({"role": "user", "content": user_text})
+        self.turns.append({"role": "assistant", "content": "".join(parts)})
+        self.last_stats = stats
+
+    def describe_stats(self) -> str:
+        s = self.last_stats
+        if s is None:
+            return "no reply yet"
+        return (
+            f"{s.mode}: {s.n_generated} tokens at {s.decode_tok_s:.1f} tok/s "
+            f"(prompt {s.n_prompt} tokens at {s.prefill_tok_s:.1f} tok/s), "
+            f"mean acceptance length {s.mean_accept_len:.2f} over {s.steps} steps"
+        )
+
+
+def chat_command(target, draft, mode, max_tokens, temperature, top_p, top_k, seed, max_ctx, device) -> None:
+    from flashtree.commands import engine_from_options
+    from flashtree.serve.api import model_id_for
+
+    sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+    engine = engine_from_options(target, draft, mode, max_ctx, device)
+    ChatSession(engine, model_id_for(target), sampling, max_tokens, Console(highlight=False)).run()

@@ -1,0 +1,171 @@
+"""`flashtree chat` driven through a pseudo-terminal, as a person types into it, with the default model.
+
+Each reply must be exactly what the engine gives for the conversation so far through the chat
+template (greedy), so the REPL must keep, reset and prefix (system prompt) the history correctly.
+"""
+
+from __future__ import annotations
+
+import os
+import pty
+import re
+import select
+import struct
+import sys
+import time
+
+import pytest
+
+from flashtree.defaults import default_target_path
+from flashtree.generate import Engine, GenerationStats
+
+MAX_TOKENS = 48
+MAX_CTX = 512
+ANSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07]*\x07|\x1b[()][0-9A-Za-z]|\x1b[=>]|\r")
+PROMPT = r"\n>"  # prompt_toolkit draws "> " as ">", a backspace and a cursor move
+STATS = re.compile(r"ar: (\d+) tokens at ([\d.]+) tok/s \(prompt (\d+) tokens")
+
+
+class Terminal:
+    """A child process on a pseudo-terminal (its controlling tty, so Ctrl-C is a real SIGINT)."""
+
+    def __init__(self, argv: list[str], env: dict[str, str]):
+        import fcntl
+        import termios
+
+        self.pid, self.fd = pty.fork()
+        if self.pid == 0:  # the child
+            os.execvpe(argv[0], argv, env)
+        fcntl.ioctl(self.fd, termios.TIOCSWINSZ, struct.pack("HHHH", 50, 200, 0, 0))
+        self.screen = ""  # everything printed so far, without escape sequences
+        self.seen = 0  # how far expect() has consumed `screen`
+        self.returncode: int | None = None
+
+    def send(self, keys: str) -> None:
+        os.write(self.fd, keys.encode())
+
+    def expect(self, pattern: str, timeout_s: float = 240) -> re.Match:
+        """Wait until `pattern` (a regex) appears in the output after the previous match."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            found = re.compile(pattern).search(self.screen, self.seen)
+            if found:
+                self.seen = found.end()
+                return found
+            left = deadline - time.monotonic()
+            assert left > 0, f"{pattern!r} did not appear; the screen ends with:\n{self.screen[-2000:]}"
+            if select.select([self.fd], [], [], min(left, 1.0))[0]:
+                try:
+                    data = os.read(self.fd, 65536)
+                except OSError:  # the child exited and closed the terminal
+                    data = b""
+                assert data, f"the process ended before {pattern!r}; screen:\n{self.screen[-2000:]}"
+                self.screen += ANSI.sub("", data.decode(errors="replace"))
+
+    def exit_code(self, timeout_s: float = 30) -> int | None:
+        deadline = time.monotonic() + timeout_s
+        while self.returncode is None and time.monotonic() < deadline:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+                break
+            try:  # keep draining, so the child never blocks on a full terminal
+                if select.select([self.fd], [], [], 0.2)[0]:
+                    os.read(self.fd, 65536)
+            except OSError:
+                pass
+        return self.returncode
+
+    def close(self) -> None:
+        if self.exit_code(timeout_s=0.5) is None:
+            os.kill(self.pid, 9)
+            os.waitpid(self.pid, 0)
+        os.close(self.fd)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return Engine.load(default_target_path(), draft="none", max_ctx=MAX_CTX, device="cpu")
+
+
+@pytest.fixture
+def terminal():
+    argv = [sys.executable, "-m", "flashtree", "chat", "--draft", "none", "--device", "cpu"]
+    argv += ["--max-tokens", str(MAX_TOKENS), "--max-ctx", str(MAX_CTX)]
+    # No cursor-position queries (nobody answers them here), no colours.
+    env = {**os.environ, "TERM": "xterm", "PROMPT_TOOLKIT_NO_CPR": "1", "NO_COLOR": "1"}
+    term = Terminal(argv, env)
+    yield term
+    term.close()
+
+
+def user(text: str) -> dict:
+    return {"role": "user", "content": text}
+
+
+def reply(engine: Engine, messages: list[dict], max_tokens: int = MAX_TOKENS) -> tuple[str, GenerationStats]:
+    stats = GenerationStats(engine.mode)
+    chunks = engine.stream(engine.encode_messages(messages), max_tokens, stats=stats)
+    return "".join(c.text for c in chunks), stats
+
+
+def ask(terminal: Terminal, text: str, expected: str) -> None:
+    terminal.send(text + "\r")
+    terminal.expect(re.escape(text))  # the echo of what was typed
+    terminal.expect(r"\n" + re.escape(expected) + PROMPT)
+
+
+def test_conversation_stats_reset_system_and_quit(terminal, engine):
+    u1, u2 = "What is the capital of France?", "Name a fruit."
+    a1, stats1 = reply(engine, [user(u1)])
+    a2, _ = reply(engine, [user(u1), {"role": "assistant", "content": a1}, user(u2)])
+    a2_alone, _ = reply(engine, [user(u2)])
+    assert a2 != a2_alone  # so the second reply shows whether the history was kept
+
+    terminal.expect("flashtree chat")
+    terminal.expect(PROMPT)
+    ask(terminal, u1, a1)
+    terminal.send("/stats\r")
+    n_generated, tok_s, n_prompt = terminal.expect(STATS).groups()
+    assert (int(n_generated), int(n_prompt)) == (stats1.n_generated, stats1.n_prompt)
+    assert float(tok_s) > 0
+    terminal.expect(PROMPT)
+    ask(terminal, u2, a2)
+
+    terminal.send("/reset\r")
+    terminal.expect("conversation cleared")
+    terminal.expect(PROMPT)
+    ask(terminal, u2, a2_alone)
+
+    pirate = "You are a pirate."
+    a_pirate, _ = reply(engine, [{"role": "system", "content": pirate}, user(u2)])
+    terminal.send("/reset\r")
+    terminal.expect(PROMPT)
+    terminal.send(f"/system {pirate}\r")
+    terminal.expect("system prompt set")
+    terminal.expect(PROMPT)
+    ask(terminal, u2, a_pirate)
+
+    terminal.send("\x04")  # Ctrl-D
+    assert terminal.exit_code() == 0
+
+
+def test_ctrl_c_stops_a_reply_and_keeps_the_session(terminal, engine):
+    u1 = "Write a long story about a dragon."
+    start, _ = reply(engine, [user(u1)], max_tokens=3)
+    terminal.expect(PROMPT)
+    terminal.send(u1 + "\r")
+    terminal.expect(re.escape(u1))
+    terminal.expect(re.escape(start))  # the reply is streaming (it would run on to MAX_TOKENS)
+    terminal.send("\x03")  # Ctrl-C
+    terminal.expect(r"\[stopped\]")
+    terminal.expect(PROMPT)
+    terminal.send("/stats\r")
+    assert int(terminal.expect(STATS).group(1)) < MAX_TOKENS
+    terminal.expect(PROMPT)
+    terminal.send("/reset\r")
+    terminal.expect(PROMPT)
+    a1, _ = reply(engine, [user("What is the capital of France?")])
+    ask(terminal, "What is the capital of France?", a1)
+    terminal.send("\x04")
+    assert terminal.exit_code() == 0
