@@ -1,6 +1,6 @@
 """Quantized-matmul kernels on a real GPU: check against dequantize + matmul, sweep tiles, time 27B shapes.
 
-    python bench/gpu_kernels.py OUT_DIR [--tiles-out FILE]
+    python bench/gpu_kernels.py OUT_DIR [--stages checks,sweep,shapes] [--name kernels] [--tiles-out FILE]
 
 1. Checks every kernel type at M in {1, 5, 16, 23, 33, 64, 100} against the reference dequantizer
    (flashtree.quant.dequant) + an fp32 matmul, and the kernels' own dequantizer bit for bit.
@@ -193,6 +193,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out", type=Path)
     parser.add_argument("--tiles-out", type=Path)
+    parser.add_argument("--stages", default="checks,sweep,shapes")
+    parser.add_argument("--name", default="kernels", help="results go to OUT_DIR/NAME.json")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
@@ -203,8 +205,9 @@ def main() -> None:
     ceilings = measure_ceilings("cuda")
     result["ceilings"] = ceilings.as_dict()
     print(f"ceilings: {ceilings}", flush=True)
-    stages = (("checks", check_all), ("sweep", sweep), ("shapes", lambda: time_shapes(ceilings.copy_gb_s)))
-    for name, stage in stages:
+    stages = {"checks": check_all, "sweep": sweep, "shapes": lambda: time_shapes(ceilings.copy_gb_s)}
+    for name in args.stages.split(","):
+        stage = stages[name]
         try:
             result[name] = stage()
         except Exception as e:  # noqa: BLE001 - keep what the other stages found
@@ -212,7 +215,7 @@ def main() -> None:
             print(f"{name} failed: {type(e).__name__}: {e}", flush=True)
         result[f"{name}_s"] = time.time() - t0
         result["tiles"] = {k: list(astuple(t)) for k, t in qmatmul.TILES.items()}
-        (args.out / "kernels.json").write_text(json.dumps(result, indent=2) + "\n")
+        (args.out / f"{args.name}.json").write_text(json.dumps(result, indent=2) + "\n")
         if name == "sweep" and args.tiles_out:  # the next run may start before the shapes are timed
             args.tiles_out.write_text(json.dumps(result["tiles"]))
     print(f"tiles {result['tiles']}  total {time.time() - t0:.0f} s", flush=True)

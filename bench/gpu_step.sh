@@ -3,7 +3,7 @@
 #   bench/gpu_step.sh kernels   kernel checks + tile sweep + 27B layer shapes (bench/gpu_kernels.py);
 #                               starts the synthetic Qwen3.6-27B Q4_K_M + 5-layer draft in the background
 #   bench/gpu_step.sh step      flashtree bench-step with the quantized kernels, then with dense bf16
-#   bench/gpu_step.sh all       both, in one call
+#   bench/gpu_step.sh all       in one call: checks, bench-step (default tiles), then sweep + shapes
 # Needs: carry .wheels/issue6 (gguf wheel) and .cache/issue6 (Qwen3 tokenizer files for synth); $OUT.
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
@@ -19,15 +19,18 @@ synth() {
         && touch "$STASH/synth.done"
 }
 
-kernels() {
+start_synth() {
     nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv
     if [ ! -f "$STASH/synth.done" ]; then
         # own session: survives this command; nice: Triton compiles in the foreground keep the CPU
         export -f synth; export FT STASH
         setsid nohup nice -n 19 bash -c 'time synth' >"$STASH/synth.log" 2>&1 </dev/null &
     fi
-    python3 bench/gpu_kernels.py "$OUT" --tiles-out "$STASH/tiles.json" 2>&1 | tee "$OUT/kernels.log"
-    tail -c 600 "$STASH/synth.log"
+}
+
+kernels() {  # kernels NAME STAGES
+    python3 bench/gpu_kernels.py "$OUT" --name "$1" --stages "$2" --tiles-out "$STASH/tiles.json" 2>&1 \
+        | tee "$OUT/$1.log"
 }
 
 step() {
@@ -45,9 +48,9 @@ step() {
 }
 
 case "$1" in
-kernels) kernels ;;
+kernels) start_synth && kernels kernels checks,sweep,shapes ;;
 step) step ;;
-all) kernels && step ;;
+all) start_synth && kernels kernels_checks checks && rm -f "$STASH/tiles.json" && step && kernels kernels_tune sweep,shapes ;;
 *)
     echo "usage: $0 kernels|step|all" >&2
     exit 2
