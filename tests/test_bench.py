@@ -155,7 +155,7 @@ def test_tiny_run_writes_the_schema_and_passes_the_identity_check(tiny_pair, tmp
         # the first token comes from the prefill, every other one from a decode step
         assert sum(n * c for n, c in enumerate(r["accept_hist"])) + 1 >= r["n_generated"]
         assert r["e2e_tok_s"] == pytest.approx(r["n_generated"] / (r["prefill_s"] + r["decode_s"]))
-        assert r["identical_to_ar"] is (None if r["mode"] == "ar" else True)
+        assert r["identical_to_ar"] is (None if r["mode"] == "ar" else True) and r["logit_gap"] is None
     assert results["passed"] is True and results["mismatches"] == []
 
     summary = results["summary"]
@@ -190,9 +190,13 @@ def test_an_output_that_differs_from_ar_fails_the_run_after_writing_results(tiny
     assert mismatch["dataset"] == "gsm8k" and mismatch["mode"] == "chain" and mismatch["at"] >= 1
     chain = next(r for r in results["rows"] if r["mode"] == "chain")
     assert chain["identical_to_ar"] is False and chain["first_difference"] == mismatch["at"]
+    # AR's token is the argmax there and the wrong bonus is not: AR's token leads by a clear margin
+    assert chain["logit_gap"] == mismatch["logit_gap"] > 1e-3
+    assert next(r for r in results["rows"] if r["mode"] == "ar")["logit_gap"] is None
     assert results["summary"]["overall"]["chain"]["identical_to_ar"] is False
     md = (tmp_path / "results.md").read_text()
     assert "| chain |" in md and "**NO**" in md and "Outputs that differ from AR" in md
+    assert f"first differs at token {mismatch['at']}, logit gap {mismatch['logit_gap']:.3f}" in md
 
 
 def test_identity_helpers():

@@ -151,8 +151,10 @@ def markdown(results: dict) -> str:
     ]
     if results["mismatches"]:
         lines += ["", "## Outputs that differ from AR (a correctness bug)", ""]
-        lines += [f"- {m['dataset']} {m['prompt_id']} {m['mode']}: first differs at token {m['at']}"
-                  for m in results["mismatches"]]  # fmt: skip
+        lines += ["The logit gap is how far AR's token led the other one there (near 0: a near-tie that "
+                  "rounding flipped; large: a bug).", ""]  # fmt: skip
+        lines += [f"- {m['dataset']} {m['prompt_id']} {m['mode']}: first differs at token {m['at']}, "
+                  f"logit gap {_fmt(m['logit_gap'], 3)}" for m in results["mismatches"]]  # fmt: skip
     return "\n".join(lines) + "\n"
 
 

@@ -115,6 +115,30 @@ def check_identity(rows: list[dict]) -> list[dict]:
     return mismatches
 
 
+def logit_gap(target, prompt_ids: list[int], ar_ids: list[int], at: int, other_ids: list[int]):
+    """How far AR's token led the other output's token at their first difference (None past the end of
+    either), in the target's logits after the prompt and AR's tokens before it (one fresh forward). A gap
+    near zero is a near-tie that rounding can flip (bf16 blocks vs single tokens); a large one, a bug."""
+    if at >= min(len(ar_ids), len(other_ids)):
+        return None
+    ids = torch.tensor(prompt_ids + ar_ids[:at], device=target.device)
+    logits = target(ids, target.new_state(len(ids)), logits="last").logits[0]  # (vocab,) fp32
+    return float(logits[ar_ids[at]] - logits[other_ids[at]])
+
+
+def add_logit_gaps(rows: list[dict], mismatches: list[dict], target, prompt_ids: dict) -> None:
+    """Every row's logit gap at its first difference from AR (None where it has none), also on mismatches."""
+    ar = {(r["dataset"], r["prompt_id"]): r["output_ids"] for r in rows if r["mode"] == "ar"}
+    for r in rows:
+        key = (r["dataset"], r["prompt_id"])
+        differs = r["identical_to_ar"] is False
+        at = r["first_difference"]
+        r["logit_gap"] = logit_gap(target, prompt_ids[key], ar[key], at, r["output_ids"]) if differs else None
+    gaps = {(r["dataset"], r["prompt_id"], r["mode"]): r["logit_gap"] for r in rows}
+    for m in mismatches:
+        m["logit_gap"] = gaps[m["dataset"], m["prompt_id"], m["mode"]]
+
+
 def make_row(prompt: Prompt, ids: list[int], stats: GenerationStats, tokenizer) -> dict:
     total_s = stats.prefill_s + stats.decode_s
     return {
@@ -171,8 +195,10 @@ def git_info() -> dict:
     root = Path(flashtree.__file__).resolve().parent.parent
 
     def git(*args: str) -> str | None:
+        # safe.directory: a copied checkout (another owner, e.g. on a lent GPU machine) is still ours to read
+        command = ["git", "-c", "safe.directory=*", "-C", str(root), *args]
         try:
-            done = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=30)
+            done = subprocess.run(command, capture_output=True, text=True, timeout=30)
         except (OSError, subprocess.SubprocessError):
             return None
         return done.stdout.strip() if done.returncode == 0 else None
@@ -192,7 +218,8 @@ def device_info(device: torch.device) -> dict:
 
 def versions() -> dict:
     found = {"python": platform.python_version(), "torch": torch.__version__}
-    for package in ("triton", "transformers", "gguf", "flashtree"):
+    found["flashtree"] = flashtree.__version__
+    for package in ("triton", "transformers", "gguf"):
         try:
             found[package] = importlib.metadata.version(package)
         except importlib.metadata.PackageNotFoundError:
@@ -252,6 +279,8 @@ def bench_command(
     ceilings = measure_ceilings(base.device)
     rows = run_all(runners, prompts, encoded, max_tokens, base.tokenizer)
     mismatches = check_identity(rows)
+    prompt_ids = {(p.dataset, p.id): ids for p, ids in zip(prompts, encoded, strict=True)}
+    add_logit_gaps(rows, mismatches, base.target, prompt_ids)
 
     target_info, draft_info = model_info(base)
     all_modes = list(runners)
