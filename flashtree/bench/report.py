@@ -184,12 +184,15 @@ def plot_acceptance(rows: list[dict], modes: list[str], path: Path) -> None:
     fig = Figure(figsize=(8, 4.5), layout="constrained")
     ax = fig.subplots()
     spec = [m for m in modes if m in SPEC_MODES]
+    longest = 1
     for i, mode in enumerate(spec):
-        hist = accept_histogram(rows, mode)
+        hist = accept_histogram(rows, mode)[1:]  # hist[n - 1]: steps that emitted n >= 1 tokens
+        longest = max(longest, len(hist))
         steps = sum(hist) or 1
         width = 0.8 / len(spec)
-        xs = [n + (i - (len(spec) - 1) / 2) * width for n in range(len(hist))]
+        xs = [n + 1 + (i - (len(spec) - 1) / 2) * width for n in range(len(hist))]
         ax.bar(xs, [c / steps for c in hist], width, label=mode)
+    ax.set_xticks(range(1, longest + 1))
     ax.set_xlabel("tokens emitted per decode step (accepted + bonus)")
     ax.set_ylabel("share of steps")
     ax.set_title("Acceptance length histogram")
