@@ -26,7 +26,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 import flashtree
 from flashtree.bench.datasets import Prompt, load_prompts, parse_dataset_names
 from flashtree.bench.report import summarize, write_report
-from flashtree.bench.roofline import measure_ceilings, weight_bytes
+from flashtree.bench.roofline import Ceilings, measure_ceilings, weight_bytes
 from flashtree.commands import engine_from_options
 from flashtree.config import MODES, SamplingParams
 from flashtree.errors import FlashtreeError
@@ -241,6 +241,30 @@ def model_info(base: Engine) -> tuple[dict, dict | None]:
     }
 
 
+def results_document(
+    options: dict, base: Engine, modes: list[str], ceilings: Ceilings, rows: list[dict], mismatches: list
+) -> dict:
+    """Everything results.json holds: how the run was made, on what, and what it measured."""
+    target_info, draft_info = model_info(base)
+    return {
+        "schema": SCHEMA,
+        "command": command_line(options),
+        "options": {k: str(v) if isinstance(v, Path) else v for k, v in options.items()},
+        "modes": modes,
+        "git": git_info(),
+        "device": device_info(base.device),
+        "versions": versions(),
+        "target": target_info,
+        "draft": draft_info,
+        "ceilings": ceilings.as_dict(),
+        "weight_read_tok_s": ceilings.weight_read_tok_s(target_info["weight_bytes"]),
+        "rows": rows,
+        "summary": summarize(rows, modes),
+        "mismatches": mismatches,
+        "passed": not mismatches,
+    }
+
+
 # --- the command --------------------------------------------------------------------------------------
 
 
@@ -282,25 +306,7 @@ def bench_command(
     prompt_ids = {(p.dataset, p.id): ids for p, ids in zip(prompts, encoded, strict=True)}
     add_logit_gaps(rows, mismatches, base.target, prompt_ids)
 
-    target_info, draft_info = model_info(base)
-    all_modes = list(runners)
-    results = {
-        "schema": SCHEMA,
-        "command": command_line(options),
-        "options": {k: str(v) if isinstance(v, Path) else v for k, v in options.items()},
-        "modes": all_modes,
-        "git": git_info(),
-        "device": device_info(base.device),
-        "versions": versions(),
-        "target": target_info,
-        "draft": draft_info,
-        "ceilings": ceilings.as_dict(),
-        "weight_read_tok_s": ceilings.weight_read_tok_s(target_info["weight_bytes"]),
-        "rows": rows,
-        "summary": summarize(rows, all_modes),
-        "mismatches": mismatches,
-        "passed": not mismatches,
-    }
+    results = results_document(options, base, list(runners), ceilings, rows, mismatches)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
     paths = write_report(results, out)
