@@ -105,9 +105,11 @@ def dense_time_us(weights, m) -> float:
     return graph_time_us([lambda w=w: x @ w.t() for w in weights] * 2)
 
 
-def check_all() -> list[dict]:
+def check_all(types: list[str]) -> list[dict]:
     rows = []
     for qtype, (n, k) in CHECK_SHAPES.items():
+        if qtype.name not in types:
+            continue
         try:
             rows += check_type(qtype, n, k)
         except Exception as e:  # noqa: BLE001 - report it, check the other types
@@ -195,6 +197,7 @@ def main() -> None:
     parser.add_argument("--tiles-out", type=Path)
     parser.add_argument("--stages", default="checks,sweep,shapes")
     parser.add_argument("--name", default="kernels", help="results go to OUT_DIR/NAME.json")
+    parser.add_argument("--types", default=",".join(t.name for t in CHECK_SHAPES), help="types to check")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
@@ -205,7 +208,11 @@ def main() -> None:
     ceilings = measure_ceilings("cuda")
     result["ceilings"] = ceilings.as_dict()
     print(f"ceilings: {ceilings}", flush=True)
-    stages = {"checks": check_all, "sweep": sweep, "shapes": lambda: time_shapes(ceilings.copy_gb_s)}
+    stages = {
+        "checks": lambda: check_all(args.types.split(",")),
+        "sweep": sweep,
+        "shapes": lambda: time_shapes(ceilings.copy_gb_s),
+    }
     for name in args.stages.split(","):
         stage = stages[name]
         try:

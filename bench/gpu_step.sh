@@ -28,9 +28,9 @@ start_synth() {
     fi
 }
 
-kernels() {  # kernels NAME STAGES
-    python3 bench/gpu_kernels.py "$OUT" --name "$1" --stages "$2" --tiles-out "$STASH/tiles.json" 2>&1 \
-        | tee "$OUT/$1.log"
+kernels() {  # kernels NAME STAGES [TYPES]
+    python3 bench/gpu_kernels.py "$OUT" --name "$1" --stages "$2" --types "${3:-Q4_K,Q5_K,Q6_K,Q8_0,Q4_0,Q4_1}" \
+        --tiles-out "$STASH/tiles.json" 2>&1 | tee "$OUT/$1.log"
 }
 
 step() {
@@ -50,7 +50,10 @@ step() {
 case "$1" in
 kernels) start_synth && kernels kernels checks,sweep,shapes ;;
 step) step ;;
-all) start_synth && kernels kernels_checks checks && rm -f "$STASH/tiles.json" && step && kernels kernels_tune sweep,shapes ;;
+all)
+    start_synth && kernels kernels_checks checks Q4_K,Q6_K && rm -f "$STASH/tiles.json" && step
+    kernels kernels_tune checks,sweep,shapes Q5_K,Q8_0,Q4_0,Q4_1
+    ;;
 *)
     echo "usage: $0 kernels|step|all" >&2
     exit 2
