@@ -187,6 +187,21 @@ def test_completions_string_tokens_and_stream(client, http, engine):
     assert [c["finish_reason"] for c in choices] == [None] * (len(choices) - 1) + ["length"]
 
 
+def test_multibyte_characters_split_across_tokens(client, engine):
+    prompt = "東京は日本の"  # the model continues in katakana, each character split over two byte tokens
+    text, _, _ = reference(engine, engine.encode(prompt, chat=False), 8)
+    assert "\ufffd" not in text and len(text) >= 3
+    pieces = [
+        c.choices[0].text
+        for c in client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=8, temperature=0, stream=True
+        )
+    ]
+    assert "".join(pieces) == text and "\ufffd" not in "".join(pieces)
+    whole = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0)
+    assert whole.choices[0].text == text
+
+
 def test_stop_strings(client, engine):
     prompt_ids = engine.encode(COUNTING, chat=False)
     full, _, _ = reference(engine, prompt_ids, 10)
@@ -352,3 +367,18 @@ def test_disconnect_mid_stream_frees_the_engine(client, http):
     assert 3 <= abandoned < 100
     assert waited < 15, f"the next request waited {waited:.1f} s"
     assert after["flashtree_mean_accept_len"] == 1.0 and after["flashtree_decode_tokens_per_second"] > 0
+
+
+def test_disconnect_while_waiting_for_a_whole_reply(client, http):
+    before = metrics(http)
+    body = {"model": MODEL, "prompt": COUNTING, "max_tokens": 400, "temperature": 0}
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up long before 400 tokens
+        http.post("/v1/completions", json=body, timeout=1.5)
+    start = time.monotonic()
+    r = client.completions.create(model=MODEL, prompt="Hello", max_tokens=4, temperature=0)
+    assert r.usage.completion_tokens == 4
+    assert time.monotonic() - start < 15
+    after = metrics(http)
+    cancelled = 'flashtree_requests_total{outcome="cancelled"}'
+    assert after[cancelled] == before.get(cancelled, 0) + 1
+    assert after["flashtree_generated_tokens_total"] - before["flashtree_generated_tokens_total"] < 100

@@ -74,6 +74,8 @@ class _ChatShape:
     """How a reply looks on /v1/chat/completions."""
 
     object, chunk_object, id_prefix = "chat.completion", "chat.completion.chunk", "chatcmpl-"
+    text_key = "content"
+    opening = {"role": "assistant", "content": ""}  # the first streamed delta, as OpenAI sends it
 
     @staticmethod
     def choice(text: str, finish_reason: str | None) -> dict:
@@ -84,20 +86,14 @@ class _ChatShape:
     def delta(delta: dict, finish_reason: str | None) -> dict:
         return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
 
-    @staticmethod
-    def opening() -> dict | None:
-        return {"role": "assistant", "content": ""}
-
-    @staticmethod
-    def text_delta(text: str) -> dict:
-        return {"content": text}
-
 
 class _TextShape:
     """How a reply looks on /v1/completions: the same choice object whole or streamed."""
 
     object = chunk_object = "text_completion"
     id_prefix = "cmpl-"
+    text_key = "text"
+    opening = None
 
     @staticmethod
     def choice(text: str, finish_reason: str | None) -> dict:
@@ -107,20 +103,13 @@ class _TextShape:
     def delta(delta: dict, finish_reason: str | None) -> dict:
         return _TextShape.choice(delta.get("text", ""), finish_reason)
 
-    @staticmethod
-    def opening() -> dict | None:
-        return None
-
-    @staticmethod
-    def text_delta(text: str) -> dict:
-        return {"text": text}
-
 
 class OpenAIServer:
     """The FastAPI app around one engine, its worker thread and its metrics."""
 
     def __init__(self, engine: Engine, model_id: str, api_key: str | None = None):
         self.engine, self.model_id, self.api_key = engine, model_id, api_key
+        self.started = int(time.time())
         self.metrics = Metrics()
         self.worker = EngineWorker(engine, self.metrics)
         self.app = self._build_app()
@@ -187,7 +176,7 @@ class OpenAIServer:
         return {
             "id": self.model_id,
             "object": "model",
-            "created": 0,
+            "created": self.started,
             "owned_by": "flashtree",
             "max_model_len": self.engine.max_ctx,
         }
@@ -336,13 +325,13 @@ class _Reply:
         """Text deltas, then a chunk with the finish reason and stats, the usage chunk if asked, [DONE].
         A cancelled job (client gone) ends without them."""
         shape = self.shape
-        if shape.opening() is not None:
-            yield self._event([shape.delta(shape.opening(), None)], include_usage)
+        if shape.opening is not None:
+            yield self._event([shape.delta(shape.opening, None)], include_usage)
         finish = None
         chunk: Chunk | None = first
         while chunk is not None:
             if chunk.text:
-                yield self._event([shape.delta(shape.text_delta(chunk.text), None)], include_usage)
+                yield self._event([shape.delta({shape.text_key: chunk.text}, None)], include_usage)
             finish = chunk.finish_reason or finish
             chunk = await anext(rest, None)
         if finish is None:
