@@ -3,6 +3,7 @@
 #   bench/gpu_step.sh kernels   kernel checks + tile sweep + 27B layer shapes (bench/gpu_kernels.py);
 #                               starts the synthetic Qwen3.6-27B Q4_K_M + 5-layer draft in the background
 #   bench/gpu_step.sh step      flashtree bench-step with the quantized kernels, then with dense bf16
+#   bench/gpu_step.sh quick     only the 27B types' checks and layer-shape timings (little device time)
 #   bench/gpu_step.sh all       in one call: checks, bench-step (default tiles), then sweep + shapes
 # Needs: carry .wheels/issue6 (gguf wheel) and .cache/issue6 (Qwen3 tokenizer files for synth); $OUT.
 set -u
@@ -53,6 +54,7 @@ step() {
 case "$1" in
 kernels) start_synth && kernels kernels checks,sweep,shapes ;;
 step) step ;;
+quick) kernels kernels checks,shapes Q4_K,Q6_K ;;
 all)
     start_synth && kernels kernels_checks checks Q4_K,Q6_K && rm -f "$STASH/tiles.json" && step
     kernels kernels_tune checks,sweep,shapes Q5_K,Q8_0,Q4_0,Q4_1
