@@ -1,4 +1,8 @@
 import pytest
+import torch
+
+# Tiny models: one thread avoids OpenMP spin/oversubscription costs that dwarf the work itself.
+torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")

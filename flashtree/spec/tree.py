@@ -69,7 +69,7 @@ def build_tree(
         score = cand.flatten()[best].masked_fill(dead, NEG_INF)
         scores.append(score)
         tokens.append(tok[d][rank])
-        parents.append(torch.where(d == 0, torch.full_like(par, -1), par))
+        parents.append(par if d > 0 else torch.full_like(par, -1))
         greedy.append(cand_greedy.flatten()[best] & ~dead)
         prev_score, prev_greedy = score, greedy[-1]
 

@@ -1,0 +1,90 @@
+"""Test drafts for speculative decoding: a random real DFlash draft and an oracle draft."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from flashtree.config import SamplingParams, SpecConfig
+from flashtree.convert.synth import synth_draft
+from flashtree.generate import Engine, GenerationStats
+from flashtree.models.dflash import load_draft
+
+
+def random_draft(target_gguf: Path, target, root: Path, layers: int = 1, seed: int = 0):
+    out = root / f"{target_gguf.stem}-draft{layers}-{seed}"
+    if not (out / "config.json").exists():
+        synth_draft(target_gguf, layers, out, seed)
+    return load_draft(out, target)
+
+
+class _Context:
+    def __init__(self):
+        self.length = 0
+
+    def reset(self):
+        self.length = 0
+
+
+class OracleDraft:
+    """Proposes the target's own continuation (known in advance), corrupting each token with
+    probability `error`. A corrupted position still ranks the true token second, so DDTree can
+    recover through a sibling: accepted lengths span 1..B and trees branch for real."""
+
+    def __init__(self, sequence: list[int], vocab: int, block_size: int, error: float, seed: int = 0):
+        from types import SimpleNamespace
+
+        self.sequence, self.vocab, self.error, self.seed = sequence, vocab, error, seed
+        self.config = SimpleNamespace(block_size=block_size, target_layer_ids=(0,))
+
+    def new_context(self, size: int) -> _Context:
+        return _Context()
+
+    def append_context(self, ctx: _Context, features: torch.Tensor) -> None:
+        ctx.length += features.shape[0]
+
+    def propose(self, ctx: _Context, root: int, block_size: int) -> torch.Tensor:
+        start = ctx.length  # the root's position
+        g = torch.Generator().manual_seed(self.seed * 100003 + start)
+        logits = torch.randn(block_size - 1, self.vocab, generator=g)
+        for j in range(1, block_size):
+            pos = start + j
+            true = (
+                self.sequence[pos]
+                if pos < len(self.sequence)
+                else int(torch.randint(self.vocab, (1,), generator=g))
+            )
+            if float(torch.rand(1, generator=g)) < self.error:
+                wrong = (true + 1 + int(torch.randint(self.vocab - 1, (1,), generator=g))) % self.vocab
+                logits[j - 1, wrong] = 12.0
+                logits[j - 1, true] = 11.0
+            else:
+                logits[j - 1, true] = 12.0
+        return logits
+
+
+_engines: dict = {}
+
+
+def engine(target, draft, **spec) -> Engine:
+    """An Engine for (target, draft, spec settings), built once and reused (it resets per request)."""
+    mode = spec.pop("mode", "tree" if draft is not None else "ar")
+    key = (id(target), id(draft), mode, tuple(sorted(spec.items())))
+    if key not in _engines:
+        _engines[key] = Engine(target, None, draft, SpecConfig(mode=mode, **spec), max_ctx=512)
+    return _engines[key]
+
+
+def generate(
+    target, draft, prompt: list[int], n: int, sampling=None, **spec
+) -> tuple[list[int], GenerationStats]:
+    """Tokens of one generation with stop ids disabled (random models emit EOS at random)."""
+    e = engine(target, draft, **spec)
+    stats = GenerationStats(e.mode)
+    out = [
+        t
+        for step in e.generate(prompt, n, sampling or SamplingParams(), stop_ids=(), stats=stats)
+        for t in step
+    ]
+    return out, stats

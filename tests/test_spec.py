@@ -1,0 +1,104 @@
+"""Speculative decoding is lossless: chain and tree outputs equal plain decoding, greedy and sampled."""
+
+import random
+
+import pytest
+import torch
+
+from flashtree.config import SamplingParams
+from flashtree.models.loader import load_target
+from flashtree.spec import decoder as spec_decoder
+from tests.spec_util import OracleDraft, generate, random_draft
+from tests.tiny import tiny_gguf
+
+FAMILIES = ["llama", "qwen3", "qwen35"]
+N_NEW = 16
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def pair(request, tiny_root):
+    gguf = tiny_gguf(request.param, 0, tiny_root)
+    target, _ = load_target(gguf, device="cpu", dtype=torch.float32)
+    return target, random_draft(gguf, target, tiny_root, layers=1)
+
+
+def prompts(n, vocab, seed=0):
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(rng.randint(1, 40))] for _ in range(n)]
+
+
+CONFIGS = [dict(mode="chain", block_size=b) for b in (2, 4, 8, 16)] + [
+    dict(mode="tree", block_size=16, budget=b) for b in (1, 4, 22, 64)
+]
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
+def test_greedy_identity_random_draft(pair, config):
+    target, draft = pair
+    for prompt in prompts(50, target.config.vocab, seed=len(config)):
+        ar, _ = generate(target, None, prompt, N_NEW)
+        spec, _ = generate(target, draft, prompt, N_NEW, **config)
+        assert spec == ar, f"prompt {prompt}"
+
+
+ORACLE_CONFIGS = [
+    dict(mode="chain", block_size=16),
+    dict(mode="tree", block_size=16, budget=22),
+    dict(mode="tree", block_size=8, budget=64),
+]
+
+
+@pytest.mark.parametrize("error", [0.0, 0.15, 0.4])
+@pytest.mark.parametrize("config", ORACLE_CONFIGS, ids=["chain16", "tree16-22", "tree8-64"])
+def test_greedy_identity_oracle_draft(pair, error, config, monkeypatch):
+    target, _ = pair
+    walks = []
+    real_accept = spec_decoder.accept_path
+
+    def recording_accept(tokens, layout, samples):
+        path, bonus = real_accept(tokens, layout, samples)
+        walks.append((layout, path))
+        return path, bonus
+
+    monkeypatch.setattr(spec_decoder, "accept_path", recording_accept)
+    hist_total = [0] * 17
+    for i, prompt in enumerate(prompts(8, target.config.vocab, seed=3)):
+        ar, _ = generate(target, None, prompt, 48)
+        oracle = OracleDraft(prompt + ar, target.config.vocab, config["block_size"], error, seed=i)
+        spec, stats = generate(target, oracle, prompt, 48, **config)
+        assert spec == ar
+        for n, c in enumerate(stats.accept_hist):
+            hist_total[n] += c
+    block = config["block_size"]
+    covers_all = config.get("budget", 0) >= 2 * (block - 1)  # room for the chain + every runner-up
+    if error == 0.0 or (covers_all and error < 0.2):  # perfect draft, or a tree that recovers from it
+        assert hist_total[block] >= sum(hist_total) - 8
+    else:  # a realistic draft: many different accept lengths, down to 1 and up to the block size
+        assert sum(c > 0 for c in hist_total) >= 4
+        if config["mode"] == "chain":
+            assert hist_total[block if error < 0.2 else 1] > 0
+    if config["mode"] == "tree" and error > 0:
+        depths = [int(layout.depths.max()) for layout, _ in walks]
+        assert max(depths) >= block - 2  # deep trees
+        branched = [
+            (layout, path) for layout, path in walks
+            if any(int(layout.parents[n]) != n - 1 for n in path[1:].tolist())
+        ]  # fmt: skip
+        assert branched, "no accepted path ever left the greedy chain"
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [SamplingParams(temperature=0.7, seed=1), SamplingParams(temperature=1.3, top_p=0.9, seed=2),
+     SamplingParams(temperature=1.0, top_k=5, seed=3)],
+    ids=["t0.7", "t1.3-p0.9", "t1-k5"],
+)  # fmt: skip
+def test_sampled_output_identical_to_ar_sampling(pair, sampling):
+    """Position-keyed sampling noise makes speculative sampling emit exactly AR's sample."""
+    target, draft = pair
+    for i, prompt in enumerate(prompts(10, target.config.vocab, seed=7)):
+        ar, _ = generate(target, None, prompt, N_NEW, sampling)
+        oracle = OracleDraft(prompt + ar, target.config.vocab, 16, 0.2, seed=i)
+        assert generate(target, draft, prompt, N_NEW, sampling, mode="tree", budget=22)[0] == ar
+        assert generate(target, oracle, prompt, N_NEW, sampling, mode="tree", budget=22)[0] == ar
+        assert generate(target, oracle, prompt, N_NEW, sampling, mode="chain")[0] == ar
