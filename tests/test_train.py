@@ -6,6 +6,7 @@ Tiny random targets from tests/tiny.py (2 llama layers, hidden 64, vocab 320), f
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import replace
 
@@ -27,7 +28,7 @@ from flashtree.train.forward import draft_hidden, new_draft, save_draft
 from flashtree.train.hf_target import hf_features
 from flashtree.train.loss import block_attention_mask, dflash_loss, make_blocks, sample_anchors
 from flashtree.train.prompts import read_prompts, write_prompts
-from flashtree.train.trainer import TrainConfig, Trainer
+from flashtree.train.trainer import TrainConfig, Trainer, lr_at
 
 BLOCK = 8
 
@@ -233,29 +234,39 @@ def test_tiny_run_lowers_loss_raises_accept_len_and_resumes(tiny, tiny_data, tmp
     _, model, gguf = tiny
     hf = hf_model_from(model)
     cfg = TrainConfig(block_size=BLOCK, anchors=8, batch=4, lr=3e-3, warmup_steps=5, steps=60, log_every=5)
+    probe = [list(range(4)), list(range(4, 8))]
     draft = new_draft(_shape(gguf), model, seed=0)
-    first = Trainer(draft, hf, tiny_data, cfg, tmp_path, log=lambda m: None)
-    start = [first.train_step(b) for b in (list(range(4)), list(range(4, 8)))]
-    first.step = 0  # the two probe steps above do not count
+    start = [Trainer(draft, hf, tiny_data, cfg, tmp_path / "probe").train_step(b) for b in probe]
 
-    trainer = Trainer(draft, hf, tiny_data, replace(cfg, steps=30), tmp_path, log=lambda m: None)
-    trainer.run()  # stops at step 30 and checkpoints
+    first = Trainer(draft, hf, tiny_data, cfg, tmp_path, log=lambda m: None)
+    batches = D.iterate_batches(tiny_data, cfg.batch, cfg.seed, 0)
+    for _ in range(30):  # half the run, then a checkpoint: as if the machine went away
+        first.train_step(next(batches))
+    first.save_checkpoint()
     resumed = Trainer(
         new_draft(_shape(gguf), model, seed=9), hf, tiny_data, cfg, tmp_path, log=lambda m: None
     )
-    assert resumed.step == 30 and resumed.total == 30  # the checkpoint's schedule, not the new config's
+    assert resumed.step == 30 and resumed.progress == 0.5
     for a, b in zip(draft.state_dict().values(), resumed.draft.state_dict().values(), strict=True):
         torch.testing.assert_close(a, b)
-    resumed.total = 60
-    resumed.run()
-    end = [resumed.train_step(b) for b in (list(range(4)), list(range(4, 8)))]
+    resumed.run()  # the second half of the same schedule
+    assert resumed.step == 60
+    end = [resumed.train_step(b) for b in probe]
 
     loss0, loss1 = (sum(s["loss"] for s in x) / 2 for x in (start, end))
     acc0, acc1 = (sum(s["accept_len"] for s in x) / 2 for x in (start, end))
     assert loss1 < 0.7 * loss0, (loss0, loss1)
     assert acc1 > acc0 + 0.5, (acc0, acc1)
-    logged = [line for line in (tmp_path / "train_log.jsonl").read_text().splitlines() if line]
-    assert len(logged) == 12  # every 5 steps over 60
+    logged = [json.loads(line) for line in (tmp_path / "train_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in logged] == list(range(35, 61, 5))
+    assert logged[-1]["lr"] < 0.05 * cfg.lr  # the cosine ran to its end
+
+
+def test_time_limited_schedule_follows_training_seconds():
+    cfg = TrainConfig(lr=1.0, warmup_steps=10, time_limit=100.0)
+    assert lr_at(0, 0.0, cfg) == pytest.approx(0.1)  # warmup by steps
+    assert lr_at(50, 0.5, cfg) == pytest.approx(0.5)  # cosine by progress
+    assert lr_at(500, 1.0, cfg) == pytest.approx(0.0)
 
 
 def test_train_draft_command_writes_a_loadable_draft(tiny, tmp_path):

@@ -31,8 +31,6 @@ from flashtree.train.hf_target import hf_features
 from flashtree.train.loss import dflash_loss, gamma_for, make_blocks, sample_anchors
 from flashtree.train.prompts import build_prompts, read_prompts, write_prompts
 
-CALIBRATION_STEPS = 20  # steps timed before a time-limited run fixes its total step count
-
 
 @dataclass
 class TrainConfig:
@@ -42,33 +40,33 @@ class TrainConfig:
     lr: float = 6e-4
     warmup_steps: int = 100
     gamma: float | None = None  # loss decay; None: 7 for block 16 (loss.gamma_for)
-    steps: int | None = None  # total steps; None: as many as fit in time_limit
-    time_limit: float | None = None  # seconds of training in this run
+    steps: int | None = None  # length of the run in steps, or
+    time_limit: float | None = None  # in seconds of training (summed over resumed runs)
     grad_clip: float = 1.0
     seed: int = 0
     checkpoint_every: float = 120.0  # seconds
     log_every: int = 10
 
 
-def lr_at(step: int, total: int | None, cfg: TrainConfig) -> float:
-    """Linear warmup (at most a tenth of the run), then cosine decay to zero at `total` (None: not
-    known yet, during a time-limited run's calibration steps, which all fall inside the warmup)."""
-    warmup = cfg.warmup_steps if total is None else max(1, min(cfg.warmup_steps, total // 10))
-    if step < warmup:
-        return cfg.lr * (step + 1) / warmup
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    return cfg.lr * 0.5 * (1 + math.cos(math.pi * progress))
+def lr_at(step: int, progress: float, cfg: TrainConfig) -> float:
+    """Linear warmup over the first steps, times a cosine from 1 to 0 over the run's progress (0..1).
+    A time-limited run measures progress in training seconds, so its schedule always fits its time,
+    however fast the steps turn out to be."""
+    warmup = min(cfg.warmup_steps, cfg.steps // 10) if cfg.steps else cfg.warmup_steps
+    return cfg.lr * min(1.0, (step + 1) / max(1, warmup)) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
 
 
 class Trainer:
     def __init__(
         self, draft: DFlashDraft, hf_model, seqs: D.Sequences, cfg: TrainConfig, out_dir: Path, log=print
     ):
+        if (cfg.steps is None) == (cfg.time_limit is None):
+            raise FlashtreeError("training needs exactly one of --steps and --train-minutes")
         self.draft, self.hf, self.seqs, self.cfg = draft, hf_model, seqs, cfg
         self.out_dir, self.log = out_dir, log
         self.gamma = cfg.gamma or gamma_for(cfg.block_size)
         self.optimizer = torch.optim.AdamW(draft.parameters(), lr=cfg.lr, weight_decay=0.0)
-        self.step, self.total = 0, cfg.steps
+        self.step, self.train_seconds = 0, 0.0
         self.checkpoint_path = out_dir / "checkpoint.pt"
         if self.checkpoint_path.exists():
             self._resume()
@@ -77,19 +75,25 @@ class Trainer:
     def device(self) -> torch.device:
         return self.draft.device
 
+    @property
+    def progress(self) -> float:
+        if self.cfg.steps is not None:
+            return self.step / self.cfg.steps
+        return self.train_seconds / self.cfg.time_limit
+
     def _resume(self) -> None:
         state = torch.load(self.checkpoint_path, map_location=self.device, weights_only=True)
         self.draft.load_state_dict(state["draft"])
         self.optimizer.load_state_dict(state["optimizer"])
-        self.step, self.total = int(state["step"]), int(state["total"]) if state["total"] >= 0 else None
-        self.log(f"train: resumed at step {self.step} of {self.total}")
+        self.step, self.train_seconds = int(state["step"]), float(state["train_seconds"])
+        self.log(f"train: resumed at step {self.step} ({self.train_seconds:.0f}s trained)")
 
     def save_checkpoint(self) -> None:
         state = {
             "draft": self.draft.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "step": self.step,
-            "total": -1 if self.total is None else self.total,
+            "train_seconds": self.train_seconds,
         }
         tmp = self.checkpoint_path.with_suffix(".tmp")
         torch.save(state, tmp)
@@ -104,7 +108,7 @@ class Trainer:
         blocks = make_blocks(
             ids, response, anchors, keep, cfg.block_size, self.draft.config.mask_token_id, self.gamma
         )
-        lr = lr_at(self.step, self.total, cfg)
+        lr = lr_at(self.step, self.progress, cfg)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         with torch.autocast(self.device.type, torch.bfloat16, enabled=self.device.type == "cuda"):
@@ -116,54 +120,42 @@ class Trainer:
         self.optimizer.step()
         self.step += 1
         return {
-            "loss": float(out.loss.detach()),
+            "loss": float(out.loss.detach()),  # also waits for the GPU, so step times are real
             "accept_len": out.accept_len,
             "accuracy": out.accuracy,
             "lr": lr,
         }
 
     def run(self) -> None:
-        """Train until the total step count (fixed after calibration when time-limited) or the time limit."""
+        """Train to the end of the schedule, checkpointing every `checkpoint_every` seconds and at the end."""
         cfg = self.cfg
-        if self.total is None and cfg.time_limit is None:
-            raise FlashtreeError("training needs --steps or a time limit (--train-minutes)")
         log_path = self.out_dir / "train_log.jsonl"
-        start = last_save = time.perf_counter()
-        calib_from, window = None, []
+        last_save, window = time.perf_counter(), []
         batches = D.iterate_batches(self.seqs, cfg.batch, cfg.seed, self.step)
-        while self.total is None or self.step < self.total:
-            elapsed = time.perf_counter() - start
-            if cfg.time_limit is not None and elapsed > cfg.time_limit:
-                self.log(f"train: time limit reached at step {self.step}")
-                break
+        while self.progress < 1.0:
+            t0 = time.perf_counter()
             window.append(self.train_step(next(batches)))
-            if self.device.type == "cuda":
-                torch.cuda.synchronize()
-            if self.total is None:
-                calib_from = calib_from or (self.step, time.perf_counter())  # the first step warms up
-                if self.step - calib_from[0] >= CALIBRATION_STEPS:
-                    per_step = (time.perf_counter() - calib_from[1]) / (self.step - calib_from[0])
-                    left = cfg.time_limit - (time.perf_counter() - start)
-                    self.total = self.step + int(left / per_step)
-                    self.log(f"train: {per_step * 1000:.0f} ms/step, {self.total} steps fit the time limit")
-            if self.step % cfg.log_every == 0 or self.step == self.total:
-                self._log_window(window, log_path, time.perf_counter() - start)
+            self.train_seconds += time.perf_counter() - t0
+            if self.step % cfg.log_every == 0 or self.progress >= 1.0:
+                self._log_window(window, log_path)
                 window = []
             if time.perf_counter() - last_save > cfg.checkpoint_every:
                 self.save_checkpoint()
                 last_save = time.perf_counter()
         self.save_checkpoint()
 
-    def _log_window(self, window: list[dict], log_path: Path, elapsed: float) -> None:
-        if not window:
-            return
-        row = {"step": self.step, "total": self.total, "elapsed_s": round(elapsed, 1)}
+    def _log_window(self, window: list[dict], log_path: Path) -> None:
+        row = {
+            "step": self.step,
+            "progress": round(self.progress, 4),
+            "train_s": round(self.train_seconds, 1),
+        }
         row |= {k: sum(w[k] for w in window) / len(window) for k in window[0]}
         with open(log_path, "a", encoding="utf-8") as f:
             f.write(json.dumps(row) + "\n")
         self.log(
-            f"train: step {self.step}/{self.total} loss {row['loss']:.3f} accept {row['accept_len']:.2f} "
-            f"acc {row['accuracy']:.3f} lr {row['lr']:.2e} ({elapsed:.0f}s)"
+            f"train: step {self.step} ({row['progress']:.0%}) loss {row['loss']:.3f} accept "
+            f"{row['accept_len']:.2f} acc {row['accuracy']:.3f} lr {row['lr']:.2e} ({row['train_s']:.0f}s)"
         )
 
 
@@ -201,8 +193,8 @@ def train_draft_command(
         from flashtree.defaults import default_target_path
 
         target = default_target_path()
-    if steps is None and train_minutes is None:
-        raise FlashtreeError("give --steps or --train-minutes")
+    if (steps is None) == (train_minutes is None):
+        raise FlashtreeError("give one of --steps and --train-minutes")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     model, gguf = load_target(target, device=device)
