@@ -177,5 +177,38 @@ def inspect(
     inspect_command(file, as_json)
 
 
+@app.command("train-draft")
+@user_errors
+def train_draft(
+    out: Path = typer.Option(..., "--out", help="Output dir: data, checkpoints, then the draft."),
+    target: Path | None = TargetOpt,
+    layers: int = typer.Option(5, "--layers", help="Draft layers."),
+    block_size: int = typer.Option(16, "--block-size"),
+    prompts: list[Path] | None = typer.Option(
+        None, "--prompts", help="JSONL(.gz) prompt files, 'text' per line (default: the built-in mix)."
+    ),
+    max_prompts: int | None = typer.Option(None, "--max-prompts"),
+    max_prompt_tokens: int = typer.Option(384, "--max-prompt-tokens", help="Skip longer prompts."),
+    max_new_tokens: int = typer.Option(256, "--max-new-tokens", help="Response length cap."),
+    gen_batch: int = typer.Option(256, "--gen-batch", help="Prompts per generate call."),
+    gen_minutes: float | None = typer.Option(None, "--gen-minutes", help="Stop generating after this."),
+    sampled_every: int = typer.Option(3, "--sampled-every", help="Every n-th batch sampled (0: never)."),
+    temperature: float = typer.Option(0.8, "--temperature", help="Of the sampled batches."),
+    steps: int | None = typer.Option(None, "--steps", help="Training steps (or use --train-minutes)."),
+    train_minutes: float | None = typer.Option(None, "--train-minutes"),
+    batch: int = typer.Option(16, "--batch", help="Sequences per step."),
+    anchors: int = typer.Option(64, "--anchors", help="Blocks per sequence."),
+    lr: float = typer.Option(6e-4, "--lr"),
+    gamma: float | None = typer.Option(None, "--gamma", help="Loss decay (default 7 for block 16)."),
+    seed: int = typer.Option(0, "--seed"),
+    device: str | None = DeviceOpt,
+):
+    """Train a DFlash draft for a llama target on responses the target writes itself."""
+    options = dict(locals())
+    from flashtree.train.trainer import train_draft_command
+
+    train_draft_command(**options)
+
+
 def main() -> None:  # pragma: no cover - console entry for `python -m flashtree`
     sys.exit(app())
