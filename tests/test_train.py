@@ -9,17 +9,23 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
 from tiny import tiny_gguf
 from typer.testing import CliRunner
 
+import flashtree
 from flashtree.bench.hf_baseline import hf_model_from
 from flashtree.cli import app
 from flashtree.config import SamplingParams
-from flashtree.convert.synth import draft_shape_for
+from flashtree.convert.hf import hf_name
+from flashtree.convert.synth import draft_config, draft_shape_for
+from flashtree.defaults import default_draft_path, default_target_path
 from flashtree.generate import Engine
+from flashtree.gguf.reader import GGUFFile
 from flashtree.gguf.tokenizer import Tokenizer
 from flashtree.models.dflash import load_draft
 from flashtree.models.loader import load_target
@@ -281,3 +287,18 @@ def test_train_draft_command_writes_a_loadable_draft(tiny, tmp_path):
     draft = load_draft(out, model)
     assert draft.config.n_layers == 1 and draft.config.block_size == 8
     assert (out / "checkpoint.pt").is_file() and len(list((out / "data").glob("shard-*.pt"))) == 1
+
+
+# --- the shipped draft ---------------------------------------------------------------------------------
+
+
+def test_shipped_draft_is_the_default_and_matches_what_train_draft_writes_for_smollm2():
+    path = default_draft_path()
+    assert path is not None and path.parent.parent == Path(flashtree.__file__).parent
+    assert (path / "model.safetensors").stat().st_size <= 24_000_000
+    with GGUFFile(default_target_path(progress=False)) as target:
+        shape = draft_shape_for(target, 3)
+    assert json.loads((path / "config.json").read_text()) == draft_config(shape)
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        shapes = {name: list(f.get_slice(name).get_shape()) for name in f.keys()}  # noqa: SIM118
+    assert shapes == {hf_name(spec, ""): list(spec.shape) for spec in shape.gguf_tensors()}
