@@ -19,7 +19,7 @@ import pytest
 from flashtree.defaults import default_target_path
 from flashtree.generate import Engine, GenerationStats
 
-MAX_TOKENS = 48
+MAX_TOKENS = 24
 MAX_CTX = 512
 ANSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07]*\x07|\x1b[()][0-9A-Za-z]|\x1b[=>]|\r")
 PROMPT = r"\n>"  # prompt_toolkit draws "> " as ">", a backspace and a cursor move
@@ -115,7 +115,9 @@ def ask(terminal: Terminal, text: str, expected: str) -> None:
     terminal.expect(r"\n" + re.escape(expected) + PROMPT)
 
 
-def test_conversation_stats_reset_system_and_quit(terminal, engine):
+def test_chat_session(terminal, engine):
+    """One session, as a person would use it: a conversation, /stats, /reset, /system, a reply stopped
+    with Ctrl-C, Ctrl-D to leave."""
     u1, u2 = "What is the capital of France?", "Name a fruit."
     a1, stats1 = reply(engine, [user(u1)])
     a2, _ = reply(engine, [user(u1), {"role": "assistant", "content": a1}, user(u2)])
@@ -145,17 +147,14 @@ def test_conversation_stats_reset_system_and_quit(terminal, engine):
     terminal.expect("system prompt set")
     terminal.expect(PROMPT)
     ask(terminal, u2, a_pirate)
-
-    terminal.send("\x04")  # Ctrl-D
-    assert terminal.exit_code() == 0
-
-
-def test_ctrl_c_stops_a_reply_and_keeps_the_session(terminal, engine):
-    u1 = "Write a long story about a dragon."
-    start, _ = reply(engine, [user(u1)], max_tokens=3)
+    terminal.send("/system\r")
+    terminal.expect("system prompt cleared")
     terminal.expect(PROMPT)
-    terminal.send(u1 + "\r")
-    terminal.expect(re.escape(u1))
+
+    story = "Write a long story about a dragon."
+    start, _ = reply(engine, [user(story)], max_tokens=3)
+    terminal.send(story + "\r")
+    terminal.expect(re.escape(story))
     terminal.expect(re.escape(start))  # the reply is streaming (it would run on to MAX_TOKENS)
     terminal.send("\x03")  # Ctrl-C
     terminal.expect(r"\[stopped\]")
@@ -165,7 +164,7 @@ def test_ctrl_c_stops_a_reply_and_keeps_the_session(terminal, engine):
     terminal.expect(PROMPT)
     terminal.send("/reset\r")
     terminal.expect(PROMPT)
-    a1, _ = reply(engine, [user("What is the capital of France?")])
-    ask(terminal, "What is the capital of France?", a1)
-    terminal.send("\x04")
+    ask(terminal, u1, a1)  # still serving, and the history is gone
+
+    terminal.send("\x04")  # Ctrl-D
     assert terminal.exit_code() == 0
