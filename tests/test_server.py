@@ -8,6 +8,7 @@ sampling parameters, stop strings and limits exactly as the engine does.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import subprocess
@@ -30,20 +31,27 @@ GREEDY = SamplingParams()
 COUNTING = "1, 2, 3,"  # a raw prompt the model continues for a long time: " 4, 5, 6, 7, ..."
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
+@contextlib.contextmanager
+def running_server(log_path, *options: str):
     """Base URL of a `flashtree serve --port 0` process (logging to a file: a full pipe would block it)."""
     default_target_path()  # download once here, not inside the server
-    log_path = tmp_path_factory.mktemp("serve") / "serve.log"
-    cmd = [sys.executable, "-m", "flashtree", "serve", "--draft", "none", "--port", "0"]
-    cmd += ["--max-ctx", str(MAX_CTX), "--api-key", API_KEY, "--device", "cpu"]
+    cmd = [sys.executable, "-m", "flashtree", "serve", "--port", "0", "--max-ctx", str(MAX_CTX), *options]
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd + ["--device", "cpu"], stdout=log, stderr=subprocess.STDOUT)
     try:
         yield _wait_until_up(proc, log_path)
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """The server most tests share: plain decoding (fastest on CPU), with an API key."""
+    with running_server(
+        tmp_path_factory.mktemp("serve") / "serve.log", "--draft", "none", "--api-key", API_KEY
+    ) as url:
+        yield url
 
 
 def _wait_until_up(proc: subprocess.Popen, log_path, timeout_s: float = 300) -> str:
@@ -382,3 +390,25 @@ def test_disconnect_while_waiting_for_a_whole_reply(client, http):
     cancelled = 'flashtree_requests_total{outcome="cancelled"}'
     assert after[cancelled] == before.get(cancelled, 0) + 1
     assert after["flashtree_generated_tokens_total"] - before["flashtree_generated_tokens_total"] < 100
+
+
+def test_default_speculative_server_is_lossless(tmp_path, engine):
+    """`flashtree serve` as a new user starts it: the shipped draft, tree mode. Greedy replies are the
+    plain decoder's exactly, and the speculative stats are in the response and the metrics."""
+    messages = [{"role": "user", "content": "Write a haiku about the sea."}]
+    text, _, _ = chat_reference(engine, messages, 16)
+    with running_server(tmp_path / "serve.log") as url:
+        assert httpx.get(url + "/health").json()["mode"] == "tree"
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300)
+        r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0)
+        with httpx.Client(base_url=url) as plain:
+            prom = metrics(plain)
+    assert r.choices[0].message.content == text and r.usage.completion_tokens == 16
+    extra = r.model_extra["flashtree"]
+    assert extra["mode"] == "tree" and extra["steps"] < 15  # fewer target passes than tokens
+    accepted = sum(n * count for n, count in enumerate(extra["accept_hist"]))
+    assert (
+        extra["mean_accept_len"] == pytest.approx(accepted / extra["steps"]) and extra["mean_accept_len"] > 1
+    )
+    assert prom["flashtree_mean_accept_len"] == pytest.approx(extra["mean_accept_len"])
+    assert prom['flashtree_requests_total{outcome="length"}'] == 1
