@@ -125,6 +125,16 @@ class GatedDeltaNet(nn.Module):
         y = (windows * self.conv_weight.t()[None]).sum(1)
         return F.silu(y), windows[:, 1:]
 
+    @staticmethod
+    def tree_recurrence(q, k, v, g, beta, state, fp: ForwardPass):
+        """Every block token from its parent's state: one Triton launch on the GPU, the torch
+        reference elsewhere."""
+        if q.is_cuda:
+            from flashtree.kernels.tree_deltanet import tree_delta_rule
+
+            return tree_delta_rule(q, k, v, g, beta, state, fp.layout.parents)
+        return recurrent_delta_rule(q, k, v, g, beta, state, fp.parents_list)
+
     def forward(self, x: torch.Tensor, st: DeltaNetState, fp: ForwardPass) -> torch.Tensor:
         t = x.shape[0]
         conv_out, windows = self.causal_conv(self.qkv(x), st, fp)
@@ -146,7 +156,7 @@ class GatedDeltaNet(nn.Module):
             st.recurrent.copy_(final)
             st.conv.copy_(windows[-1])
         else:
-            o, states = recurrent_delta_rule(q, k, v, g, beta, st.recurrent, fp.layout.parents.tolist())
+            o, states = self.tree_recurrence(q, k, v, g, beta, st.recurrent, fp)
             st.set_pending(states, windows)
 
         z = self.z(x).view(t, nv, vd)

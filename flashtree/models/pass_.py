@@ -36,6 +36,13 @@ class ForwardPass:
             self._cache["mask"] = mask
         return self._cache["mask"]
 
+    @property
+    def parents_list(self) -> list[int]:
+        """Parent indices on the host, read once per pass (not once per layer)."""
+        if "parents" not in self._cache:
+            self._cache["parents"] = self.layout.parents.tolist()
+        return self._cache["parents"]
+
     def rope(self) -> tuple[torch.Tensor, torch.Tensor]:
         if "rope" not in self._cache:
             self._cache["rope"] = self.rotary.cos_sin(self.positions, self.dtype)
