@@ -82,7 +82,7 @@ def test_greedy_identity_oracle_draft(pair, error, config, monkeypatch):
         assert max(depths) >= block - 2  # deep trees
         branched = [
             (layout, path) for layout, path in walks
-            if any(int(layout.parents[n]) != n - 1 for n in path[1:].tolist())
+            if any(int(layout.parents[n]) != n - 1 for n in path[1:])
         ]  # fmt: skip
         assert branched, "no accepted path ever left the greedy chain"
 

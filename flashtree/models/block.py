@@ -18,7 +18,7 @@ class BlockLayout:
     parents: torch.Tensor  # (T,) long, parents[i] < i, -1 = the committed prefix
     depths: torch.Tensor  # (T,) long, 0 for tokens whose parent is -1
     visible: torch.Tensor  # (T, T) bool, token i sees token j iff j is i or an ancestor of i
-    is_chain: bool  # parents == arange(T) - 1: the causal fast paths apply
+    max_depth: int  # a bound on depths (host-side, so loops over levels need no device sync)
 
     @property
     def size(self) -> int:
@@ -28,27 +28,25 @@ class BlockLayout:
     def chain(n: int, device: torch.device | str = "cpu") -> BlockLayout:
         idx = torch.arange(n, device=device)
         visible = idx[:, None] >= idx[None, :]
-        return BlockLayout(parents=idx - 1, depths=idx, visible=visible, is_chain=True)
+        return BlockLayout(parents=idx - 1, depths=idx, visible=visible, max_depth=n - 1)
 
     @staticmethod
-    def from_parents(parents: torch.Tensor) -> BlockLayout:
-        """Tree layout from parent pointers (parents must precede children)."""
+    def from_parents(parents: torch.Tensor, max_depth: int | None = None) -> BlockLayout:
+        """Tree layout from parent pointers (parents precede children; no node deeper than
+        `max_depth`, default T - 1). Fixed-size torch ops only: no host sync."""
         n = parents.shape[0]
-        device = parents.device
-        idx = torch.arange(n, device=device)
-        visible = torch.eye(n, dtype=torch.bool, device=device)
-        depths = torch.zeros(n, dtype=torch.long, device=device)
+        max_depth = n - 1 if max_depth is None else max_depth
+        idx = torch.arange(n, device=parents.device)
+        visible = torch.eye(n, dtype=torch.bool, device=parents.device)
+        depths = torch.zeros(n, dtype=torch.long, device=parents.device)
         # Pointer jumping: after step s, `anc` is each node's s-th ancestor (-1 once past the root).
         anc = parents.clone()
-        for _ in range(n):
+        for _ in range(max_depth):
             alive = anc >= 0
-            if not bool(alive.any()):
-                break
-            visible[idx[alive], anc[alive]] = True
+            visible[idx, anc.clamp(min=0)] |= alive
             depths += alive.long()
             anc = torch.where(alive, parents[anc.clamp(min=0)], anc)
-        is_chain = bool(torch.equal(parents, idx - 1))
-        return BlockLayout(parents=parents, depths=depths, visible=visible, is_chain=is_chain)
+        return BlockLayout(parents=parents, depths=depths, visible=visible, max_depth=max_depth)
 
     def conv_window_index(self, kernel: int) -> torch.Tensor:
         """(T, kernel) indices into [conv_state (kernel-1 rows) | block tokens (T rows)]: the causal

@@ -51,7 +51,7 @@ class DeltaNetState:
     def set_pending(self, states: torch.Tensor, conv_windows: torch.Tensor) -> None:
         self.pending_states, self.pending_conv = states, conv_windows
 
-    def commit(self, last: int) -> None:
+    def commit(self, last: torch.Tensor | int) -> None:
         """Adopt the state after block token `last` (the deepest accepted node)."""
         self.recurrent.copy_(self.pending_states[last])
         self.conv.copy_(self.pending_conv[last])
@@ -92,7 +92,7 @@ class ModelState:
         """Keep block tokens `path` (increasing indices, root first) of the last commit=False forward."""
         if self.pending == 0:
             raise RuntimeError("commit_path without a pending verify forward")
-        last = int(path[-1])
+        last = path[-1]  # a 0-d tensor: indexing with it needs no host sync
         for layer in self.layers:
             if isinstance(layer, KVCache):
                 layer.compact(self.seq_len, path)

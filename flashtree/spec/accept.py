@@ -13,15 +13,21 @@ import torch
 from flashtree.models.block import BlockLayout
 
 
-def accept_path(tokens: torch.Tensor, layout: BlockLayout, samples: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """tokens, samples: (N + 1,) with the root at 0. Returns (path indices root-first, bonus token)."""
-    parents = layout.parents
-    match = tokens == samples[parents.clamp(min=0)]
+def accept_path(
+    tokens: torch.Tensor, layout: BlockLayout, samples: torch.Tensor
+) -> tuple[list[int], list[int]]:
+    """tokens, samples: (N + 1,) with the root at 0. Returns (path: block indices root-first,
+    emitted: the accepted draft tokens then the bonus). One host transfer per call."""
+    parents = layout.parents.clamp(min=0)
+    match = tokens == samples[parents]
     match[0] = True  # the root is already committed
-    accepted = match.clone()
-    for _ in range(int(layout.depths.max())):  # propagate rejection down the tree, one level per pass
-        accepted = match & accepted[parents.clamp(min=0)]
+    accepted = match
+    for _ in range(layout.max_depth):  # propagate rejection down the tree, one level per pass
+        accepted = match & accepted[parents]
         accepted[0] = True
-    deepest = int(torch.where(accepted, layout.depths, -1).argmax())
-    path = torch.nonzero(layout.visible[deepest]).flatten()
-    return path, int(samples[deepest])
+    deepest = torch.where(accepted, layout.depths, -1).argmax()
+    on_path = layout.visible[deepest]  # (N + 1,) bool: the deepest accepted node and its ancestors
+    host = torch.cat([on_path.long(), tokens, samples[deepest, None]]).tolist()
+    n = tokens.shape[0]
+    path = [i for i in range(n) if host[i]]
+    return path, [host[n + i] for i in path[1:]] + [host[-1]]

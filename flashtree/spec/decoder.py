@@ -46,6 +46,7 @@ class SpecDecoder:
         start = state.seq_len  # the root's position
         out = self.target(tree.tokens, state, tree.layout, commit=False, capture=self.capture_layers)
         samples = sample(out.logits, sampling, start + tree.layout.depths + 1)
-        path, bonus = accept_path(tree.tokens, tree.layout, samples)
+        path, emitted = accept_path(tree.tokens, tree.layout, samples)
+        path = torch.tensor(path, device=tree.tokens.device)
         state.commit_path(path)
-        return tree.tokens[path[1:]].tolist() + [bonus], out.features[path]
+        return emitted, out.features[path]

@@ -76,7 +76,8 @@ def build_tree(
     score = torch.stack(scores)  # (L, width)
     is_greedy = torch.stack(greedy)
     key = score + is_greedy * (CHAIN_BONUS if chain_seed else 0.0)
-    n = min(budget, int(torch.isfinite(score).sum()))
+    # Only a tiny vocabulary can have fewer than `budget` distinct paths; count them then (a sync).
+    n = budget if k**depth_l >= budget else min(budget, int(torch.isfinite(score).sum()))
     # The best `budget` over all depths. Entries are laid out depth-major and the sort is stable, so a
     # tie goes to the shallower node: a parent always outranks its children, keeping the set a tree.
     chosen = torch.sort(key.flatten(), descending=True, stable=True).indices[:n]
@@ -93,4 +94,4 @@ def build_tree(
 
     block_tokens = torch.cat([torch.tensor([root], device=dev), node_tokens])
     block_parents = torch.cat([torch.tensor([-1], device=dev), parent_node])
-    return DraftTree(block_tokens, BlockLayout.from_parents(block_parents))
+    return DraftTree(block_tokens, BlockLayout.from_parents(block_parents, max_depth=depth_l))
