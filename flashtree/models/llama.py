@@ -8,7 +8,7 @@ import torch
 from flashtree.gguf.reader import GGUFFile
 from flashtree.models.attention import Attention
 from flashtree.models.config import ModelConfig
-from flashtree.models.layers import Linear, Rotary
+from flashtree.models.layers import Linear
 from flashtree.models.loader import Weights
 from flashtree.models.model import DecoderLayer, DecoderModel
 
@@ -42,13 +42,4 @@ def build(gguf: GGUFFile, w: Weights) -> DecoderModel:
                 w.norm(f"{p}.ffn_norm.weight", c.rms_eps),
             )
         )
-    freq_factors = w.vector("rope_freqs.weight") if gguf.has("rope_freqs.weight") else None
-    embedding = w.dense("token_embd.weight")
-    return DecoderModel(
-        c,
-        embedding,
-        layers,
-        w.norm("output_norm.weight", c.rms_eps),
-        w.lm_head(embedding),
-        Rotary(c.rope_dim, c.rope_theta, freq_factors).to(w.device),
-    )
+    return w.decoder(c, layers)

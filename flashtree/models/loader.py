@@ -11,7 +11,9 @@ import torch
 
 from flashtree.errors import FlashtreeError
 from flashtree.gguf.reader import GGUFFile, open_gguf
-from flashtree.models.layers import Linear, RMSNorm, SwiGLU
+from flashtree.models.config import ModelConfig
+from flashtree.models.layers import Linear, RMSNorm, Rotary, SwiGLU
+from flashtree.models.model import DecoderLayer, DecoderModel
 
 ARCHITECTURES = {"llama": "llama", "qwen3": "qwen3", "qwen35": "qwen35"}  # GGUF arch -> family module
 
@@ -59,6 +61,14 @@ class Weights:
     def lm_head(self, embedding: torch.Tensor) -> Linear:
         """Untied `output.weight`, or the token embedding itself when tied."""
         return self.linear("output.weight") if self.gguf.has("output.weight") else Linear(embedding)
+
+    def decoder(self, config: ModelConfig, layers: list[DecoderLayer]) -> DecoderModel:
+        """What every family puts around its layers: embedding, final norm, LM head, RoPE."""
+        embedding = self.dense("token_embd.weight")
+        freq_factors = self.vector("rope_freqs.weight") if self.gguf.has("rope_freqs.weight") else None
+        rotary = Rotary(config.rope_dim, config.rope_theta, freq_factors).to(self.device)
+        norm = self.norm("output_norm.weight", config.rms_eps)
+        return DecoderModel(config, embedding, layers, norm, self.lm_head(embedding), rotary)
 
 
 def default_device() -> torch.device:

@@ -5,7 +5,6 @@ from __future__ import annotations
 from flashtree.gguf.reader import GGUFFile
 from flashtree.models.attention import Attention
 from flashtree.models.config import ModelConfig
-from flashtree.models.layers import Rotary
 from flashtree.models.loader import Weights
 from flashtree.models.model import DecoderLayer, DecoderModel
 
@@ -38,12 +37,4 @@ def build(gguf: GGUFFile, w: Weights) -> DecoderModel:
         )
         for i in range(c.n_layers)
     ]
-    embedding = w.dense("token_embd.weight")
-    return DecoderModel(
-        c,
-        embedding,
-        layers,
-        w.norm("output_norm.weight", c.rms_eps),
-        w.lm_head(embedding),
-        Rotary(c.rope_dim, c.rope_theta).to(w.device),
-    )
+    return w.decoder(c, layers)

@@ -6,7 +6,6 @@ from __future__ import annotations
 from flashtree.gguf.reader import GGUFFile
 from flashtree.models.config import ATTENTION, ModelConfig
 from flashtree.models.deltanet import GatedDeltaNet
-from flashtree.models.layers import Rotary
 from flashtree.models.loader import Weights
 from flashtree.models.model import DecoderLayer, DecoderModel
 from flashtree.models.qwen3 import attention
@@ -45,12 +44,4 @@ def build(gguf: GGUFFile, w: Weights) -> DecoderModel:
                 w.norm(f"{p}.post_attention_norm.weight", c.rms_eps),
             )
         )
-    embedding = w.dense("token_embd.weight")
-    return DecoderModel(
-        c,
-        embedding,
-        layers,
-        w.norm("output_norm.weight", c.rms_eps),
-        w.lm_head(embedding),
-        Rotary(c.rope_dim, c.rope_theta).to(w.device),
-    )
+    return w.decoder(c, layers)
