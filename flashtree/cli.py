@@ -177,6 +177,23 @@ def inspect(
     inspect_command(file, as_json)
 
 
+@app.command("bench-step")
+@user_errors
+def bench_step(
+    target: Path = typer.Option(..., "--target", help="Target GGUF."),
+    draft: Path = typer.Option(..., "--draft", help="DFlash draft dir/GGUF for the target."),
+    budget: int = typer.Option(22, "--budget", help="DDTree nodes of the draft-step tree."),
+    block_size: int = typer.Option(16, "--block-size"),
+    out: Path = typer.Option(..., "--out", help="Output JSON."),
+    dense: bool = typer.Option(False, "--dense", help="Dense bf16 weights instead of the quantized kernels."),
+    repeats: int = typer.Option(20, "--repeats", help="Timed repeats per measurement (median)."),
+):
+    """Time the AR step, tree verify, draft step and prefill against measured device ceilings."""
+    from flashtree.bench.step import bench_step_command
+
+    bench_step_command(target, draft, budget, block_size, out, dense, repeats)
+
+
 @app.command("train-draft")
 @user_errors
 def train_draft(

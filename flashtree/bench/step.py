@@ -235,7 +235,7 @@ def run_bench_step(
     results = {
         "ar": {"eager_ms": ar_ms, "graph_ms": ar_graph_ms},
         "verify_ms": {str(n): ms for n, (_, ms) in verify.items()},
-        "draft": bench.draft_step(features),
+        "draft_step": bench.draft_step(features),
         "prefill": [bench.prefill(n) for n in prefill_sizes],
         "profile": {
             "ar_step": _try(lambda: profile_kernels(ar_fn, device)),
@@ -251,7 +251,7 @@ def run_bench_step(
         "ar_roofline_ratio": roofline_ms / best_ar,
         "ar_roofline_ratio_eager": roofline_ms / ar_ms,
         "verify_23_over_ar": results["verify_ms"].get("23", float("nan")) / best_ar,
-        "draft_over_ar": results["draft"]["total_ms"] / best_ar,
+        "draft_over_ar": results["draft_step"]["total_ms"] / best_ar,
     }
     if bench.n_quant_linears:
         from flashtree.kernels.qmatmul import TILES
@@ -270,7 +270,7 @@ def run_bench_step(
             "bytes_per_token": info["bytes_per_token"],
             "file_bytes": info["file_bytes"],
         },
-        "draft": {"dir": str(draft), "layers": bench.draft.config.n_layers},
+        "draft_model": {"dir": str(draft), "layers": bench.draft.config.n_layers},
         "budget": budget,
         "block_size": block_size,
         "context_tokens": CONTEXT,
@@ -301,7 +301,7 @@ def summary_lines(r: dict) -> list[str]:
         f" (eager {ar['ar_roofline_ratio_eager']:.2f})",
     ]
     lines += [f"verify N={n:<3}      {_ms(ms)}  {ms / best:5.2f}x AR" for n, ms in r["verify_ms"].items()]
-    d = r["draft"]
+    d = r["draft_step"]
     lines.append(
         f"draft step        {_ms(d['total_ms'])}  {d['total_ms'] / best:5.2f}x AR"
         f" (propose {d['propose_ms']:.3f}, tree {d['tree_ms']:.3f},"

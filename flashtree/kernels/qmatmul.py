@@ -1,21 +1,27 @@
 """y = x @ W^T straight from GGUF-packed weights (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K), in Triton.
 
-Repack (once, at load, lossless). Each row is cut into super-blocks of P x W values: one GGUF block of
-256 values for the k-quants, G blocks of 32 for the legacy types (G in 8/4/2/1, whichever divides the
-row). A super-block is stored as a few separate aligned arrays ("fields"), so the kernel does only
-wide, coalesced loads. The 4-bit codes are regrouped as int32 words with nibble p of word w holding
-value W*p + w ("plane" p), so one load gives 8 planes and each plane shares one scale (a k-quant
-sub-block, a legacy block): a shift and a mask per value, no gather. Every other byte keeps its GGUF
-value; the repack is a fixed permutation of the super-block's nibbles (`Layout.source`), which
-`unpack` inverts exactly.
+Repack (once, at load, lossless, not a byte more). Each row is cut into super-blocks of P x W values:
+one GGUF block of 256 values for the k-quants, G blocks of 32 for the legacy types (G in 8/4/2/1,
+whichever divides the row). A super-block is stored as a few separate aligned arrays ("fields"). The
+4-bit codes are regrouped as int32 words with nibble p of word w holding value W*p + w ("plane" p), so
+one word gives 8 planes and each plane shares one scale (a k-quant sub-block, a legacy block). Every
+other byte keeps its GGUF value; the repack is a fixed permutation of the super-block's nibbles
+(`Layout.source`), which `unpack` inverts exactly.
 
 Kernel. One program owns BN output rows and streams their super-blocks, decoding them in registers:
-integer codes become floats by OR-ing them into the mantissa of 2**23 (exact, and far cheaper than
-int->float conversion, which runs at 1/8 rate and would bound a 4-bit GEMV). With M = 1 the values
-are multiplied into an fp32 accumulator per lane (FMA units); with 2 <= M <= 64 the tile goes to the
-tensor cores as bf16 (swap-AB: the weight tile is the A operand, so BN rows x M tokens). Either way
-each weight byte is read once for all M rows. Above 64 rows the weight is dequantized to bf16 by the
-same decoder and multiplied by cuBLAS (prefill is compute-bound; the extra pass costs ~10%).
+integer codes become floats by OR-ing them into the mantissa of 2**23 (exact, and cheaper than
+int->float conversion, which runs at a fraction of the FMA rate). With M = 1 the values are multiplied
+into an fp32 accumulator per lane (FMA units); with 2 <= M <= 64 the tile goes to the tensor cores as
+bf16 (swap-AB: the weight tile is the A operand, so BN rows x M tokens). Either way each weight byte
+is read once for all M rows. Above 64 rows the weight is dequantized to bf16 by the same decoder and
+multiplied by cuBLAS (prefill is compute-bound; the extra pass costs ~10%).
+
+Measured on an H200 (bench/results/issue6-2026-12-02): correct for every type, but only 0.15-0.19 of
+copy bandwidth at M = 1 and ~0.1 at M = 16-64, slower than dense bf16 cuBLAS. The compiled loop
+(sm_90 SASS) shows why: Triton lays the (rows, planes, W) decode tile out with planes across warps,
+so every super-block goes through shared memory with barriers, and the word loads are scalar: ~9
+instructions per weight value where ~4 would keep up with HBM. See the issue-6 report for the fix
+(a row-interleaved repack so one thread owns whole super-blocks of a row, 2-D tiles only).
 """
 
 from __future__ import annotations
@@ -355,13 +361,13 @@ class TileConfig:
 
 
 # Keys: "gemv" (M = 1) and "dot16"/"dot32"/"dot64" (M padded to that many tensor-core columns).
-# M = 1 wants small row tiles: many programs keep enough loads in flight and the last wave is short.
-# M > 1 wants larger ones, because every program re-reads all of x (from L2).
+# Chosen by bench/gpu_kernels.py's sweep on an H200 (bench/results/issue6-2026-12-02/kernels_tune.json):
+# small row tiles won both (more programs in flight; the decode, not x traffic, is what costs).
 DEFAULT_TILES = {
-    "gemv": TileConfig(16, 4, 2),
-    "dot16": TileConfig(32, 4, 1),
-    "dot32": TileConfig(32, 4, 1),
-    "dot64": TileConfig(64, 4, 1),
+    "gemv": TileConfig(8, 2, 2),
+    "dot16": TileConfig(16, 4, 1),
+    "dot32": TileConfig(16, 4, 1),
+    "dot64": TileConfig(16, 4, 1),
 }
 
 

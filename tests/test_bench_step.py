@@ -1,0 +1,51 @@
+"""flashtree bench-step on a tiny synthetic qwen35 target + draft, on CPU: every measurement is there,
+positive, and the ratios are the documented quotients of the measured numbers."""
+
+import json
+import math
+
+import pytest
+
+from flashtree.bench import step
+from flashtree.convert.synth import synth_draft, synth_model
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bench-step")
+    target = root / "t.gguf"
+    synth_model("tiny-qwen35", "q4_k_m", target, seed=5)
+    synth_draft(target, 1, root / "draft", seed=5)
+    return target, root / "draft"
+
+
+def test_bench_step_measures_everything(pair, monkeypatch):
+    monkeypatch.setattr(step, "CONTEXT", 24)
+    target, draft = pair
+    r = step.run_bench_step(target, draft, 6, 4, None, 1, verify_sizes=(4, 7), prefill_sizes=(16, 40))
+    json.dumps(r)  # JSON-ready
+    assert r["weights"] == "dense" and r["quant_linears"] == 0  # CPU: the dense path
+    assert r["ceilings"]["copy_gb_s"] > 0 and r["ceilings"]["matmul_tflops"] > 0
+    assert r["ar"]["eager_ms"] > 0 and r["ar"]["graph_ms"] is None  # no CUDA graphs on CPU
+    assert set(r["verify_ms"]) == {"4", "7"} and all(v > 0 for v in r["verify_ms"].values())
+    d = r["draft_step"]
+    assert d["total_ms"] == pytest.approx(d["propose_ms"] + d["tree_ms"])
+    assert [p["tokens"] for p in r["prefill"]] == [16, 40]
+    assert all(p["tok_s"] == pytest.approx(p["tokens"] / p["ms"] * 1e3) for p in r["prefill"])
+    ratios = r["ratios"]
+    roofline = r["target"]["bytes_per_token"] / (r["ceilings"]["copy_gb_s"] * 1e9) * 1e3
+    assert ratios["ar_roofline_ms"] == pytest.approx(roofline)
+    assert ratios["ar_roofline_ratio"] == pytest.approx(roofline / r["ar"]["eager_ms"])
+    assert ratios["draft_over_ar"] == pytest.approx(d["total_ms"] / r["ar"]["eager_ms"])
+    assert math.isnan(ratios["verify_23_over_ar"])  # 23 was not measured here
+    assert "ar_step" in r["profile"] and "verify_7" in r["profile"]
+    lines = step.summary_lines(r)
+    assert any(line.startswith("AR roofline") for line in lines)
+    assert any("verify N=7" in line for line in lines)
+
+
+def test_bench_step_refuses_missing_files(tmp_path):
+    from flashtree.errors import FlashtreeError
+
+    with pytest.raises(FlashtreeError, match="not found"):
+        step.bench_step_command(tmp_path / "no.gguf", tmp_path, 22, 16, tmp_path / "o.json", False, 3)
