@@ -12,11 +12,16 @@ from flashtree.generate import Engine, GenerationStats
 from flashtree.models.dflash import load_draft
 
 
-def random_draft(target_gguf: Path, target, root: Path, layers: int = 1, seed: int = 0):
+def random_draft_dir(target_gguf: Path, root: Path, layers: int = 1, seed: int = 0) -> Path:
+    """A random z-lab-format draft for the target, written once per test session."""
     out = root / f"{target_gguf.stem}-draft{layers}-{seed}"
     if not (out / "config.json").exists():
         synth_draft(target_gguf, layers, out, seed)
-    return load_draft(out, target)
+    return out
+
+
+def random_draft(target_gguf: Path, target, root: Path, layers: int = 1, seed: int = 0):
+    return load_draft(random_draft_dir(target_gguf, root, layers, seed), target)
 
 
 class _Context:
