@@ -123,20 +123,18 @@ class Engine:
         max_ctx: int | None = None,
         device: str | None = None,
     ) -> Engine:
-        """Load a target GGUF (default: SmolLM2-135M-Instruct) and a draft (default: the shipped one;
-        'none' for plain decoding)."""
+        """Load a target GGUF and a draft ('none' for plain decoding). With no target: the embedded
+        default, SmolLM2-135M-Instruct, and (unless a draft is given) the draft shipped for it."""
+        from flashtree import defaults
         from flashtree.gguf.tokenizer import Tokenizer
         from flashtree.models.loader import load_target
 
         if target is None:
-            from flashtree.defaults import default_target_path
-
-            target = default_target_path()
+            target = defaults.default_target_path()
+            draft = defaults.default_draft_path() if draft is None else draft
         model, gguf = load_target(target, device=device)
         tokenizer = Tokenizer.from_gguf_metadata(gguf.metadata)
         draft_model = None
-        if draft is None and target is not None:
-            draft = cls._default_draft_for(Path(target))
         if draft not in (None, "none"):
             from flashtree.models.dflash import load_draft
 
@@ -145,16 +143,6 @@ class Engine:
         mode = mode or ("ar" if draft_model is None else spec.mode)
         spec = SpecConfig(**{**spec.__dict__, "mode": mode})
         return cls(model, tokenizer, draft_model, spec, max_ctx)
-
-    @staticmethod
-    def _default_draft_for(target: Path) -> Path | None:
-        from flashtree.defaults import default_draft_path, default_target_path
-
-        try:
-            is_default = target.resolve() == default_target_path(progress=False).resolve()
-        except FlashtreeError:
-            return None
-        return default_draft_path() if is_default else None
 
     def encode(self, text: str, chat: bool = True, system: str | None = None) -> list[int]:
         """Prompt ids for `text`, through the chat template unless chat=False."""
