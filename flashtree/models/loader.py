@@ -4,6 +4,7 @@ what they share: strict weight access and the arch registry."""
 from __future__ import annotations
 
 import importlib
+import math
 import os
 from pathlib import Path
 
@@ -21,14 +22,15 @@ ARCHITECTURES = {"llama": "llama", "qwen3": "qwen3", "qwen35": "qwen35"}  # GGUF
 class Weights:
     """Strict access to a GGUF's tensors, dequantized to the compute dtype on the target device.
 
-    With `quantized` (the default on CUDA), quantized matrices stay packed in `QuantLinear`s that run
-    the Triton kernels; otherwise, and always for float tensors, `linear` gives a dense `Linear`."""
+    With `quantized` (on CUDA when dense weights would not fit: see default_quantized), quantized
+    matrices stay packed in `QuantLinear`s that run the Triton kernels; otherwise, and always for
+    float tensors, `linear` gives a dense `Linear`."""
 
     def __init__(
         self, gguf: GGUFFile, device: torch.device | str, dtype: torch.dtype, quantized: bool | None = None
     ):
         self.gguf, self.device, self.dtype = gguf, torch.device(device), dtype
-        self.quantized = default_quantized(self.device) if quantized is None else quantized
+        self.quantized = default_quantized(self.device, gguf) if quantized is None else quantized
 
     def dense(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         return self.gguf.tensor(name, dtype=dtype or self.dtype, device=self.device)
@@ -75,9 +77,18 @@ def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def default_quantized(device: torch.device) -> bool:
-    """Quantized kernels on CUDA unless FLASHTREE_QUANT_KERNELS=0 (dense bf16 weights instead)."""
-    return device.type == "cuda" and os.environ.get("FLASHTREE_QUANT_KERNELS", "1") != "0"
+def default_quantized(device: torch.device, gguf: GGUFFile) -> bool:
+    """Keep weights packed (Triton kernels) only where dense bf16 weights would not fit: the packed
+    kernels are not tuned yet and measured 1.6x slower than cuBLAS bf16 per 27B AR step on an H200
+    (bench/results/issue6-2026-12-02). FLASHTREE_QUANT_KERNELS=1/0 forces either path."""
+    if device.type != "cuda":
+        return False
+    forced = os.environ.get("FLASHTREE_QUANT_KERNELS")
+    if forced is not None:
+        return forced != "0"
+    dense_bytes = 2 * sum(math.prod(t.shape) for t in gguf.tensors.values() if len(t.shape) == 2)
+    free, _ = torch.cuda.mem_get_info(device)
+    return dense_bytes > 0.8 * free
 
 
 def default_dtype(device: torch.device) -> torch.dtype:
