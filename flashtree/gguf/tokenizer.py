@@ -224,7 +224,8 @@ class Tokenizer:
         """Render `tokenizer.chat_template` as transformers does (same jinja2 setup and variables)."""
         if self.chat_template is None:
             raise FlashtreeError(
-                "tokenizer.chat_template: the model has no chat template; use --no-chat-template"
+                "tokenizer.chat_template: the model has no chat template; send a raw prompt instead"
+                " (flashtree run --no-chat-template, or /v1/completions)"
             )
         special = {
             "bos_token": self._special_text(self.bos_id),
