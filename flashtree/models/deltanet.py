@@ -147,17 +147,17 @@ class GatedDeltaNet(nn.Module):
         beta = torch.sigmoid(self.beta(x).float())  # (T, nv)
         g = self.ssm_a * F.softplus(self.alpha(x).float() + self.dt_bias)  # (T, nv) log decay
 
-        if fp.commit:
-            if t == 1:
-                o, states = recurrent_delta_rule(q, k, v, g, beta, st.recurrent, [-1])
-                final = states[-1]
-            else:
-                o, final = chunked_delta_rule(q, k, v, g, beta, st.recurrent)
+        if fp.commit and t > 1:  # prefill: chunked form, only the final state is kept
+            o, final = chunked_delta_rule(q, k, v, g, beta, st.recurrent)
             st.recurrent.copy_(final)
             st.conv.copy_(windows[-1])
-        else:
+        else:  # decode or verify: token recurrence, same kernel for both
             o, states = self.tree_recurrence(q, k, v, g, beta, st.recurrent, fp)
-            st.set_pending(states, windows)
+            if fp.commit:
+                st.recurrent.copy_(states[-1])
+                st.conv.copy_(windows[-1])
+            else:
+                st.set_pending(states, windows)
 
         z = self.z(x).view(t, nv, vd)
         o = rms_norm(o, self.norm_weight, self.eps) * F.silu(z.float())
