@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from flashtree.errors import FlashtreeError
 from flashtree.models.block import BlockLayout
 from flashtree.models.loader import load_target
 from tests.tiny import hf_model, tiny_gguf
@@ -113,3 +114,21 @@ def test_commit_path_state_equals_ar_state(family, tiny_root):
         else:
             torch.testing.assert_close(a.recurrent, b.recurrent, atol=1e-5, rtol=1e-4)
             torch.testing.assert_close(a.conv, b.conv, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_truncate_rewinds_attention_state_and_refuses_recurrent_state(family, tiny_root):
+    ours = load(family, 0, tiny_root)
+    ids, other = prompt(30, seed=6), prompt(5, seed=8)
+    state = ours.new_state(64)
+    ours(ids, state, logits="none")
+    ours(prompt(5, seed=7), state, logits="none")
+    if family == "qwen35":  # DeltaNet state cannot be rewound: a clear error, nothing changed
+        with pytest.raises(FlashtreeError, match="cannot rewind"):
+            state.truncate(30)
+        assert state.seq_len == 35
+        return
+    state.truncate(30)
+    fresh = ours.new_state(64)
+    ours(ids, fresh, logits="none")
+    torch.testing.assert_close(ours(other, state).logits, ours(other, fresh).logits, atol=1e-5, rtol=1e-5)
