@@ -57,7 +57,10 @@ def run(
     budget: int = typer.Option(22, "--budget"),
     tree_top_k: int = typer.Option(8, "--tree-top-k"),
     no_chain_seed: bool = typer.Option(False, "--no-chain-seed"),
-    draft_ctx: int = typer.Option(4096, "--draft-ctx"),
+    draft_ctx: int = typer.Option(4096, "--draft-ctx", help="Past target features the draft attends to."),
+    draft_temperature: float = typer.Option(
+        1.0, "--draft-temperature", help="Temperature of the draft distributions the tree is built from."
+    ),
     max_ctx: int | None = typer.Option(None, "--max-ctx", help="Context length to allocate."),
     no_chat_template: bool = typer.Option(False, "--no-chat-template"),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),

@@ -22,6 +22,7 @@ def engine_from_options(
     tree_top_k=8,
     no_chain_seed=False,
     draft_ctx=4096,
+    draft_temperature=1.0,
 ) -> Engine:
     """The engine every CLI command builds from its --target/--draft/--mode/... options."""
     spec = SpecConfig(
@@ -31,6 +32,7 @@ def engine_from_options(
         tree_top_k=tree_top_k,
         chain_seed=not no_chain_seed,
         draft_ctx=draft_ctx,
+        draft_temperature=draft_temperature,
     )
     with Console(stderr=True).status("loading model…"):
         return Engine.load(target, draft, mode=mode, spec=spec, max_ctx=max_ctx, device=device)
@@ -51,13 +53,24 @@ def run_command(
     tree_top_k,
     no_chain_seed,
     draft_ctx,
+    draft_temperature,
     max_ctx,
     no_chat_template,
     as_json,
     device,
 ) -> None:
     engine = engine_from_options(
-        target, draft, mode, max_ctx, device, block_size, budget, tree_top_k, no_chain_seed, draft_ctx
+        target,
+        draft,
+        mode,
+        max_ctx,
+        device,
+        block_size,
+        budget,
+        tree_top_k,
+        no_chain_seed,
+        draft_ctx,
+        draft_temperature,
     )
     sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
     prompt_ids = engine.encode(prompt, chat=not no_chat_template)
