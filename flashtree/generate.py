@@ -16,6 +16,7 @@ import torch
 
 from flashtree.config import SamplingParams, SpecConfig
 from flashtree.errors import FlashtreeError
+from flashtree.memory import plan_context
 from flashtree.models.model import DecoderModel
 from flashtree.sampling import sample
 
@@ -95,7 +96,6 @@ class Engine:
         self.spec = spec or SpecConfig(mode="tree" if draft is not None else "ar")
         if self.spec.mode != "ar" and draft is None:
             raise FlashtreeError(f"mode {self.spec.mode!r} needs a draft (--draft)")
-        self.max_ctx = min(max_ctx or target.config.context_length, target.config.context_length)
         self.decoder = None
         if self.spec.mode != "ar":
             from flashtree.spec.decoder import SpecDecoder
@@ -103,6 +103,7 @@ class Engine:
             self.decoder = SpecDecoder(target, draft, self.spec)
         # Spare slots past max_ctx so a verify block near the end of the context still fits.
         headroom = self.decoder.max_block if self.decoder else 1
+        self.max_ctx = plan_context(target, max_ctx, headroom)
         self.state = target.new_state(self.max_ctx + headroom)
 
     @property

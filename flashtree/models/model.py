@@ -68,6 +68,18 @@ class DecoderModel(nn.Module):
                 states.append(DeltaNetState(m.n_v_heads, m.k_dim, m.v_dim, channels, m.kernel, dt, dev))
         return ModelState(states, max_ctx)
 
+    def state_bytes(self, max_ctx: int) -> int:
+        """Bytes `new_state(max_ctx)` allocates: KV slots plus fixed DeltaNet and conv state."""
+        elem = self.dtype.itemsize
+        total = 0
+        for layer in self.layers:
+            m = layer.mixer
+            if isinstance(m, Attention):
+                total += 2 * m.n_kv_heads * max_ctx * m.head_dim * elem
+            else:
+                total += m.n_v_heads * m.k_dim * m.v_dim * 4 + (m.kernel - 1) * m.conv_weight.shape[0] * elem
+        return total
+
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.embedding[tokens]
 

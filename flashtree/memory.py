@@ -1,0 +1,43 @@
+"""Memory budget: how many context tokens fit, decided before anything is allocated."""
+
+from __future__ import annotations
+
+import torch
+
+from flashtree.errors import FlashtreeError
+
+USABLE = 0.9  # leave room for activations and the allocator's slack
+
+
+def free_bytes(device: torch.device) -> int:
+    """Free memory on `device`: the GPU's, or the host's MemAvailable for the CPU."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 1 << 62  # unknown: do not limit
+
+
+def plan_context(model, requested: int | None, extra_tokens: int = 0) -> int:
+    """The context length to allocate: `requested` (an error if its state does not fit), or the
+    model's own context length shrunk to what fits in free memory."""
+    limit = model.config.context_length
+    if requested is not None and requested > limit:
+        raise FlashtreeError(f"--max-ctx {requested} exceeds the model's context length of {limit}")
+    budget = USABLE * free_bytes(model.device)
+    per_token = model.state_bytes(1) - model.state_bytes(0)
+    fixed = model.state_bytes(0) + per_token * extra_tokens
+    if requested is not None:
+        need = fixed + per_token * requested
+        if need > budget:
+            raise FlashtreeError(
+                f"a {requested}-token context needs {need / 2**30:.2f} GiB of cache and state but only "
+                f"{budget / 2**30:.2f} GiB is free on {model.device}; lower --max-ctx"
+            )
+        return requested
+    fits = int((budget - fixed) // per_token) if per_token else limit
+    if fits < 1:
+        raise FlashtreeError(f"no room for any context on {model.device}: {budget / 2**30:.2f} GiB free")
+    return min(limit, fits)

@@ -1,0 +1,38 @@
+"""The memory plan: context sizes decided from free memory before allocation."""
+
+import pytest
+import torch
+
+from flashtree import memory
+from flashtree.errors import FlashtreeError
+from flashtree.models.loader import load_target
+from tests.tiny import tiny_gguf
+
+
+@pytest.fixture(scope="module")
+def hybrid(tiny_root):
+    model, _ = load_target(tiny_gguf("qwen35", 0, tiny_root), device="cpu", dtype=torch.float32)
+    return model
+
+
+def test_state_bytes_is_what_new_state_allocates(hybrid):
+    state = hybrid.new_state(100)
+    allocated = sum(
+        t.numel() * t.element_size()
+        for layer in state.layers
+        for t in (vars(layer).values())
+        if isinstance(t, torch.Tensor)
+    )
+    assert hybrid.state_bytes(100) == allocated
+
+
+def test_context_shrinks_to_free_memory_and_explicit_sizes_are_checked(hybrid, monkeypatch):
+    per_token = hybrid.state_bytes(1) - hybrid.state_bytes(0)
+    fixed = hybrid.state_bytes(0)
+    monkeypatch.setattr(memory, "free_bytes", lambda device: int((fixed + 300.5 * per_token) / memory.USABLE))
+    assert memory.plan_context(hybrid, None) == 300  # the model allows 1024; memory allows 300
+    assert memory.plan_context(hybrid, 200) == 200
+    with pytest.raises(FlashtreeError, match="lower --max-ctx"):
+        memory.plan_context(hybrid, 400)
+    with pytest.raises(FlashtreeError, match="exceeds the model's context length"):
+        memory.plan_context(hybrid, 5000)
