@@ -12,7 +12,7 @@ import math
 import torch
 
 from flashtree.errors import FlashtreeError
-from flashtree.quant.formats import QT, block_bytes, check_supported, type_name
+from flashtree.quant.formats import FLOAT_DTYPES, QT, block_bytes, check_supported, type_name
 
 
 def _f16(b: torch.Tensor) -> torch.Tensor:
@@ -125,7 +125,6 @@ _BLOCK_DEQUANT = {
     QT.Q5_K: _q5_k,
     QT.Q6_K: _q6_k,
 }
-_FLOAT_DTYPES = {QT.F32: torch.float32, QT.F16: torch.float16, QT.BF16: torch.bfloat16}
 
 
 def dequantize(
@@ -135,8 +134,8 @@ def dequantize(
     check_supported(qtype)
     qtype = QT(qtype)
     flat = raw.reshape(-1)
-    if qtype in _FLOAT_DTYPES:
-        out = flat.view(_FLOAT_DTYPES[qtype])
+    if qtype in FLOAT_DTYPES:
+        out = flat.view(FLOAT_DTYPES[qtype])
     else:
         n_bytes = block_bytes(qtype)
         if flat.numel() % n_bytes:

@@ -6,6 +6,7 @@ docs/qwen35-gguf.md §3.2 for the byte layout of each block.
 
 from __future__ import annotations
 
+import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from flashtree.errors import FlashtreeError
@@ -18,7 +19,8 @@ SUPPORTED_TYPES: frozenset[int] = frozenset(
     int(t)
     for t in (QT.F32, QT.F16, QT.BF16, QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q4_K, QT.Q5_K, QT.Q6_K)
 )
-FLOAT_TYPES: frozenset[int] = frozenset(int(t) for t in (QT.F32, QT.F16, QT.BF16))
+FLOAT_DTYPES: dict[int, torch.dtype] = {QT.F32: torch.float32, QT.F16: torch.float16, QT.BF16: torch.bfloat16}
+FLOAT_TYPES: frozenset[int] = frozenset(int(t) for t in FLOAT_DTYPES)
 
 
 def type_name(qtype: int) -> str:

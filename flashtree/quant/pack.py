@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from flashtree.errors import FlashtreeError
-from flashtree.quant.formats import QT, block_bytes, block_size, row_bytes, type_name
+from flashtree.quant.formats import FLOAT_DTYPES, QT, block_bytes, block_size, row_bytes, type_name
 
 # Values quantized per torch call: large enough to amortize overhead, small enough that the k-quant
 # search's float32 temporaries stay in the tens of MB.
@@ -242,14 +242,13 @@ _BLOCK_PACK = {
     QT.Q5_K: _q5_k,
     QT.Q6_K: _q6_k,
 }
-_FLOAT_DTYPES = {QT.F32: torch.float32, QT.F16: torch.float16, QT.BF16: torch.bfloat16}
-PACKABLE_TYPES: frozenset[int] = frozenset(int(t) for t in (*_BLOCK_PACK, *_FLOAT_DTYPES))
+PACKABLE_TYPES: frozenset[int] = frozenset(int(t) for t in (*_BLOCK_PACK, *FLOAT_DTYPES))
 
 
 def _pack_rows(rows: torch.Tensor, qtype: QT) -> torch.Tensor:
     """(r, cols) float32 -> (r, row_bytes) uint8."""
-    if qtype in _FLOAT_DTYPES:  # round to nearest even, like ggml's fp32 -> fp16/bf16
-        return rows.to(_FLOAT_DTYPES[qtype]).view(torch.uint8)
+    if qtype in FLOAT_DTYPES:  # round to nearest even, like ggml's fp32 -> fp16/bf16
+        return rows.to(FLOAT_DTYPES[qtype]).view(torch.uint8)
     n_rows = rows.shape[0]
     blocks = rows.reshape(-1, block_size(qtype))
     return _BLOCK_PACK[qtype](blocks).view(n_rows, -1)
@@ -305,7 +304,7 @@ def random_blocks(
     standard deviation ~scale. Fast (one pass of random bytes plus small scale writes), never NaN/Inf.
     """
     qtype = QT(qtype)
-    if qtype in _FLOAT_DTYPES:
+    if qtype in FLOAT_DTYPES:
         values = rng.standard_normal((rows, cols), dtype=np.float32) * np.float32(scale)
         return quantize(values, qtype)
     if int(qtype) not in PACKABLE_TYPES:
