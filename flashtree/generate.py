@@ -175,7 +175,7 @@ class Engine:
         stats.n_prompt = len(prompt_ids)
 
         t0 = time.perf_counter()
-        token, features = self._prefill(prompt_ids, sampling)
+        token = self._prefill(prompt_ids, sampling)
         _sync(self.device)
         stats.prefill_s = time.perf_counter() - t0
         emitted = [token]
@@ -186,10 +186,9 @@ class Engine:
             yield emitted
             if stats.n_generated >= budget or emitted[-1] in stop:
                 break
-            emitted, features = self._step(emitted[-1], features, sampling)
+            emitted = self._step(emitted[-1], sampling)
             stats.record_step(len(emitted))
             stats.decode_s = time.perf_counter() - t0
-        stats.decode_s = time.perf_counter() - t0
 
     def _check_prompt(self, prompt_ids: list[int], max_tokens: int) -> None:
         if not prompt_ids:
@@ -212,35 +211,33 @@ class Engine:
                 return tokens[: i + 1]
         return tokens
 
-    def _prefill(self, prompt_ids: list[int], sampling: SamplingParams):
-        """Run the prompt in chunks; sample the first new token. Returns it and the prompt features
-        the draft needs (None in AR mode)."""
+    def _prefill(self, prompt_ids: list[int], sampling: SamplingParams) -> int:
+        """Run the prompt in chunks (feeding its features to the draft, chunk by chunk, so a long
+        prompt never holds more than one chunk of them) and sample the first new token."""
         self.state.reset()
         if self.decoder:
             self.decoder.reset()
         ids = torch.tensor(prompt_ids, dtype=torch.long, device=self.device)
         chunk = PREFILL_CHUNK.get(self.device.type, 2048)
         capture = self.decoder.capture_layers if self.decoder else ()
-        feats = []
         for s in range(0, len(prompt_ids), chunk):
             last = s + chunk >= len(prompt_ids)
             out = self.target(
                 ids[s : s + chunk], self.state, logits="last" if last else "none", capture=capture
             )
-            if capture:
-                feats.append(out.features)
+            if self.decoder:
+                self.decoder.observe(out.features)
         pos = torch.tensor([len(prompt_ids)], device=self.device)
-        token = int(sample(out.logits, sampling, pos)[0])
-        return token, (torch.cat(feats) if feats else None)
+        return int(sample(out.logits, sampling, pos)[0])
 
-    def _step(self, root: int, features, sampling: SamplingParams):
-        """One decode step from the last emitted token: AR or draft -> verify -> accept."""
+    def _step(self, root: int, sampling: SamplingParams) -> list[int]:
+        """One decode step from the last emitted token: AR, or draft -> verify -> accept."""
         if self.decoder:
-            return self.decoder.step(root, features, self.state, sampling)
+            return self.decoder.step(root, self.state, sampling)
         ids = torch.tensor([root], dtype=torch.long, device=self.device)
         out = self.target(ids, self.state, logits="last")
         pos = torch.tensor([self.state.seq_len], device=self.device)
-        return [int(sample(out.logits, sampling, pos)[0])], None
+        return [int(sample(out.logits, sampling, pos)[0])]
 
     def stream(
         self,

@@ -31,22 +31,26 @@ class SpecDecoder:
     def reset(self) -> None:
         self.context.reset()
 
-    def draft_tree(self, root: int, features: torch.Tensor) -> DraftTree:
+    def observe(self, features: torch.Tensor) -> None:
+        """Target features (T, n_feat * H) of newly committed tokens enter the draft's context ring."""
         self.draft.append_context(self.context, features)
+
+    def draft_tree(self, root: int) -> DraftTree:
         logits = self.draft.propose(self.context, root, self.block_size)  # (B - 1, V)
         if self.spec.mode == "chain":
             return chain_tree(root, logits)
         s = self.spec
         return build_tree(root, logits, s.budget, s.tree_top_k, s.chain_seed, s.draft_temperature)
 
-    def step(self, root: int, features: torch.Tensor, state: ModelState, sampling: SamplingParams):
-        """Emit the accepted draft tokens plus the bonus. `features` are the target features of the
-        tokens committed since the last step; returns the emitted tokens and the new features."""
-        tree = self.draft_tree(root, features)
+    def step(self, root: int, state: ModelState, sampling: SamplingParams) -> list[int]:
+        """Draft from the last emitted token, verify, commit; returns the accepted draft tokens plus
+        the bonus token."""
+        tree = self.draft_tree(root)
         start = state.seq_len  # the root's position
         out = self.target(tree.tokens, state, tree.layout, commit=False, capture=self.capture_layers)
         samples = sample(out.logits, sampling, start + tree.layout.depths + 1)
         path, emitted = accept_path(tree.tokens, tree.layout, samples)
         path = torch.tensor(path, device=tree.tokens.device)
         state.commit_path(path)
-        return emitted, out.features[path]
+        self.observe(out.features[path])
+        return emitted
