@@ -31,26 +31,10 @@ def ours_prepared(q, k):
 @pytest.mark.parametrize("t", [1, 5, 64, 150])
 def test_chunked_and_recurrent_match_transformers(t):
     q, k, v, g, beta, s0 = inputs(t, seed=t)
-    ref_o, ref_s = torch_recurrent_gated_delta_rule(
-        q[None],
-        k[None],
-        v[None],
-        g[None],
-        beta[None],
-        initial_state=s0[None],
-        output_final_state=True,
-        use_qk_l2norm_in_kernel=True,
-    )
-    ref_co, ref_cs = torch_chunk_gated_delta_rule(
-        q[None],
-        k[None],
-        v[None],
-        g[None],
-        beta[None],
-        initial_state=s0[None],
-        output_final_state=True,
-        use_qk_l2norm_in_kernel=True,
-    )
+    args = (q[None], k[None], v[None], g[None], beta[None])
+    opts = dict(initial_state=s0[None], output_final_state=True, use_qk_l2norm_in_kernel=True)
+    ref_o, ref_s = torch_recurrent_gated_delta_rule(*args, **opts)
+    ref_co, ref_cs = torch_chunk_gated_delta_rule(*args, **opts)
     qn, kn = ours_prepared(q, k)
     o, states = recurrent_delta_rule(qn, kn, v, g, beta, s0, list(range(-1, t - 1)))
     co, cs = chunked_delta_rule(qn, kn, v, g, beta, s0)

@@ -10,7 +10,7 @@ from flashtree.models.attention import Attention
 from flashtree.models.config import ModelConfig
 from flashtree.models.layers import Linear
 from flashtree.models.loader import Weights
-from flashtree.models.model import DecoderLayer, DecoderModel
+from flashtree.models.model import DecoderModel
 
 
 def unpermute_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -34,12 +34,5 @@ def build(gguf: GGUFFile, w: Weights) -> DecoderModel:
             head_dim=c.head_dim,
             eps=c.rms_eps,
         )
-        layers.append(
-            DecoderLayer(
-                attn,
-                w.swiglu(p),
-                w.norm(f"{p}.attn_norm.weight", c.rms_eps),
-                w.norm(f"{p}.ffn_norm.weight", c.rms_eps),
-            )
-        )
+        layers.append(w.layer(p, attn, c))
     return w.decoder(c, layers)

@@ -64,6 +64,16 @@ class Weights:
         """Untied `output.weight`, or the token embedding itself when tied."""
         return self.linear("output.weight") if self.gguf.has("output.weight") else Linear(embedding)
 
+    def layer(self, prefix: str, mixer, config: ModelConfig, mlp_norm: str = "ffn_norm") -> DecoderLayer:
+        """A pre-norm block: `mixer` and the SwiGLU MLP with their norms (qwen35 names the second
+        one post_attention_norm)."""
+        return DecoderLayer(
+            mixer,
+            self.swiglu(prefix),
+            self.norm(f"{prefix}.attn_norm.weight", config.rms_eps),
+            self.norm(f"{prefix}.{mlp_norm}.weight", config.rms_eps),
+        )
+
     def decoder(self, config: ModelConfig, layers: list[DecoderLayer]) -> DecoderModel:
         """What every family puts around its layers: embedding, final norm, LM head, RoPE."""
         embedding = self.dense("token_embd.weight")

@@ -6,7 +6,7 @@ from flashtree.gguf.reader import GGUFFile
 from flashtree.models.attention import Attention
 from flashtree.models.config import ModelConfig
 from flashtree.models.loader import Weights
-from flashtree.models.model import DecoderLayer, DecoderModel
+from flashtree.models.model import DecoderModel
 
 
 def attention(w: Weights, c: ModelConfig, prefix: str, output_gate: bool = False) -> Attention:
@@ -28,13 +28,5 @@ def attention(w: Weights, c: ModelConfig, prefix: str, output_gate: bool = False
 
 def build(gguf: GGUFFile, w: Weights) -> DecoderModel:
     c = ModelConfig.from_gguf(gguf)
-    layers = [
-        DecoderLayer(
-            attention(w, c, f"blk.{i}"),
-            w.swiglu(f"blk.{i}"),
-            w.norm(f"blk.{i}.attn_norm.weight", c.rms_eps),
-            w.norm(f"blk.{i}.ffn_norm.weight", c.rms_eps),
-        )
-        for i in range(c.n_layers)
-    ]
+    layers = [w.layer(f"blk.{i}", attention(w, c, f"blk.{i}"), c) for i in range(c.n_layers)]
     return w.decoder(c, layers)

@@ -7,7 +7,7 @@ from flashtree.gguf.reader import GGUFFile
 from flashtree.models.config import ATTENTION, ModelConfig
 from flashtree.models.deltanet import GatedDeltaNet
 from flashtree.models.loader import Weights
-from flashtree.models.model import DecoderLayer, DecoderModel
+from flashtree.models.model import DecoderModel
 from flashtree.models.qwen3 import attention
 
 
@@ -36,12 +36,5 @@ def build(gguf: GGUFFile, w: Weights) -> DecoderModel:
     for i, kind in enumerate(c.layer_types):
         p = f"blk.{i}"
         mixer = attention(w, c, p, output_gate=True) if kind == ATTENTION else deltanet(w, c, p)
-        layers.append(
-            DecoderLayer(
-                mixer,
-                w.swiglu(p),
-                w.norm(f"{p}.attn_norm.weight", c.rms_eps),
-                w.norm(f"{p}.post_attention_norm.weight", c.rms_eps),
-            )
-        )
+        layers.append(w.layer(p, mixer, c, mlp_norm="post_attention_norm"))
     return w.decoder(c, layers)
