@@ -147,7 +147,7 @@ def test_training_forward_equals_propose_per_block(tiny, window):
     dflash = (
         dict(layer_types=("sliding_attention", "full_attention"), sliding_window=window) if window else {}
     )
-    draft = new_draft(_shape(gguf, **dflash), model, seed=1)
+    draft = new_draft(_shape(gguf, **dflash), model, seed=1, from_target=False)  # every weight random
     with torch.no_grad():  # norms away from 1 so that a missing norm would show
         for p in draft.parameters():
             if p.ndim == 1:
@@ -171,6 +171,46 @@ def test_training_forward_equals_propose_per_block(tiny, window):
             ref = draft.propose(ctx, int(ids[row, anchor]), BLOCK)  # (B - 1, V)
             got = logits[row, n * BLOCK + 1 : (n + 1) * BLOCK]
             torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen35"])
+def test_new_draft_starts_from_the_target_top_layers(tiny_root, arch):
+    model, gguf = load_target(tiny_gguf(arch, 0, tiny_root), "cpu", torch.float32)
+    draft = new_draft(_shape(gguf), model, seed=0)
+    hidden = model.config.hidden
+    torch.testing.assert_close(draft.norm.weight, model.norm.weight, atol=0, rtol=0)
+    fc = draft.fc.weight  # (H, 3H): passes the last captured layer through, the others start at zero
+    torch.testing.assert_close(fc[:, -hidden:], torch.eye(hidden), atol=0, rtol=0)
+    assert not fc[:, :-hidden].any()
+    n_copied = 0
+    for d, t in zip(draft.layers, model.layers[-len(draft.layers) :], strict=True):
+        pairs = [(d.mlp.gate, t.mlp.gate), (d.mlp.up, t.mlp.up), (d.mlp.down, t.mlp.down)]
+        pairs += [(d.q, t.mixer.q), (d.k, t.mixer.k), (d.v, t.mixer.v), (d.o, t.mixer.o)] if hasattr(
+            t.mixer, "o"
+        ) else []
+        torch.testing.assert_close(d.attn_norm.weight, t.mixer_norm.weight, atol=0, rtol=0)
+        for ours, theirs in pairs:
+            if ours.weight.shape == theirs.weight.shape:
+                torch.testing.assert_close(ours.weight, theirs.weight, atol=0, rtol=0)
+                n_copied += 1
+            else:  # qwen35's gated q: random, at the init scale
+                assert abs(ours.weight.std().item() - 0.02) < 0.005
+    assert n_copied >= 3 * len(draft.layers)
+
+
+def test_target_init_learns_faster_than_random(tiny, tiny_data, tmp_path):
+    """The point of starting from the target: after the same few steps the loss is lower."""
+    _, model, gguf = tiny
+    hf = hf_model_from(model).requires_grad_(False)
+    cfg = TrainConfig(block_size=BLOCK, anchors=4, batch=4, lr=1e-3, warmup_steps=2, steps=12, log_every=12)
+    losses = {}
+    for from_target in (True, False):
+        out = tmp_path / str(from_target)
+        out.mkdir()
+        draft = new_draft(_shape(gguf), model, seed=0, from_target=from_target)
+        Trainer(draft, hf, tiny_data, cfg, out, log=lambda m: None).run()
+        losses[from_target] = json.loads((out / "train_log.jsonl").read_text().splitlines()[-1])["loss"]
+    assert losses[True] < losses[False]
 
 
 def test_saved_draft_loads_with_load_draft(tiny, tmp_path):

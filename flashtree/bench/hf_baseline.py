@@ -9,7 +9,7 @@ from a `DecoderModel`, undoing what our loading did to the GGUF tensors:
   -exp(A_log), and the GGUF tiles V heads over K heads where HF groups them (inverse of the
   converter's `tile_v_heads`).
 Dense tensors are handed over without a copy where no transform is needed, in the target's dtype;
-quantized layers (anything with `dense_weight`, e.g. the CUDA QuantLinear) are decoded from their blocks.
+quantized layers (the CUDA QuantLinear) are decoded from their blocks by `dense_weight`.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from __future__ import annotations
 import time
 
 import torch
-from torch import nn
 
 from flashtree.errors import FlashtreeError
 from flashtree.generate import GenerationStats
@@ -32,18 +31,12 @@ def group_v_heads(x: torch.Tensor, dim: int, n_k_heads: int, head_dim: int) -> t
     return tiled.transpose(dim, dim + 1).reshape(x.shape)
 
 
-def _weight(linear: nn.Module, dtype: torch.dtype) -> torch.Tensor:
-    """The (out, in) weight of a linear layer: as stored, or decoded from a quantized layer's blocks."""
-    dense_weight = getattr(linear, "dense_weight", None)
-    return dense_weight(dtype) if dense_weight is not None else linear.weight
-
-
 def _attention(a: Attention, norm_offset: float, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     tensors = {
-        "q_proj.weight": _weight(a.q, dtype),  # qwen35: per head [q_h | gate_h], as HF packs it too
-        "k_proj.weight": _weight(a.k, dtype),
-        "v_proj.weight": _weight(a.v, dtype),
-        "o_proj.weight": _weight(a.o, dtype),
+        "q_proj.weight": a.q.dense_weight(dtype),  # qwen35: per head [q_h | gate_h], as HF packs it too
+        "k_proj.weight": a.k.dense_weight(dtype),
+        "v_proj.weight": a.v.dense_weight(dtype),
+        "o_proj.weight": a.o.dense_weight(dtype),
     }
     if a.q_norm is not None:
         tensors |= {"q_norm.weight": a.q_norm - norm_offset, "k_norm.weight": a.k_norm - norm_offset}
@@ -60,15 +53,15 @@ def _deltanet(m: GatedDeltaNet, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         return torch.cat([x[: 2 * nk * kd], heads(x[2 * nk * kd :], vd)])
 
     tensors = {
-        "in_proj_qkv.weight": qkv(_weight(m.qkv, dtype)),
+        "in_proj_qkv.weight": qkv(m.qkv.dense_weight(dtype)),
         "conv1d.weight": qkv(m.conv_weight).unsqueeze(1),  # (channels, 1, kernel)
-        "in_proj_z.weight": heads(_weight(m.z, dtype), vd),
-        "in_proj_b.weight": heads(_weight(m.beta, dtype), 1),
-        "in_proj_a.weight": heads(_weight(m.alpha, dtype), 1),
+        "in_proj_z.weight": heads(m.z.dense_weight(dtype), vd),
+        "in_proj_b.weight": heads(m.beta.dense_weight(dtype), 1),
+        "in_proj_a.weight": heads(m.alpha.dense_weight(dtype), 1),
         "dt_bias": heads(m.dt_bias, 1),
         "A_log": heads(torch.log(-m.ssm_a), 1),
         "norm.weight": m.norm_weight,  # the gated norm is plain in both
-        "out_proj.weight": heads(_weight(m.out, dtype), vd, dim=1),
+        "out_proj.weight": heads(m.out.dense_weight(dtype), vd, dim=1),
     }
     return {f"linear_attn.{k}": v for k, v in tensors.items()}
 
@@ -80,7 +73,7 @@ def hf_state_dict(target: DecoderModel) -> dict[str, torch.Tensor]:
     state = {
         "model.embed_tokens.weight": target.embedding,
         "model.norm.weight": target.norm.weight - offset,
-        "lm_head.weight": _weight(target.lm_head, dtype),
+        "lm_head.weight": target.lm_head.dense_weight(dtype),
     }
     for i, layer in enumerate(target.layers):
         m = layer.mixer
@@ -88,9 +81,9 @@ def hf_state_dict(target: DecoderModel) -> dict[str, torch.Tensor]:
         tensors = {
             "input_layernorm.weight": layer.mixer_norm.weight - offset,
             "post_attention_layernorm.weight": layer.mlp_norm.weight - offset,
-            "mlp.gate_proj.weight": _weight(layer.mlp.gate, dtype),
-            "mlp.up_proj.weight": _weight(layer.mlp.up, dtype),
-            "mlp.down_proj.weight": _weight(layer.mlp.down, dtype),
+            "mlp.gate_proj.weight": layer.mlp.gate.dense_weight(dtype),
+            "mlp.up_proj.weight": layer.mlp.up.dense_weight(dtype),
+            "mlp.down_proj.weight": layer.mlp.down.dense_weight(dtype),
             **mixer,
         }
         state |= {f"model.layers.{i}.{k}": v for k, v in tensors.items()}

@@ -14,8 +14,6 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from flashtree.models.loader import default_dtype
-
 # Big enough to leave the caches and amortize launches, small enough to be quick (CPU: a few 100 ms).
 COPY_BYTES = {"cuda": 1 << 30, "cpu": 64 << 20}
 MATMUL_N = {"cuda": 8192, "cpu": 1024}
@@ -50,7 +48,7 @@ def measure_ceilings(
     copy_bytes = copy_bytes or COPY_BYTES[kind]
     matmul_n = matmul_n or MATMUL_N[kind]
     repeats = repeats or REPEATS[kind]
-    dtype = default_dtype(device)
+    dtype = torch.bfloat16 if kind == "cuda" else torch.float32  # what large models compute in
 
     src = torch.empty(copy_bytes, dtype=torch.uint8, device=device).fill_(1)
     dst = torch.empty_like(src)

@@ -19,6 +19,10 @@ class Linear(nn.Module):
     def out_features(self) -> int:
         return self.weight.shape[0]
 
+    def dense_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The (out, in) weight in `dtype` (no copy when it already is), as QuantLinear decodes it."""
+        return self.weight.to(dtype)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight)
 

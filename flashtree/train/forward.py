@@ -19,6 +19,7 @@ from safetensors.torch import save_file
 from flashtree.convert.hf import hf_name
 from flashtree.convert.shapes import ModelShape
 from flashtree.convert.synth import draft_config
+from flashtree.models.attention import Attention
 from flashtree.models.dflash import DFlashDraft, DraftConfig, DraftLayer
 from flashtree.models.layers import apply_rotary, rms_norm
 from flashtree.models.model import DecoderModel
@@ -26,18 +27,54 @@ from flashtree.models.model import DecoderModel
 INIT_STD = 0.02  # random init of every matrix, as SpecForge's drafts (dflash.md §5)
 
 
-def new_draft(shape: ModelShape, target: DecoderModel, seed: int) -> DFlashDraft:
-    """A randomly initialized fp32 draft of `shape` next to `target`, with trainable parameters."""
+def new_draft(shape: ModelShape, target: DecoderModel, seed: int, from_target: bool = True) -> DFlashDraft:
+    """An fp32 draft of `shape` next to `target`, with trainable parameters. With `from_target`, every
+    tensor whose shape agrees starts as the target's (target_init_tensors); the rest, and all of them
+    without it, start random (matrices) or as the identity (norms)."""
     generator = torch.Generator().manual_seed(seed)
+    start = target_init_tensors(target, shape.n_layers, shape.dflash.target_layer_ids) if from_target else {}
     tensors = {}
     for spec in shape.gguf_tensors():
-        if len(spec.shape) == 1:  # norms start as the identity
+        if spec.name in start and tuple(start[spec.name].shape) == tuple(spec.shape):
+            tensors[spec.name] = start[spec.name].detach().float().cpu().clone()
+        elif len(spec.shape) == 1:
             tensors[spec.name] = torch.ones(spec.shape)
         else:
             tensors[spec.name] = INIT_STD * torch.randn(spec.shape, generator=generator)
     cfg = DraftConfig.from_json(draft_config(shape), Path("<new draft>"))
     tensors = {k: v.to(target.device) for k, v in tensors.items()}
     return DFlashDraft(cfg, tensors, target).requires_grad_(True)
+
+
+def target_init_tensors(
+    target: DecoderModel, n_layers: int, target_layer_ids: tuple[int, ...]
+) -> dict[str, torch.Tensor]:
+    """Target weights under the draft's tensor names: draft layer i from the target's layer
+    L - n_layers + i, the output norm from the target's. The top layers already turn hidden states into
+    next-token states read by the shared LM head, so a draft starting there learns far faster than a
+    random one. fc starts by passing the last captured layer's features through (the state those top
+    layers read); the other captured layers' weights start at zero and are learned."""
+    hidden = target.config.hidden
+    n_captured = len(target_layer_ids)
+    fc = torch.zeros(hidden, n_captured * hidden)
+    fc[:, -hidden:] = torch.eye(hidden)
+    tensors = {"output_norm.weight": target.norm.weight, "fc.weight": fc}
+    for i, layer in enumerate(target.layers[-n_layers:]):
+        parts = {
+            "attn_norm": layer.mixer_norm.weight, "ffn_norm": layer.mlp_norm.weight,
+            "ffn_gate": layer.mlp.gate.dense_weight(), "ffn_up": layer.mlp.up.dense_weight(),
+            "ffn_down": layer.mlp.down.dense_weight(),
+        }  # fmt: skip
+        mixer = layer.mixer
+        if isinstance(mixer, Attention):  # a gated (qwen35) q has another shape and stays random
+            parts |= {
+                "attn_q": mixer.q.dense_weight(), "attn_k": mixer.k.dense_weight(),
+                "attn_v": mixer.v.dense_weight(), "attn_output": mixer.o.dense_weight(),
+            }  # fmt: skip
+            if mixer.q_norm is not None:
+                parts |= {"attn_q_norm": mixer.q_norm, "attn_k_norm": mixer.k_norm}
+        tensors |= {f"blk.{i}.{name}.weight": t for name, t in parts.items()}
+    return tensors
 
 
 def draft_tensors(draft: DFlashDraft) -> dict[str, torch.Tensor]:
