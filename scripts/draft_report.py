@@ -1,10 +1,11 @@
-"""Turn what scripts/train_draft_gpu.sh brought back into the committed draft and its report.
+"""Turn what scripts/train_draft_gpu.sh brought back into the committed draft and its reports.
 
-    python scripts/draft_report.py RESULTS_DIR [--commit SHA]
+    python scripts/draft_report.py RESULTS_DIR --commit SHA --bench-dir bench/results/NAME
 
-RESULTS_DIR holds the run's $OUT: config.json, model.safetensors.part.*, train_log.jsonl,
-train_config.json, train.log, eval.json. Writes flashtree/drafts/smollm2-135m-instruct/ and
-bench/results/draft-training/{report.json, training_curve.png} (README.md is written by hand).
+RESULTS_DIR holds the run's $OUT: model.safetensors.part.* and results.tar.gz unpacked (log,
+run/{config,train_config}.json, run/train_log.jsonl, bench/). Writes flashtree/drafts/smollm2-135m-instruct/,
+bench/results/draft-training/{report.json, training_curve.png} (README.md is written by hand) and copies
+the `flashtree bench` run of the new draft to --bench-dir.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ REPORT_DIR = ROOT / "bench" / "results" / "draft-training"
 
 def install_draft(results: Path) -> None:
     DRAFT_DIR.mkdir(parents=True, exist_ok=True)
-    shutil.copy(results / "config.json", DRAFT_DIR / "config.json")
+    shutil.copy(results / "run" / "config.json", DRAFT_DIR / "config.json")
     with open(DRAFT_DIR / "model.safetensors", "wb") as out:
         for part in sorted(results.glob("model.safetensors.part.*")):
             out.write(part.read_bytes())
@@ -64,34 +65,50 @@ def plot_curve(rows: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def acceptance(bench: dict) -> dict:
+    """Mean AL per dataset and overall, chain and tree, from `flashtree bench`'s results.json."""
+    return {
+        dataset: {mode: round(rows[mode]["mean_accept_len"], 3) for mode in ("chain", "tree")}
+        for dataset, rows in bench["summary"].items()
+    }
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("results", type=Path)
-    p.add_argument("--commit", default=None, help="The git commit the GPU run used.")
+    p.add_argument("--commit", required=True, help="The git commit the GPU run used.")
+    p.add_argument("--bench-dir", type=Path, required=True, help="Where the bench run is committed.")
     a = p.parse_args()
     install_draft(a.results)
     REPORT_DIR.mkdir(parents=True, exist_ok=True)
-    rows = [json.loads(x) for x in (a.results / "train_log.jsonl").read_text().splitlines() if x.strip()]
+    run = a.results / "run"
+    rows = [json.loads(x) for x in (run / "train_log.jsonl").read_text().splitlines() if x.strip()]
     plot_curve(rows, REPORT_DIR / "training_curve.png")
-    evaluation = json.loads((a.results / "eval.json").read_text())
-    train_log = (a.results / "train.log").read_text()
+    shutil.copytree(a.results / "bench", a.bench_dir, dirs_exist_ok=True)
+    bench = json.loads((a.results / "bench" / "results.json").read_text())
+    bench["git"]["commit"] = a.commit  # the pipeline ran from a copy without .git
+    (a.bench_dir / "results.json").write_text(json.dumps(bench, indent=1) + "\n")
+    md = a.bench_dir / "results.md"
+    md.write_text(md.read_text().replace("- commit: unknown", f"- commit: {a.commit}"))
+    log = (a.results / "log").read_text()
     report = {
-        "command": "scripts/train_draft_gpu.sh full (on one H200), then scripts/draft_report.py",
+        "command": "scripts/train_draft_gpu.sh smoke, launch, then wait (one H200 lease), "
+        "then scripts/draft_report.py",
         "commit": a.commit,
-        "device": next((line for line in train_log.splitlines() if line.startswith("GPU 0")), None),
-        "draft": json.loads((a.results / "config.json").read_text()),
+        "device": next((line for line in log.splitlines() if line.startswith("GPU 0")), None),
+        "draft": json.loads((run / "config.json").read_text()),
         "draft_bytes": (DRAFT_DIR / "model.safetensors").stat().st_size,
-        "train_config": json.loads((a.results / "train_config.json").read_text()),
-        "data": data_stats(train_log),
+        "train_config": json.loads((run / "train_config.json").read_text()),
+        "data": data_stats(log),
         "training": {"final": rows[-1], "first": rows[0], "log_rows": len(rows)},
         "evaluation": {
-            "settings": "greedy, chat template, block 16, 256 new tokens, tree budget 22, 10 prompts per set "
-            "(flashtree.bench.datasets.load_prompts seed 0), dense bf16 target weights",
-            **evaluation,
+            "settings": bench["options"],
+            "source": str(a.bench_dir.relative_to(ROOT) if a.bench_dir.is_absolute() else a.bench_dir),
+            "mean_accept_len": acceptance(bench),
         },
     }
     (REPORT_DIR / "report.json").write_text(json.dumps(report, indent=1) + "\n")
-    print(json.dumps(evaluation["summary"], indent=1))
+    print(json.dumps(report["evaluation"]["mean_accept_len"], indent=1))
 
 
 if __name__ == "__main__":
