@@ -227,17 +227,18 @@ class Engine:
             )
             if self.decoder:
                 self.decoder.observe(out.features)
-        pos = torch.tensor([len(prompt_ids)], device=self.device)
+        pos = torch.full((1,), len(prompt_ids), device=self.device)
         return int(sample(out.logits, sampling, pos)[0])
 
     def _step(self, root: int, sampling: SamplingParams) -> list[int]:
         """One decode step from the last emitted token: AR, or draft -> verify -> accept."""
         if self.decoder:
             return self.decoder.step(root, self.state, sampling)
-        ids = torch.tensor([root], dtype=torch.long, device=self.device)
+        # torch.full launches a fill; torch.tensor would copy from the host and wait for the GPU.
+        ids = torch.full((1,), root, dtype=torch.long, device=self.device)
         out = self.target(ids, self.state, logits="last")
-        pos = torch.tensor([self.state.seq_len], device=self.device)
-        return [int(sample(out.logits, sampling, pos)[0])]
+        pos = torch.full((1,), self.state.seq_len, device=self.device)
+        return [int(sample(out.logits, sampling, pos)[0])]  # the step's one host sync
 
     def stream(
         self,

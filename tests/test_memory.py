@@ -5,7 +5,7 @@ import torch
 
 from flashtree import memory
 from flashtree.errors import FlashtreeError
-from flashtree.models.loader import load_target
+from flashtree.models.loader import default_dtype, load_target
 from tests.tiny import tiny_gguf
 
 
@@ -36,3 +36,15 @@ def test_context_shrinks_to_free_memory_and_explicit_sizes_are_checked(hybrid, m
         memory.plan_context(hybrid, 400)
     with pytest.raises(FlashtreeError, match="exceeds the model's context length"):
         memory.plan_context(hybrid, 5000)
+
+
+@pytest.mark.parametrize(
+    "device,n_params,dtype",
+    [
+        ("cpu", 27_000_000_000, torch.float32),  # the CPU always computes in fp32
+        ("cuda", 135_000_000, torch.float32),  # small models: fp32 on the GPU (verify == AR numerics)
+        ("cuda", 27_000_000_000, torch.bfloat16),
+    ],
+)
+def test_compute_dtype_by_device_and_size(device, n_params, dtype):
+    assert default_dtype(torch.device(device), n_params) == dtype

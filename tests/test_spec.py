@@ -57,7 +57,7 @@ def test_greedy_identity_oracle_draft(pair, error, config, monkeypatch):
 
     def recording_accept(tokens, layout, samples):
         path, bonus = real_accept(tokens, layout, samples)
-        walks.append((layout, path))
+        walks.append((layout, path.tolist()))
         return path, bonus
 
     monkeypatch.setattr(spec_decoder, "accept_path", recording_accept)

@@ -185,9 +185,11 @@ def test_new_draft_starts_from_the_target_top_layers(tiny_root, arch):
     n_copied = 0
     for d, t in zip(draft.layers, model.layers[-len(draft.layers) :], strict=True):
         pairs = [(d.mlp.gate, t.mlp.gate), (d.mlp.up, t.mlp.up), (d.mlp.down, t.mlp.down)]
-        pairs += [(d.q, t.mixer.q), (d.k, t.mixer.k), (d.v, t.mixer.v), (d.o, t.mixer.o)] if hasattr(
-            t.mixer, "o"
-        ) else []
+        pairs += (
+            [(d.q, t.mixer.q), (d.k, t.mixer.k), (d.v, t.mixer.v), (d.o, t.mixer.o)]
+            if hasattr(t.mixer, "o")
+            else []
+        )
         torch.testing.assert_close(d.attn_norm.weight, t.mixer_norm.weight, atol=0, rtol=0)
         for ours, theirs in pairs:
             if ours.weight.shape == theirs.weight.shape:

@@ -37,15 +37,15 @@ class BlockLayout:
         n = parents.shape[0]
         max_depth = n - 1 if max_depth is None else max_depth
         idx = torch.arange(n, device=parents.device)
-        visible = torch.eye(n, dtype=torch.bool, device=parents.device)
-        depths = torch.zeros(n, dtype=torch.long, device=parents.device)
-        # Pointer jumping: after step s, `anc` is each node's s-th ancestor (-1 once past the root).
-        anc = parents.clone()
-        for _ in range(max_depth):
-            alive = anc >= 0
-            visible[idx, anc.clamp(min=0)] |= alive
-            depths += alive.long()
-            anc = torch.where(alive, parents[anc.clamp(min=0)], anc)
+        # reach[i, j] = 1 iff j is i or one of its ancestors: the reflexive closure of the parent
+        # relation, by squaring: after s squarings it spans paths of up to 2^s edges. The 0/1 counts
+        # stay exact in fp32, so log2(max_depth) small matmuls replace a loop over depths.
+        reach = torch.eye(n, device=parents.device)
+        reach[idx, parents.clamp(min=0)] += (parents >= 0).float()
+        for _ in range(max_depth.bit_length()):
+            reach = (reach @ reach).clamp(max=1.0)
+        visible = reach > 0
+        depths = visible.sum(1) - 1
         return BlockLayout(parents=parents, depths=depths, visible=visible, max_depth=max_depth)
 
     def conv_window_index(self, kernel: int) -> torch.Tensor:

@@ -28,10 +28,9 @@ class Linear(nn.Module):
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Plain RMSNorm in fp32 (GGUF files already carry the +1 of zero-centred norms)."""
-    xf = x.float()
-    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (y * weight.float()).to(x.dtype)
+    """Plain RMSNorm in fp32 (GGUF files already carry the +1 of zero-centred norms). torch's op is
+    one fused kernel on CUDA (six launches otherwise) and bit-identical to the formula on the CPU."""
+    return F.rms_norm(x.float(), weight.shape, weight.float(), eps).to(x.dtype)
 
 
 class RMSNorm(nn.Module):

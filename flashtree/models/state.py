@@ -31,10 +31,8 @@ class KVCache:
         """K/V of slots [0, end): (n_kv, end, head_dim) each."""
         return self.k[:, :end], self.v[:, :end]
 
-    def compact(self, start: int, path: torch.Tensor) -> None:
-        """Move slot start + path[i] to start + i (path is increasing, so a gather is safe)."""
-        src = start + path
-        dst = start + torch.arange(path.shape[0], device=path.device)
+    def compact(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Move slots src[i] to dst[i] (src is increasing and src >= dst, so a gather is safe)."""
         self.k[:, dst] = self.k[:, src]
         self.v[:, dst] = self.v[:, src]
 
@@ -93,9 +91,11 @@ class ModelState:
         if self.pending == 0:
             raise RuntimeError("commit_path without a pending verify forward")
         last = path[-1]  # a 0-d tensor: indexing with it needs no host sync
+        src = self.seq_len + path  # KV slots of the accepted tokens, moved to follow the prefix
+        dst = self.seq_len + torch.arange(path.shape[0], device=path.device)
         for layer in self.layers:
             if isinstance(layer, KVCache):
-                layer.compact(self.seq_len, path)
+                layer.compact(src, dst)
             else:
                 layer.commit(last)
         self.seq_len += path.shape[0]

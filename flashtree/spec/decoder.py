@@ -50,7 +50,6 @@ class SpecDecoder:
         out = self.target(tree.tokens, state, tree.layout, commit=False, capture=self.capture_layers)
         samples = sample(out.logits, sampling, start + tree.layout.depths + 1)
         path, emitted = accept_path(tree.tokens, tree.layout, samples)
-        path = torch.tensor(path, device=tree.tokens.device)
         state.commit_path(path)
         self.observe(out.features[path])
         return emitted

@@ -31,7 +31,8 @@ class DraftTree:
 
 def chain_tree(root: int, draft_logits: torch.Tensor) -> DraftTree:
     """Chain decoding: the draft's argmax at every depth."""
-    tokens = torch.cat([draft_logits.new_tensor([root], dtype=torch.long), draft_logits.argmax(-1)])
+    root_t = torch.full((1,), root, dtype=torch.long, device=draft_logits.device)  # a fill, not a copy
+    tokens = torch.cat([root_t, draft_logits.argmax(-1)])
     return DraftTree(tokens, BlockLayout.chain(tokens.shape[0], tokens.device))
 
 
@@ -48,36 +49,30 @@ def build_tree(
     logp, tok = torch.log_softmax(draft_logits.float() / temperature, dim=-1).topk(k, dim=-1)  # (L, k)
     dev = draft_logits.device
     width = budget  # candidates kept per depth
+    # With chain_seed the greedy chain is slot 0 of every level: the bonus on (slot 0, rank 0) makes
+    # it win each level's selection, and the same bonus on slot 0 wins the final one.
+    bonus = torch.zeros(width * k, device=dev)
+    bonus[0] = CHAIN_BONUS if chain_seed else 0.0
 
-    # Level d holds `width` candidates: score, token, rank, parent slot in level d - 1 (-1 = root).
-    scores, tokens, parents, greedy = [], [], [], []
-    prev_score = torch.full((width,), NEG_INF, device=dev)
-    prev_score[0] = 0.0  # the root
-    prev_greedy = torch.zeros(width, dtype=torch.bool, device=dev)
-    prev_greedy[0] = True
+    # Level d keeps `width` candidates (slot order = selection order): their scores and their flat
+    # index (parent slot * k + rank) into the level's (width, k) candidate grid. Dead slots score -inf.
+    score = torch.full((width,), NEG_INF, device=dev)
+    score[0] = 0.0  # the root
+    level_scores, level_picks = [], []
     for d in range(depth_l):
-        cand = prev_score[:, None] + logp[d][None, :]  # (width, k): every parent x every rank
-        cand_greedy = prev_greedy[:, None] & (torch.arange(k, device=dev) == 0)[None, :]
-        key = cand + cand_greedy * (CHAIN_BONUS if chain_seed else 0.0)
-        best = key.flatten().topk(min(width, key.numel())).indices
-        if best.shape[0] < width:  # tiny vocab: pad with dead slots
-            best = torch.cat([best, best.new_zeros(width - best.shape[0])])
-            dead = torch.arange(width, device=dev) >= key.numel()
-        else:
-            dead = torch.zeros(width, dtype=torch.bool, device=dev)
-        par, rank = best // k, best % k
-        score = cand.flatten()[best].masked_fill(dead, NEG_INF)
-        scores.append(score)
-        tokens.append(tok[d][rank])
-        parents.append(par if d > 0 else torch.full_like(par, -1))
-        greedy.append(cand_greedy.flatten()[best] & ~dead)
-        prev_score, prev_greedy = score, greedy[-1]
+        cand = (score[:, None] + logp[d][None, :]).flatten()  # (width * k,): every parent x every rank
+        pick = (cand + bonus).topk(width).indices
+        score = cand[pick]
+        level_scores.append(score)
+        level_picks.append(pick)
+    scores, picks = torch.stack(level_scores), torch.stack(level_picks)  # (L, width)
+    parent_slot = picks // k
+    tokens = tok.gather(1, picks % k)  # (L, width)
 
-    score = torch.stack(scores)  # (L, width)
-    is_greedy = torch.stack(greedy)
-    key = score + is_greedy * (CHAIN_BONUS if chain_seed else 0.0)
+    key = scores.clone()
+    key[:, 0] += bonus[0]  # the chain's nodes first
     # Only a tiny vocabulary can have fewer than `budget` distinct paths; count them then (a sync).
-    n = budget if k**depth_l >= budget else min(budget, int(torch.isfinite(score).sum()))
+    n = budget if k**depth_l >= budget else min(budget, int(torch.isfinite(scores).sum()))
     # The best `budget` over all depths. Entries are laid out depth-major and the sort is stable, so a
     # tie goes to the shallower node: a parent always outranks its children, keeping the set a tree.
     chosen = torch.sort(key.flatten(), descending=True, stable=True).indices[:n]
@@ -86,12 +81,9 @@ def build_tree(
 
     node_of = torch.full((depth_l, width), -1, dtype=torch.long, device=dev)  # (depth, slot) -> block index
     node_of[depth, slot] = torch.arange(1, n + 1, device=dev)
-    parent_slot = torch.stack(parents)[depth, slot]
     parent_node = torch.where(
-        depth == 0, torch.zeros_like(slot), node_of[(depth - 1).clamp(min=0), parent_slot]
+        depth == 0, torch.zeros_like(slot), node_of[(depth - 1).clamp(min=0), parent_slot[depth, slot]]
     )
-    node_tokens = torch.stack(tokens)[depth, slot]
-
-    block_tokens = torch.cat([torch.tensor([root], device=dev), node_tokens])
-    block_parents = torch.cat([torch.tensor([-1], device=dev), parent_node])
+    block_tokens = torch.cat([torch.full((1,), root, dtype=torch.long, device=dev), tokens[depth, slot]])
+    block_parents = torch.cat([torch.full((1,), -1, dtype=torch.long, device=dev), parent_node])
     return DraftTree(block_tokens, BlockLayout.from_parents(block_parents, max_depth=depth_l))
