@@ -8,7 +8,7 @@ import torch
 from flashtree.config import SamplingParams
 from flashtree.models.loader import load_target
 from flashtree.spec import decoder as spec_decoder
-from tests.spec_util import OracleDraft, generate, random_draft
+from tests.spec_util import OracleDraft, engine, generate, random_draft
 from tests.tiny import tiny_gguf
 
 FAMILIES = ["llama", "qwen3", "qwen35"]
@@ -102,3 +102,31 @@ def test_sampled_output_identical_to_ar_sampling(pair, sampling):
         assert generate(target, draft, prompt, N_NEW, sampling, mode="tree", budget=22)[0] == ar
         assert generate(target, oracle, prompt, N_NEW, sampling, mode="tree", budget=22)[0] == ar
         assert generate(target, oracle, prompt, N_NEW, sampling, mode="chain")[0] == ar
+
+
+HOST_READS = ("item", "tolist", "__int__", "__float__", "__bool__", "__index__", "nonzero", "cpu", "numpy")
+
+
+@pytest.mark.parametrize("mode", ["ar", "chain", "tree"])
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_one_host_read_per_decode_step(tiny_root, family, mode, monkeypatch):
+    """On a GPU every read of a tensor's value on the host waits for the device, so a decode step
+    (draft, tree, verify, sample, accept, commit) may read back once: the tokens it emits.
+    (qwen35 is left out: its CPU DeltaNet recurrence walks the parents on the host by design, where
+    CUDA runs the Triton tree kernel on the device parents.)"""
+    gguf = tiny_gguf(family, 0, tiny_root)
+    target, _ = load_target(gguf, device="cpu", dtype=torch.float32)
+    draft = None if mode == "ar" else random_draft(gguf, target, tiny_root, layers=1)
+    e = engine(target, draft, mode=mode)
+    prompt = prompts(1, target.config.vocab, seed=7)[0]
+    steps = e.generate(prompt, 40, SamplingParams(temperature=0.8, seed=1), stop_ids=[])
+    next(steps)  # the prefill's first token
+    reads = []
+    for name in HOST_READS:
+        real = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _real=real, _n=name, **k: (
+            reads.append(_n), _real(self, *a, **k))[1])  # fmt: skip
+    for _ in range(5):
+        reads.clear()
+        next(steps)
+        assert len(reads) == 1, reads
