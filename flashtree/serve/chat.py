@@ -6,6 +6,8 @@ Commands: /reset (forget the conversation), /system TEXT (set the system prompt;
 
 from __future__ import annotations
 
+import signal
+
 from prompt_toolkit import PromptSession
 from rich.console import Console
 
@@ -71,6 +73,9 @@ class ChatSession:
         the user saw."""
         stats = GenerationStats(self.engine.mode)
         parts: list[str] = []
+        # Ctrl-C must raise here whatever the prompt library left installed: in one CI run a ^C was
+        # echoed mid-reply and the reply ran on to its end.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         try:
             prompt_ids = self.engine.encode_messages(self.messages(user_text))
             for chunk in self.engine.stream(prompt_ids, self.max_tokens, self.sampling, stats=stats):
