@@ -18,7 +18,6 @@ class BlockLayout:
     parents: torch.Tensor  # (T,) long, parents[i] < i, -1 = the committed prefix
     depths: torch.Tensor  # (T,) long, 0 for tokens whose parent is -1
     visible: torch.Tensor  # (T, T) bool, token i sees token j iff j is i or an ancestor of i
-    max_depth: int  # a bound on depths (host-side, so loops over levels need no device sync)
 
     @property
     def size(self) -> int:
@@ -28,7 +27,7 @@ class BlockLayout:
     def chain(n: int, device: torch.device | str = "cpu") -> BlockLayout:
         idx = torch.arange(n, device=device)
         visible = idx[:, None] >= idx[None, :]
-        return BlockLayout(parents=idx - 1, depths=idx, visible=visible, max_depth=n - 1)
+        return BlockLayout(parents=idx - 1, depths=idx, visible=visible)
 
     @staticmethod
     def from_parents(parents: torch.Tensor, max_depth: int | None = None) -> BlockLayout:
@@ -46,7 +45,7 @@ class BlockLayout:
             reach = (reach @ reach).clamp(max=1.0)
         visible = reach > 0
         depths = visible.sum(1) - 1
-        return BlockLayout(parents=parents, depths=depths, visible=visible, max_depth=max_depth)
+        return BlockLayout(parents=parents, depths=depths, visible=visible)
 
     def conv_window_index(self, kernel: int) -> torch.Tensor:
         """(T, kernel) indices into [conv_state (kernel-1 rows) | block tokens (T rows)]: the causal
