@@ -1,9 +1,10 @@
-"""Quantized-matmul kernels vs dequantize-then-matmul, on CPU through Triton's interpreter.
+"""Quantized-matmul kernels on CPU, through Triton's interpreter (dp4a by its integer emulation).
 
-The reference is gguf-py-exact dequantization (flashtree.quant.dequant, itself tested against gguf-py)
-followed by an fp64 matmul. Inputs are fp32 here, where the interpreter computes the kernels' exact
-arithmetic in fp32 (its bf16 dot is wrong, so the tensor-core tile is kept fp32 on CPU): errors are
-rounding only, ~1e-7 relative. The same checks run on the GPU, in bf16, in bench/gpu_kernels.py.
+References: gguf-py-exact dequantization (flashtree.quant.dequant, itself tested against gguf-py) and an
+int8 activation quantizer written here in torch. The kernels' math redone in fp64 from those (weights
+dequantized exactly, activations quantized the same way, min terms against the true block sums) must
+match to fp32 rounding; against the plain fp64 x @ W^T they differ by the int8 activation error. The
+same checks, in bf16 and with PTX dp4a, run on the GPU in bench/gpu_kernels.py.
 """
 
 import os
@@ -13,24 +14,44 @@ os.environ["TRITON_INTERPRET"] = "1"  # before triton.jit runs: the kernels then
 import numpy as np
 import pytest
 import torch
+import triton
+import triton.language as tl
 
+from flashtree.errors import FlashtreeError
 from flashtree.kernels import qmatmul
 from flashtree.kernels.qlinear import QuantLinear
-from flashtree.kernels.qmatmul import dequantize_packed, layout, quant_matmul, repack, unpack
+from flashtree.kernels.qmatmul import (
+    dequantize_packed,
+    k_splits,
+    layout,
+    quant_matmul,
+    quantize_activations,
+    repack,
+    unpack,
+)
 from flashtree.quant.dequant import dequantize
-from flashtree.quant.formats import QT
+from flashtree.quant.formats import QT, block_bytes
 from flashtree.quant.pack import quantize, random_blocks
 
 TYPES = [QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.Q8_0, QT.Q4_0, QT.Q4_1]
-# (rows, cols): rows not a multiple of any tile; legacy widths giving 8, 2 and 1 blocks per super-block
-SHAPES = {QT.Q4_K: (37, 512), QT.Q5_K: (37, 512), QT.Q6_K: (37, 512)}
+# (rows, cols), rows not a multiple of any tile. k-quants: 2 super-blocks = 2 K-splits. Legacy widths:
+# units of 8, 2 and 1 blocks, in 1, 9 and 3 K-splits.
 LEGACY_SHAPES = [(37, 256), (21, 576), (19, 96)]
-M_VALUES = (1, 5, 16, 33)
-REL_TOL = 1e-5
+MATMUL_SHAPES = {
+    QT.Q4_K: (37, 512), QT.Q5_K: (37, 512), QT.Q6_K: (37, 512),
+    QT.Q4_0: (37, 256), QT.Q8_0: (21, 576), QT.Q4_1: (19, 96),
+}  # fmt: skip
+M_VALUES = (1, 5, 16, 33, 64)  # dp4a, then the three tensor-core buckets
+EXACT_TOL = 1e-6  # the kernels vs their own math in fp64: fp32 rounding only
+# vs the plain fp64 x @ W^T: the int8 activations' rounding, ~5e-3 of y for Gaussian x, up to twice that
+# for the types with a min (there y is a difference of larger scale * code and min terms)
+INT8_TOL = 2e-2
+# The GGUF bytes that hold codes, in the types with a min: zeroing them leaves value = -min term
+CODE_BYTES = {QT.Q4_K: (16, 144), QT.Q5_K: (16, 176), QT.Q4_1: (4, 20)}
 
 
 def shapes(qtype):
-    return [SHAPES[qtype]] if qtype in SHAPES else LEGACY_SHAPES
+    return [MATMUL_SHAPES[qtype]] if qtype.name.endswith("_K") else LEGACY_SHAPES
 
 
 def case(qtype, rows, cols, seed=0):
@@ -42,12 +63,36 @@ def rel_err(y, ref):
     return ((y.double() - ref).norm() / ref.norm()).item()
 
 
+def int8_reference(x):
+    """x (M, K) -> codes (M, K / 32, 32) fp32 and dx (M, K / 32): round(x * 127 / amax), ties to even."""
+    blocks = x.float().view(x.shape[0], -1, 32)
+    amax = blocks.abs().amax(-1)
+    return torch.round(blocks * (127 / torch.where(amax > 0, amax, 1.0))[..., None]), amax / 127
+
+
+def exact_reference(x, raw, qtype, rows, cols):
+    """The kernels' math in fp64: per 32-block, weights times dequantized int8 activations, except that
+    the types with a min weigh that min by the true block sum of x."""
+    m = x.shape[0]
+    codes, dx = int8_reference(x)
+    xhat = (codes.double() * dx.double()[..., None]).view(m, cols)
+    y = xhat @ dequantize(raw, qtype, (rows, cols)).double().t()
+    if qtype in CODE_BYTES:
+        start, stop = CODE_BYTES[qtype]
+        no_codes = raw.view(rows, -1, block_bytes(qtype)).clone()
+        no_codes[..., start:stop] = 0
+        w_min = -dequantize(no_codes, qtype, (rows, cols)).double()[:, ::32]  # (rows, cols / 32)
+        xs = x.double().view(m, -1, 32).sum(-1)
+        y -= (xs - xhat.view(m, -1, 32).sum(-1)) @ w_min.t()  # the kernels use xs where xhat sums
+    return y
+
+
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_repack_is_lossless(qtype):
     for rows, cols in shapes(qtype):
         raw, _ = case(qtype, rows, cols)
         fields = repack(raw, qtype, cols)
-        assert sum(f.numel() * f.element_size() for f in fields) == raw.numel()  # not a byte more
+        assert qmatmul.packed_bytes(fields) == raw.numel()  # not a byte more
         assert torch.equal(unpack(fields, qtype, cols), raw)
 
 
@@ -56,33 +101,123 @@ def test_kernel_dequantizer_matches_reference(qtype):
     for rows, cols in shapes(qtype):
         raw, ref = case(qtype, rows, cols)
         got = dequantize_packed(repack(raw, qtype, cols), qtype, rows, cols, torch.float32)
-        torch.testing.assert_close(got.double(), ref, rtol=1e-6, atol=0)
+        assert torch.equal(got.double(), ref)  # the reference's float ops, bit for bit
 
 
-@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-def test_quant_matmul_matches_dequantize_then_matmul(qtype):
-    for rows, cols in shapes(qtype):
-        raw, w = case(qtype, rows, cols)
-        fields = repack(raw, qtype, cols)
-        for m in M_VALUES:
-            x = torch.randn(m, cols, generator=torch.Generator().manual_seed(m))
-            y = quant_matmul(x, fields, qtype, rows, cols)
-            assert y.shape == (m, rows) and y.dtype == torch.float32
-            assert rel_err(y, x.double() @ w.t()) < REL_TOL, (qtype.name, rows, cols, m)
+def test_activation_quantizer_matches_torch():
+    scales = torch.tensor([[1.0], [1e-3], [40.0]])
+    x = torch.randn(3, 160, generator=torch.Generator().manual_seed(0)) * scales  # (3, 5 blocks of 32)
+    x[1, 32:64] = 0  # an all-zero block: codes 0, dx 0
+    for dtype in (torch.float32, torch.bfloat16):
+        xd = x.to(dtype)
+        codes, dx = int8_reference(xd)
+        act = quantize_activations(xd)
+        assert torch.equal(act.codes.view(torch.int8).view(3, 5, 32).float(), codes)
+        assert torch.equal(act.scale, dx)
+        assert torch.equal(act.code_sums, codes.view(3, 10, 16).sum(-1).int())
+        blocks = xd.double().view(3, 5, 32)
+        torch.testing.assert_close(act.sums.double(), blocks.sum(-1), rtol=0, atol=1e-6 * blocks.abs().sum())
+    assert codes.abs().max() == 127 and torch.equal(dx[1, 1], torch.tensor(0.0))
+
+
+@triton.jit
+def _dp4a_kernel(a_ptr, b_ptr, c_ptr, out_ptr, A_SIGNED: tl.constexpr):
+    i = tl.arange(0, 256)
+    out = qmatmul._dp4a(tl.load(a_ptr + i), tl.load(b_ptr + i), tl.load(c_ptr + i), A_SIGNED, False)
+    tl.store(out_ptr + i, out)
+
+
+@pytest.mark.parametrize("signed", [False, True], ids=["u8xs8", "s8xs8"])
+def test_dp4a_emulation_matches_numpy(signed):
+    rng = np.random.default_rng(int(signed))
+    a, b = (rng.integers(-(2**31), 2**31, 256, dtype=np.int64).astype(np.int32) for _ in range(2))
+    c = rng.integers(-(2**20), 2**20, 256).astype(np.int32)
+    out = torch.empty(256, dtype=torch.int32)
+    _dp4a_kernel[(1,)](*(torch.from_numpy(v) for v in (a, b, c)), out, A_SIGNED=signed)
+    a_bytes = a.view(np.int8 if signed else np.uint8).reshape(256, 4).astype(np.int64)
+    expected = c + (a_bytes * b.view(np.int8).reshape(256, 4)).sum(1)
+    assert np.array_equal(out.numpy(), expected)
+
+
+@pytest.fixture(scope="module", params=TYPES, ids=lambda t: t.name)
+def matmul_case(request):
+    """One weight per type, x (64, cols), and quant_matmul of x[:M] for every M in M_VALUES plus of
+    three more single rows (the M = 1 path on rows the tensor-core calls also produce)."""
+    qtype = request.param
+    rows, cols = MATMUL_SHAPES[qtype]
+    raw, w = case(qtype, rows, cols)
+    fields = repack(raw, qtype, cols)
+    x = torch.randn(64, cols, generator=torch.Generator().manual_seed(1))
+    prefix = {m: quant_matmul(x[:m], fields, qtype, rows, cols) for m in M_VALUES}
+    single = {i: quant_matmul(x[i : i + 1], fields, qtype, rows, cols) for i in (4, 32, 63)}
+    return qtype, raw, w, x, prefix, single | {0: prefix[1]}
+
+
+def test_quant_matmul_matches_its_math_and_the_plain_product(matmul_case):
+    qtype, raw, w, x, prefix, _ = matmul_case
+    rows, cols = w.shape
+    exact = exact_reference(x, raw, qtype, rows, cols)
+    for m, y in prefix.items():
+        assert y.shape == (m, rows) and y.dtype == torch.float32
+        assert rel_err(y, exact[:m]) < EXACT_TOL, (qtype.name, m)
+        assert rel_err(y, x[:m].double() @ w.t()) < INT8_TOL, (qtype.name, m)
+
+
+def test_quant_matmul_is_batch_invariant(matmul_case):
+    """Row i of an M-row call equals, bit for bit, a call on that row alone or any other prefix of rows."""
+    _, _, _, _, prefix, single = matmul_case
+    for m, y in prefix.items():
+        assert torch.equal(y, prefix[64][:m]), m
+    for i, y in single.items():
+        assert torch.equal(y[0], prefix[64][i]), i
+
+
+def test_bf16_batch_invariance_and_error():
+    rows, cols = 37, 512
+    raw, w = case(QT.Q4_K, rows, cols)
+    fields = repack(raw, QT.Q4_K, cols)
+    x = torch.randn(5, cols, generator=torch.Generator().manual_seed(2)).bfloat16()
+    y = quant_matmul(x, fields, QT.Q4_K, rows, cols)
+    assert y.dtype == torch.bfloat16
+    assert torch.equal(quant_matmul(x[3:4], fields, QT.Q4_K, rows, cols)[0], y[3])
+    assert rel_err(y, x.double() @ w.t()) < INT8_TOL
+
+
+def test_uneven_k_splits(monkeypatch):
+    """A row's units cut into splits of unequal length still give the same math."""
+    rows, cols = 21, 576  # Q8_0: 9 units of 2 blocks
+    monkeypatch.setattr(qmatmul, "SPLIT_TARGET", 2 * rows)
+    assert k_splits(rows, 9) == (2, 5)
+    raw, _ = case(QT.Q8_0, rows, cols)
+    x = torch.randn(3, cols, generator=torch.Generator().manual_seed(3))
+    fields = repack(raw, QT.Q8_0, cols)
+    for m in (1, 3):
+        y = quant_matmul(x[:m], fields, QT.Q8_0, rows, cols)
+        assert rel_err(y, exact_reference(x[:m], raw, QT.Q8_0, rows, cols)) < EXACT_TOL
+
+
+def test_k_splits_depend_on_the_shape_only():
+    assert k_splits(248320, 20) == (1, 20)  # the 27B output matrix: enough rows
+    assert k_splits(5120, 68) == (12, 6)  # its ffn_down
+    assert k_splits(1024, 20) == (20, 1)  # never more splits than units
 
 
 def test_every_row_and_column_counts():
     """A weight that is zero except one element finds exactly that element's row and column."""
     rows, cols = 37, 512
+    x = torch.randn(5, cols, generator=torch.Generator().manual_seed(0))
+    codes, dx = int8_reference(x)
+    x_int8 = (codes * dx[..., None]).view(5, cols)  # what the kernels multiply
     for qtype in (QT.Q8_0, QT.Q4_0):  # types that can encode an isolated value (symmetric codes)
         w = torch.zeros(rows, cols)
         w[29, 301] = 1.0
         raw = torch.from_numpy(quantize(w, qtype))
-        x = torch.randn(5, cols, generator=torch.Generator().manual_seed(0))
-        y = quant_matmul(x, repack(raw, qtype, cols), qtype, rows, cols)
-        expected = torch.zeros(5, rows)
-        expected[:, 29] = x[:, 301]
-        torch.testing.assert_close(y, expected, rtol=1e-2, atol=1e-6)
+        stored = dequantize(raw, qtype, (rows, cols))[29, 301]  # 1 within fp16 rounding of the scale
+        for m in (1, 5):
+            y = quant_matmul(x[:m], repack(raw, qtype, cols), qtype, rows, cols)
+            expected = torch.zeros(m, rows)
+            expected[:, 29] = x_int8[:m, 301] * stored
+            torch.testing.assert_close(y, expected, rtol=1e-6, atol=0)
 
 
 def test_large_m_dequantizes_then_matmuls():
@@ -90,7 +225,7 @@ def test_large_m_dequantizes_then_matmuls():
     raw, w = case(QT.Q4_K, rows, cols)
     x = torch.randn(m, cols, generator=torch.Generator().manual_seed(1))
     y = quant_matmul(x, repack(raw, QT.Q4_K, cols), QT.Q4_K, rows, cols)
-    assert rel_err(y, x.double() @ w.t()) < REL_TOL
+    assert rel_err(y, x.double() @ w.t()) < 1e-5  # exact weights, fp32 matmul
 
 
 def test_quant_linear_cpu_fallback_is_the_reference():
@@ -105,11 +240,23 @@ def test_quant_linear_cpu_fallback_is_the_reference():
     torch.testing.assert_close(y.double(), x.double() @ w.t(), rtol=1e-5, atol=1e-6)
 
 
-def test_layout_groups_legacy_blocks_by_row_width():
+def test_layout_units_and_fields():
     assert layout(QT.Q4_0, 256).group == 8
     assert layout(QT.Q4_0, 576).group == 2  # 18 blocks: SmolLM2's width
     assert layout(QT.Q8_0, 96).group == 1
     assert layout(QT.Q4_K, 512).values == 256
+    assert [f.name for f in layout(QT.Q6_K, 256).fields] == ["q", "qh", "hdr", "d"]
+    with pytest.raises(FlashtreeError, match="Q5_0"):
+        layout(QT.Q5_0, 256)
+
+
+def test_tiles_from_env(monkeypatch):
+    monkeypatch.setenv("FLASHTREE_QMM_TILES", '{"m1": [128, 4, 1]}')
+    tiles = qmatmul.tiles_from_env()
+    assert tiles["m1"] == qmatmul.TileConfig(128, 4, 1) and tiles["m16"] == qmatmul.DEFAULT_TILES["m16"]
+    monkeypatch.setenv("FLASHTREE_QMM_TILES", '{"gemv": [8, 2, 2]}')
+    with pytest.raises(FlashtreeError, match="unknown keys"):
+        qmatmul.tiles_from_env()
 
 
 def test_loader_switch_builds_quant_linears_with_the_same_logits(tmp_path):

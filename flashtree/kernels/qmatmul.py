@@ -1,27 +1,39 @@
 """y = x @ W^T straight from GGUF-packed weights (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K), in Triton.
 
-Repack (once, at load, lossless, not a byte more). Each row is cut into super-blocks of P x W values:
-one GGUF block of 256 values for the k-quants, G blocks of 32 for the legacy types (G in 8/4/2/1,
-whichever divides the row). A super-block is stored as a few separate aligned arrays ("fields"). The
-4-bit codes are regrouped as int32 words with nibble p of word w holding value W*p + w ("plane" p), so
-one word gives 8 planes and each plane shares one scale (a k-quant sub-block, a legacy block). Every
-other byte keeps its GGUF value; the repack is a fixed permutation of the super-block's nibbles
-(`Layout.source`), which `unpack` inverts exactly.
+Weights. `repack` (once, at load) splits every GGUF block into its byte ranges and stores each range of
+all blocks as one aligned array ("field"), bytes in their GGUF order: the 4-bit codes of Q4_K become int32
+words (n_rows, n_blocks, 32), its header (d, dmin, 6-bit scales) words (n_rows, n_blocks, 4), and so on
+(`_FIELDS`). Lossless and not a byte more: `unpack` concatenates the ranges back. In native order one
+word holds 4 consecutive values of a 32-value group: `w & 0x0F0F0F0F` (or `(w >> 4) & ...`) gives their
+codes as 4 bytes, ready for an integer dot product with 4 int8 activations.
 
-Kernel. One program owns BN output rows and streams their super-blocks, decoding them in registers:
-integer codes become floats by OR-ing them into the mantissa of 2**23 (exact, and cheaper than
-int->float conversion, which runs at a fraction of the FMA rate). With M = 1 the values are multiplied
-into an fp32 accumulator per lane (FMA units); with 2 <= M <= 64 the tile goes to the tensor cores as
-bf16 (swap-AB: the weight tile is the A operand, so BN rows x M tokens). Either way each weight byte
-is read once for all M rows. Above 64 rows the weight is dequantized to bf16 by the same decoder and
-multiplied by cuBLAS (prefill is compute-bound; the extra pass costs ~10%).
+Activations. Like llama.cpp's MMVQ, each call first quantizes x per 32-value block to int8:
+code = round(x * 127 / amax) (ties to even), dx = amax / 127, plus xs = the block's float sum (for the
+types with a min/offset, which is more accurate than dx * sum(codes)) and the code sums per 16 values.
+This is a numerical change against dequantize-then-matmul: the activation rounding error (at most dx / 2
+per value) gives y a relative error of ~5e-3 for Gaussian-like x (tests/test_kernels.py measures it).
 
-Measured on an H200 (bench/results/issue6-2026-12-02): correct for every type, but only 0.15-0.19 of
-copy bandwidth at M = 1 and ~0.1 at M = 16-64, slower than dense bf16 cuBLAS. The compiled loop
-(sm_90 SASS) shows why: Triton lays the (rows, planes, W) decode tile out with planes across warps,
-so every super-block goes through shared memory with barriers, and the word loads are scalar: ~9
-instructions per weight value where ~4 would keep up with HBM. See the issue-6 report for the fix
-(a row-interleaved repack so one thread owns whole super-blocks of a row, 2-D tiles only).
+Products. Per 32-value group (Q6_K: per 16-value sub-block) the kernels form the exact integer sum
+z = sum(code * xq) - (Q4_0: 8, Q6_K: 32) * sum(xq), then add it in fp32, in one shared function
+(`_accumulate`): acc = fma(float(z), w_scale * dx, acc), and for Q4_K/Q5_K/Q4_1 acc = fma(w_off, -xs, acc).
+- M = 1 (`_matvec_kernel`): z by `dp4a` (4 int8 products per instruction) on code words, one thread per
+  (row, K-split), no cross-thread traffic; an exact integer emulation runs instead off CUDA (Triton's
+  interpreter cannot run PTX), so the CPU tests execute the kernel's real structure.
+- 2 <= M <= 64 (`_matmul_kernel`): z by an int8 tensor-core dot per group, (BN, 32) codes x (32, BM) xq.
+- M > 64: the weight is dequantized to x's dtype by `_dequant_kernel` and multiplied by cuBLAS.
+Batch invariance: integer sums are exact and every path adds the same fp32 terms in the same order (units
+in K order inside a K-split, then splits in order, `_sum_splits_kernel`), and the split count depends on
+the matrix shape only (`k_splits`). So for M <= 64, row m of an M-row call equals a 1-row call on x[m]
+bit for bit, whatever M is (speculative verify vs AR decode agree). Kernels compile with fp fusion off
+(explicit fma only), which also makes `dequantize_packed` bit-exact against flashtree.quant.dequant.
+
+Why K-splits: one thread per output row alone leaves too few threads for the short matrices of a decode
+step (5120 rows = 5120 threads for a whole H200), so each row's units are cut into splits sized from the
+shape (`SPLIT_TARGET` (row, split) pairs) and the partial sums added by a second small kernel.
+
+Before this design (bench/results/issue6-2026-12-02) the kernels decoded weights to fp32 and FMA'd them:
+~9 instructions per value, 0.14-0.19 of copy bandwidth at M = 1. Here the M = 1 loop costs ~1.3
+instructions per Q4_K value (budget at HBM speed ~4.5); bench/gpu_kernels.py measures what it reaches.
 """
 
 from __future__ import annotations
@@ -30,165 +42,96 @@ import json
 import os
 from dataclasses import dataclass
 from functools import cache
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
 from flashtree.errors import FlashtreeError
-from flashtree.quant.formats import QK_K, QT, block_bytes, row_bytes, type_name
+from flashtree.quant.formats import QT, block_bytes, block_size, row_bytes, type_name
 
 KERNEL_TYPES = frozenset(int(t) for t in (QT.Q4_0, QT.Q4_1, QT.Q8_0, QT.Q4_K, QT.Q5_K, QT.Q6_K))
-MAX_FUSED_M = 64  # above this many rows: dequantize to bf16 + cuBLAS
+MAX_FUSED_M = 64  # above this many rows: dequantize to x's dtype + cuBLAS
+SPLIT_TARGET = 1 << 16  # (row, K-split) pairs per matrix: about what an H200 keeps in flight at M = 1
+EMULATE_DP4A = False  # test hook: True runs the integer emulation of dp4a on CUDA too
+
+# --- layout --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Field:
+    """One byte range of every GGUF block, stored as its own array. The name is the role the kernels
+    read it in: q = codes (low bits), qh = high bits, hdr = header/scale words, d / m = fp16 scale / min."""
+
+    name: str
+    start: int  # first byte inside the block
+    size: int  # bytes per block
+    dtype: torch.dtype
+
+
+_I32, _F16 = torch.int32, torch.float16
+_FIELDS = {  # (name, start, size, dtype) per GGUF block, from gguf-py's block layouts
+    QT.Q4_0: (("q", 2, 16, _I32), ("d", 0, 2, _F16)),
+    QT.Q4_1: (("q", 4, 16, _I32), ("d", 0, 2, _F16), ("m", 2, 2, _F16)),
+    QT.Q8_0: (("q", 2, 32, _I32), ("d", 0, 2, _F16)),
+    QT.Q4_K: (("q", 16, 128, _I32), ("hdr", 0, 16, _I32)),  # hdr: d, dmin (fp16), 12 bytes of scales
+    QT.Q5_K: (("q", 48, 128, _I32), ("qh", 16, 32, _I32), ("hdr", 0, 16, _I32)),
+    QT.Q6_K: (("q", 0, 128, _I32), ("qh", 128, 64, _I32), ("hdr", 192, 16, _I32), ("d", 208, 2, _F16)),
+}
 
 
 @dataclass(frozen=True)
 class Layout:
-    """How one GGUF type's super-block is repacked: P planes of W values, and the fields that hold it."""
+    """How one GGUF type's rows are stored for the kernels: its fields, and the unit the kernels step by
+    (one 256-value super-block, or `group` legacy 32-value blocks)."""
 
     qtype: int
-    group: int  # GGUF blocks per super-block
-    planes: int  # P
-    width: int  # W (values per plane)
-    fields: tuple[tuple[str, int, torch.dtype], ...]  # (name, bytes per super-block, element dtype)
-    source: torch.Tensor  # (2 * superblock bytes,) long: the GGUF nibble that lands at each repacked nibble
+    group: int  # GGUF blocks per unit
+    fields: tuple[Field, ...]
 
     @property
     def values(self) -> int:
-        return self.planes * self.width
-
-    @property
-    def superblock_bytes(self) -> int:
-        return self.group * block_bytes(self.qtype)
-
-
-def _bytes(byte_index: torch.Tensor) -> torch.Tensor:
-    """Nibble sources that copy whole bytes: byte b -> nibbles (2b, 2b + 1)."""
-    return torch.stack([2 * byte_index, 2 * byte_index + 1], dim=-1).flatten()
-
-
-def _words(value_nibble: torch.Tensor, width: int) -> torch.Tensor:
-    """Nibble sources of the plane words: value_nibble (8 * W,) is where value v's 4 low bits live;
-    nibble p of word w (repacked nibble 8w + p) takes value W*p + w."""
-    return value_nibble.view(8, width).t().flatten()
-
-
-def _k_quant_words(qs_at: int) -> torch.Tensor:
-    """Q4_K/Q5_K codes: 32-byte groups of qs hold sub-block 2g (low nibbles) and 2g+1 (high)."""
-    v = torch.arange(QK_K)
-    sub, pos = v // 32, v % 32
-    return _words(2 * (qs_at + 32 * (sub // 2) + pos) + sub % 2, 32)
-
-
-def _q6_k_words() -> torch.Tensor:
-    """Q6_K low 4 bits: ql byte 64h + j holds value 128h + j (low nibble) and 128h + 64 + j (high)."""
-    v = torch.arange(QK_K)
-    half, r = v // 128, v % 128
-    return _words(2 * (64 * half + r % 64) + r // 64, 32)
-
-
-def _legacy_words(group: int, qs_at: int, bb: int) -> torch.Tensor:
-    """Q4_0/Q4_1: block b's value j is nibble j // 16 of byte qs_at + j % 16."""
-    v = torch.arange(32 * group)
-    blk, j = v // 32, v % 32
-    return _words(2 * (bb * blk + qs_at + j % 16) + j // 16, 4 * group)
-
-
-def _per_block(group: int, bb: int, at: int, size: int) -> torch.Tensor:
-    """Bytes [at, at + size) of each of the `group` blocks, block after block."""
-    return (bb * torch.arange(group)[:, None] + at + torch.arange(size)[None, :]).flatten()
-
-
-def _span(start: int, stop: int) -> torch.Tensor:
-    return torch.arange(start, stop)
+        """Values per unit."""
+        return self.group * block_size(self.qtype)
 
 
 @cache
 def layout(qtype: int, n_cols: int) -> Layout:
-    """The repacked layout of a `qtype` matrix with rows of `n_cols` values."""
-    qtype = QT(qtype)
+    """The stored layout of a `qtype` matrix with rows of `n_cols` values."""
     if int(qtype) not in KERNEL_TYPES:
         raise FlashtreeError(f"no quantized-matmul kernel for {type_name(qtype)}")
+    qtype = QT(qtype)
     row_bytes(qtype, n_cols)  # raises unless the row is whole blocks
-    i32, u8, i8, f16 = torch.int32, torch.uint8, torch.int8, torch.float16
-    if qtype == QT.Q4_K:
-        parts = [("qw", _k_quant_words(16), i32), ("hdr", _bytes(_span(0, 16)), u8)]
-        return _make(qtype, 1, 8, 32, parts)
-    if qtype == QT.Q5_K:
-        parts = [
-            ("qw", _k_quant_words(48), i32),
-            ("qh", _bytes(_span(16, 48)), u8),
-            ("hdr", _bytes(_span(0, 16)), u8),
-        ]
-        return _make(qtype, 1, 8, 32, parts)
-    if qtype == QT.Q6_K:
-        parts = [
-            ("qw", _q6_k_words(), i32),
-            ("qh", _bytes(_span(128, 192)), u8),
-            ("sc", _bytes(_span(192, 208)), i8),
-            ("d", _bytes(_span(208, 210)), f16),
-        ]
-        return _make(qtype, 1, 8, 32, parts)
-    group = next(g for g in (8, 4, 2, 1) if (n_cols // 32) % g == 0)
-    bb = block_bytes(qtype)
-    if qtype == QT.Q8_0:
-        parts = [
-            ("q", _bytes(_per_block(group, bb, 2, 32)), i8),
-            ("d", _bytes(_per_block(group, bb, 0, 2)), f16),
-        ]
-        return _make(qtype, group, group, 32, parts)
-    if qtype == QT.Q4_0:
-        parts = [("qw", _legacy_words(group, 2, bb), i32), ("d", _bytes(_per_block(group, bb, 0, 2)), f16)]
-    else:  # Q4_1
-        parts = [
-            ("qw", _legacy_words(group, 4, bb), i32),
-            ("d", _bytes(_per_block(group, bb, 0, 2)), f16),
-            ("m", _bytes(_per_block(group, bb, 2, 2)), f16),
-        ]
-    return _make(qtype, group, 8, 4 * group, parts)
-
-
-def _make(qtype: QT, group: int, planes: int, width: int, parts: list) -> Layout:
-    source = torch.cat([src for _, src, _ in parts])
-    fields = tuple((name, src.numel() // 2, dtype) for name, src, dtype in parts)
-    lay = Layout(int(qtype), group, planes, width, fields, source)
-    assert torch.equal(source.sort().values, torch.arange(2 * lay.superblock_bytes)), "not a permutation"
-    return lay
-
-
-def _nibbles(b: torch.Tensor) -> torch.Tensor:
-    """(..., n) bytes -> (..., 2n) nibbles, low nibble first."""
-    return torch.stack([b & 0x0F, b >> 4], dim=-1).flatten(-2)
-
-
-def _join(nib: torch.Tensor) -> torch.Tensor:
-    """(..., 2n) nibbles -> (..., n) bytes."""
-    return nib[..., 0::2] | (nib[..., 1::2] << 4)
+    n_blocks = n_cols // block_size(qtype)
+    group = 1 if block_size(qtype) == 256 else next(g for g in (8, 4, 2, 1) if n_blocks % g == 0)
+    fields = tuple(Field(*f) for f in _FIELDS[qtype])
+    spans = sorted((f.start, f.start + f.size) for f in fields)
+    covered = [a for span in spans for a in span]
+    assert covered[0] == 0 and covered[-1] == block_bytes(qtype) and covered[1:-1:2] == covered[2:-1:2]
+    return Layout(int(qtype), group, fields)
 
 
 def repack(raw: torch.Tensor, qtype: int, n_cols: int) -> list[torch.Tensor]:
-    """GGUF rows (n_rows, row_bytes) uint8 -> the layout's fields, each (n_rows, n_superblocks, k)."""
+    """GGUF rows (n_rows, row_bytes) uint8 -> the layout's fields, each (n_rows, n_blocks, k)."""
     lay = layout(qtype, n_cols)
-    n_rows = raw.shape[0]
-    sb = raw.reshape(n_rows, -1, lay.superblock_bytes)  # (rows, n_sb, bytes)
-    moved = _join(_nibbles(sb)[..., lay.source.to(raw.device)])
-    fields, at = [], 0
-    for _, size, dtype in lay.fields:
-        fields.append(moved[..., at : at + size].contiguous().view(dtype))
-        at += size
-    return fields
+    blocks = raw.reshape(raw.shape[0], -1, block_bytes(qtype))  # (rows, n_blocks, block_bytes)
+    return [blocks[..., f.start : f.start + f.size].contiguous().view(f.dtype) for f in lay.fields]
 
 
 def unpack(fields: list[torch.Tensor], qtype: int, n_cols: int) -> torch.Tensor:
     """Inverse of `repack`: the original GGUF rows (n_rows, row_bytes) uint8, bit for bit."""
     lay = layout(qtype, n_cols)
-    moved = _nibbles(torch.cat([f.view(torch.uint8) for f in fields], dim=-1))
-    nib = torch.empty_like(moved)
-    nib[..., lay.source.to(moved.device)] = moved
-    return _join(nib).reshape(moved.shape[0], -1)
+    in_order = sorted(zip(lay.fields, fields, strict=True), key=lambda pair: pair[0].start)
+    blocks = torch.cat([t.view(torch.uint8) for _, t in in_order], dim=-1)  # (rows, n_blocks, block_bytes)
+    return blocks.reshape(blocks.shape[0], -1)
 
 
-# --- Triton --------------------------------------------------------------------------------------------
+def packed_bytes(fields: list[torch.Tensor]) -> int:
+    return sum(f.numel() * f.element_size() for f in fields)
+
+
+# --- Triton: shared pieces -----------------------------------------------------------------------------
 
 # GGML type ids as compile-time constants, for the kernels' static branches
 _Q4_0, _Q4_1, _Q8_0 = tl.constexpr(int(QT.Q4_0)), tl.constexpr(int(QT.Q4_1)), tl.constexpr(int(QT.Q8_0))
@@ -196,158 +139,323 @@ _Q4_K, _Q5_K, _Q6_K = tl.constexpr(int(QT.Q4_K)), tl.constexpr(int(QT.Q5_K)), tl
 
 
 @triton.jit
-def _to_float(q, bias: tl.constexpr):
-    """float(q) - bias, exactly, for int32 0 <= q < 2**23: q becomes the mantissa of 2**23 + q."""
-    return (q | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + bias)
-
-
-@triton.jit
-def _planes(qw_ptr, base, row_ok, W: tl.constexpr):
-    """The 8 nibble planes of one super-block's words: (BN, 8, W) int32 in [0, 15]."""
-    w = tl.arange(0, W)
-    words = tl.load(qw_ptr + base * W + w[None, :], mask=row_ok[:, None], other=0)  # (BN, W)
-    shifts = tl.arange(0, 8) * 4
-    return (words[:, None, :] >> shifts[None, :, None]) & 0xF
-
-
-@triton.jit
-def _load_rows(ptr, base, row_ok, size: tl.constexpr, idx):
-    """Elements idx (shape (K,)) of each row's `size`-element field slice: (BN, K)."""
-    return tl.load(ptr + base * size + idx[None, :], mask=row_ok[:, None], other=0)
-
-
-@triton.jit
-def _k_scales_mins(hdr_ptr, hdr16_ptr, base, row_ok):
-    """Q4_K/Q5_K header -> per-plane scale d*sc and offset dmin*m, (BN, 8) fp32 each."""
-    j = tl.arange(0, 8)
-    b_j = _load_rows(hdr_ptr, base, row_ok, 16, 4 + j).to(tl.int32)  # scale bytes 0..7
-    b_j4 = _load_rows(hdr_ptr, base, row_ok, 16, 8 + j).to(tl.int32)  # scale bytes 4..11
-    b_jm4 = _load_rows(hdr_ptr, base, row_ok, 16, 4 + j % 4).to(tl.int32)  # byte j - 4 for j >= 4
-    low = j[None, :] < 4
-    sc = tl.where(low, b_j & 63, (b_j4 & 15) | ((b_jm4 >> 6) << 4))
-    mn = tl.where(low, b_j4 & 63, (b_j4 >> 4) | ((b_j >> 6) << 4))
-    d = _load_rows(hdr16_ptr, base, row_ok, 8, tl.arange(0, 1)).to(tl.float32)  # (BN, 1)
-    dmin = _load_rows(hdr16_ptr, base, row_ok, 8, tl.arange(0, 1) + 1).to(tl.float32)
-    return d * sc.to(tl.float32), dmin * mn.to(tl.float32)
-
-
-@triton.jit
-def _decode(a_ptr, b_ptr, c_ptr, d_ptr, base, row_ok, QTYPE: tl.constexpr, G: tl.constexpr, W: tl.constexpr):
-    """One super-block of BN rows -> (q (BN, P, W) fp32, scale (BN, P, 1 or W), offset (BN, P)):
-    value = q * scale - offset (the offset is only meaningful for the types that have one)."""
-    j = tl.arange(0, 8)
-    if QTYPE == _Q4_K:  # a = words, b = header bytes, c = header as fp16
-        q = _to_float(_planes(a_ptr, base, row_ok, W), 0.0)
-        scale, offset = _k_scales_mins(b_ptr, c_ptr, base, row_ok)
-        scale = scale[:, :, None]
-    elif QTYPE == _Q5_K:  # a = words, b = qh (bit p of byte w = plane p's 5th bit), c = header, d = fp16
-        qh = _load_rows(b_ptr, base, row_ok, 32, tl.arange(0, 32)).to(tl.int32)  # (BN, 32)
-        high = ((qh[:, None, :] >> j[None, :, None]) & 1) << 4
-        q = _to_float(_planes(a_ptr, base, row_ok, W) | high, 0.0)
-        scale, offset = _k_scales_mins(c_ptr, d_ptr, base, row_ok)
-        scale = scale[:, :, None]
-    elif QTYPE == _Q6_K:  # a = words, b = qh (64 bytes), c = int8 scales per 16 values, d = fp16 d
-        w = tl.arange(0, 32)
-        qh_lo = _load_rows(b_ptr, base, row_ok, 64, w).to(tl.int32)  # planes 0-3, 2 bits each
-        qh_hi = _load_rows(b_ptr, base, row_ok, 64, w + 32).to(tl.int32)  # planes 4-7
-        high = (((qh_lo | (qh_hi << 8))[:, None, :] >> (2 * j)[None, :, None]) & 3) << 4
-        q = _to_float(_planes(a_ptr, base, row_ok, W) | high, 32.0)
-        d = _load_rows(d_ptr, base, row_ok, 1, tl.arange(0, 1)).to(tl.float32)  # (BN, 1)
-        s_even = d * _load_rows(c_ptr, base, row_ok, 16, 2 * j).to(
-            tl.float32
-        )  # (BN, 8): values 0-15 of a plane
-        s_odd = d * _load_rows(c_ptr, base, row_ok, 16, 2 * j + 1).to(tl.float32)  # values 16-31
-        scale = tl.where(w[None, None, :] < 16, s_even[:, :, None], s_odd[:, :, None])
-        offset = s_even
-    elif QTYPE == _Q8_0:  # a = int8 codes, planes are the G blocks; b = fp16 d per block
-        p = tl.arange(0, G)
-        w = tl.arange(0, 32)
-        codes = tl.load(
-            a_ptr + base[:, :, None] * (32 * G) + (32 * p)[None, :, None] + w[None, None, :],
-            mask=row_ok[:, None, None],
-            other=0,
-        ).to(tl.int32)  # (BN, G, 32) in [-128, 127]
-        # 0x4B400000 is 1.5 * 2**23: a signed code added to its mantissa stays inside it
-        q = (codes + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
-        offset = _load_rows(b_ptr, base, row_ok, G, p).to(tl.float32)  # (BN, G); unused: no offset
-        scale = offset[:, :, None]
-    else:  # Q4_0 / Q4_1: a = words (W = 4G), b = fp16 d per block, c = fp16 m per block (Q4_1)
-        blk = (j * G) // 8  # plane p spans values [W*p, W*p + W), all inside block W*p // 32
-        scale = _load_rows(b_ptr, base, row_ok, G, blk).to(tl.float32)
-        if QTYPE == _Q4_0:
-            q = _to_float(_planes(a_ptr, base, row_ok, W), 8.0)
-            offset = scale
+def _dp4a(a, b, c, A_SIGNED: tl.constexpr, ASM: tl.constexpr):
+    """c + sum over the 4 bytes i of int32 words a, b of a_i * b_i, exactly; b's bytes are signed, a's
+    signed if A_SIGNED. ASM: PTX dp4a (CUDA); otherwise the same sum in plain integer ops."""
+    if ASM:
+        if A_SIGNED:
+            out = tl.inline_asm_elementwise(
+                "dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c], dtype=tl.int32, is_pure=True, pack=1
+            )
         else:
-            q = _to_float(_planes(a_ptr, base, row_ok, W), 0.0)
-            offset = -_load_rows(c_ptr, base, row_ok, G, blk).to(tl.float32)
-        scale = scale[:, :, None]
-    return q, scale, offset
+            out = tl.inline_asm_elementwise(
+                "dp4a.u32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c], dtype=tl.int32, is_pure=True, pack=1
+            )
+    else:
+        out = c
+        for i in tl.static_range(4):
+            b_i = (b << (24 - 8 * i)) >> 24  # arithmetic shift: sign-extends byte i
+            a_i = (a << (24 - 8 * i)) >> 24 if A_SIGNED else (a >> (8 * i)) & 0xFF
+            out = out + a_i * b_i
+    return out
 
 
 @triton.jit
-def _qmm_kernel(
-    x_ptr, y_ptr, a_ptr, b_ptr, c_ptr, d_ptr,
-    M, N, n_sb, stride_x, stride_y,
-    QTYPE: tl.constexpr, G: tl.constexpr, P: tl.constexpr, W: tl.constexpr, HAS_OFFSET: tl.constexpr,
-    BN: tl.constexpr, BM: tl.constexpr, DOT: tl.constexpr, UNROLL: tl.constexpr, DOT_DTYPE: tl.constexpr,
+def _accumulate(acc, z, w_scale, w_off, dx, xs, HAS_OFFSET: tl.constexpr):
+    """acc + z * w_scale * dx - w_off * xs: one group's term, the same fp32 operations on every path."""
+    acc = tl.fma(z.to(tl.float32), w_scale * dx, acc)
+    if HAS_OFFSET:
+        acc = tl.fma(w_off, -xs, acc)
+    return acc
+
+
+@triton.jit
+def _f16(bits):
+    """The fp16 whose bit pattern is the low 16 bits of int32 `bits`, as fp32."""
+    return (bits & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _column(t, i: tl.constexpr):
+    """Column i of an integer (BN, 4) tile, (BN,)."""
+    return tl.sum(tl.where(tl.arange(0, 4)[None, :] == i, t, 0), axis=1)
+
+
+@triton.jit
+def _signed_byte(word, i: tl.constexpr):
+    return (word << (24 - 8 * i)) >> 24
+
+
+@triton.jit
+def _unit_header(QTYPE: tl.constexpr, hdr_ptr, d_ptr, blk, row_ok):
+    """What a unit's groups share: (d, dmin, s0, s1, s2, s3), (BN,) each. Q4_K/Q5_K: d, dmin and the
+    scale words s0-s2; Q6_K: d and the four words of int8 scales; legacy types: nothing (zeros)."""
+    zero = tl.full(blk.shape, 0, tl.float32)
+    if QTYPE == _Q4_K or QTYPE == _Q5_K or QTYPE == _Q6_K:  # noqa: SIM109 - Triton's compiler has no `in`
+        words = tl.load(hdr_ptr + blk[:, None] * 4 + tl.arange(0, 4)[None, :], mask=row_ok[:, None], other=0)
+        w0, w1, w2, w3 = _column(words, 0), _column(words, 1), _column(words, 2), _column(words, 3)
+        if QTYPE == _Q6_K:
+            d = tl.load(d_ptr + blk, mask=row_ok, other=0.0).to(tl.float32)
+            out = d, zero, w0, w1, w2, w3
+        else:
+            out = _f16(w0), _f16(w0 >> 16), w1, w2, w3, w3
+    else:
+        out = zero, zero, blk.to(tl.int32), blk.to(tl.int32), blk.to(tl.int32), blk.to(tl.int32)
+    return out
+
+
+@triton.jit
+def _k_scale_min(w1, w2, w3, j: tl.constexpr):
+    """Q4_K/Q5_K 6-bit scale and min of sub-block j from the scale words (bytes 0-3, 4-7, 8-11): bytes
+    0-3 / 4-7 hold scales / mins 0-3; sub-blocks 4-7 keep 4 bits in bytes 8-11, 2 in bytes 0-7's tops."""
+    if j < 4:
+        sc = (w1 >> (8 * j)) & 63
+        mn = (w2 >> (8 * j)) & 63
+    else:
+        packed = w3 >> (8 * (j - 4))
+        sc = (packed & 15) | (((w1 >> (8 * (j - 4) + 6)) & 3) << 4)
+        mn = ((packed >> 4) & 15) | (((w2 >> (8 * (j - 4) + 6)) & 3) << 4)
+    return sc, mn
+
+
+@triton.jit
+def _group_scales(QTYPE: tl.constexpr, d, dmin, s0, s1, s2, s3, d_ptr, m_ptr, blk, row_ok, g: tl.constexpr):
+    """Scales of 32-value group g of a unit, (BN,) fp32 each: value = w_scale * code - w_off, with
+    w_scale_a for the group's first 16 values and w_scale_b for the last 16 (they differ for Q6_K only)."""
+    if QTYPE == _Q4_K or QTYPE == _Q5_K:  # noqa: SIM109
+        sc, mn = _k_scale_min(s0, s1, s2, g)
+        ws_a = d * sc.to(tl.float32)
+        ws_b = ws_a
+        wo = dmin * mn.to(tl.float32)
+    elif QTYPE == _Q6_K:  # int8 scale per 16 values: bytes 2g, 2g + 1 of the 16
+        if g // 2 == 0:
+            word = s0
+        elif g // 2 == 1:
+            word = s1
+        elif g // 2 == 2:
+            word = s2
+        else:
+            word = s3
+        ws_a = d * _signed_byte(word, 2 * (g % 2)).to(tl.float32)
+        ws_b = d * _signed_byte(word, 2 * (g % 2) + 1).to(tl.float32)
+        wo = ws_a  # unused
+    else:  # legacy: group g is block blk + g
+        ws_a = tl.load(d_ptr + blk + g, mask=row_ok, other=0.0).to(tl.float32)
+        ws_b = ws_a
+        # Q4_1: value = d * q + m; the others have no min (wo unused)
+        wo = -tl.load(m_ptr + blk + g, mask=row_ok, other=0.0).to(tl.float32) if QTYPE == _Q4_1 else ws_a
+    return ws_a, ws_b, wo
+
+
+# --- Triton: M = 1, dp4a ------------------------------------------------------------------------------
+
+
+@triton.jit
+def _six_bit(low, high, r: tl.constexpr):
+    """Q6_K codes of run r (of 4) from a ql word (nibble r // 2) and a qh word (bits 2r, 2r + 1)."""
+    return ((low >> (4 * (r // 2))) & 0x0F0F0F0F) | (((high >> (2 * r)) & 0x03030303) << 4)
+
+
+@triton.jit
+def _group_words(QTYPE: tl.constexpr, q_ptr, qh_ptr, blk, row_ok, g: tl.constexpr):
+    """Codes of 32-value group g as two (BN, 4) int32 tiles of 4 codes per word (bytes), values 0-15 and
+    16-31: unsigned, but Q8_0's are signed; the types' fixed offsets not yet subtracted."""
+    i = tl.arange(0, 4)[None, :]
+    b = blk[:, None]
+    ok = row_ok[:, None]
+    if QTYPE == _Q4_K or QTYPE == _Q5_K:  # noqa: SIM109 - chunk g // 2: low nibbles group 2c, high 2c + 1
+        at = b * 32 + 8 * (g // 2) + i
+        ca = (tl.load(q_ptr + at, mask=ok, other=0) >> (4 * (g % 2))) & 0x0F0F0F0F
+        cb = (tl.load(q_ptr + at + 4, mask=ok, other=0) >> (4 * (g % 2))) & 0x0F0F0F0F
+        if QTYPE == _Q5_K:  # bit g of qh byte j is the 5th bit of value j
+            ca = ca | (((tl.load(qh_ptr + b * 8 + i, mask=ok, other=0) >> g) & 0x01010101) << 4)
+            cb = cb | (((tl.load(qh_ptr + b * 8 + 4 + i, mask=ok, other=0) >> g) & 0x01010101) << 4)
+    elif QTYPE == _Q6_K:  # values 128h + 32r + j: ql byte 64h + 32(r % 2) + j, qh byte 32h + j
+        at = b * 32 + 16 * (g // 4) + 8 * (g % 4 % 2) + i
+        h_at = b * 16 + 8 * (g // 4) + i
+        ca = _six_bit(tl.load(q_ptr + at, mask=ok, other=0), tl.load(qh_ptr + h_at, mask=ok, other=0), g % 4)
+        cb = _six_bit(
+            tl.load(q_ptr + at + 4, mask=ok, other=0), tl.load(qh_ptr + h_at + 4, mask=ok, other=0), g % 4
+        )
+    elif QTYPE == _Q8_0:
+        at = (b + g) * 8 + i
+        ca = tl.load(q_ptr + at, mask=ok, other=0)
+        cb = tl.load(q_ptr + at + 4, mask=ok, other=0)
+    else:  # Q4_0 / Q4_1: byte j holds value j (low nibble) and value j + 16 (high)
+        words = tl.load(q_ptr + (b + g) * 4 + i, mask=ok, other=0)
+        ca = words & 0x0F0F0F0F
+        cb = (words >> 4) & 0x0F0F0F0F
+    return ca, cb
+
+
+@triton.jit
+def _matvec_kernel(
+    out_ptr, xq_ptr, dx_ptr, xs_ptr, xqs_ptr, q_ptr, hdr_ptr, qh_ptr, d_ptr, m_ptr,
+    N, n_blocks, units_per_split,
+    QTYPE: tl.constexpr, G: tl.constexpr, V: tl.constexpr, HAS_OFFSET: tl.constexpr, BN: tl.constexpr,
+    ASM: tl.constexpr,
 ):  # fmt: skip
+    """One row of x: program (i, s) adds split s of rows [i * BN, i * BN + BN), one thread per row."""
     rows = tl.program_id(0) * BN + tl.arange(0, BN)
     row_ok = rows < N
-    row_sb = rows.to(tl.int64)[:, None] * n_sb  # (BN, 1): first super-block of each row
-    kk = tl.arange(0, P)[:, None] * W + tl.arange(0, W)[None, :]  # (P, W) value index in a super-block
-    if DOT:
-        ms = tl.arange(0, BM)
-        m_ok = ms < M
-        acc = tl.zeros((BN, BM), tl.float32)
-    else:
-        acc = tl.zeros((BN, P, W), tl.float32)
-        acc_off = tl.zeros((BN, P), tl.float32)
-    for s0 in range(0, n_sb, UNROLL):
-        for u in tl.static_range(UNROLL):  # independent super-blocks: their loads overlap
-            s = s0 + u
-            q, scale, offset = _decode(a_ptr, b_ptr, c_ptr, d_ptr, row_sb + s, row_ok, QTYPE, G, W)
-            k0 = s * (P * W)
-            if DOT:
-                w = q * scale
-                if HAS_OFFSET:
-                    w = w - offset[:, :, None]
-                w = tl.reshape(w.to(DOT_DTYPE), (BN, P * W))
-                k = k0 + tl.arange(0, P * W)
-                xt = tl.load(x_ptr + ms[None, :] * stride_x + k[:, None], mask=m_ok[None, :], other=0.0)
-                acc += tl.dot(w, xt.to(DOT_DTYPE))  # (BN, BM)
+    split = tl.program_id(1)
+    first = split * units_per_split
+    last = tl.minimum(first + units_per_split, n_blocks // G)
+    row_blk = rows.to(tl.int64) * n_blocks  # (BN,): each row's first block
+    acc = tl.zeros((BN,), tl.float32)
+    for unit in range(first, last):
+        blk = row_blk + unit * G
+        d, dmin, s0, s1, s2, s3 = _unit_header(QTYPE, hdr_ptr, d_ptr, blk, row_ok)
+        for g in tl.static_range(V // 32):
+            ca, cb = _group_words(QTYPE, q_ptr, qh_ptr, blk, row_ok, g)  # (BN, 4) each
+            k32 = unit * (V // 32) + g  # the group's 32-value block of x
+            xa = tl.load(xq_ptr + k32 * 8 + tl.arange(0, 4))[None, :]  # (1, 4): xq of values 0-15
+            xb = tl.load(xq_ptr + k32 * 8 + 4 + tl.arange(0, 4))[None, :]  # values 16-31
+            dx = tl.load(dx_ptr + k32)
+            xs = tl.load(xs_ptr + k32)
+            ws_a, ws_b, wo = _group_scales(QTYPE, d, dmin, s0, s1, s2, s3, d_ptr, m_ptr, blk, row_ok, g)
+            zero = tl.zeros_like(ca)
+            if QTYPE == _Q6_K:  # two 16-value sub-blocks, codes offset by 32
+                za = tl.sum(_dp4a(ca, xa, zero, False, ASM), axis=1) - 32 * tl.load(xqs_ptr + 2 * k32)
+                zb = tl.sum(_dp4a(cb, xb, zero, False, ASM), axis=1) - 32 * tl.load(xqs_ptr + 2 * k32 + 1)
+                acc = _accumulate(acc, za, ws_a, wo, dx, xs, False)
+                acc = _accumulate(acc, zb, ws_b, wo, dx, xs, False)
             else:
-                xv = tl.load(x_ptr + k0 + kk).to(tl.float32)  # (P, W)
-                acc += q * (scale * xv[None, :, :])
-                if HAS_OFFSET:
-                    acc_off += offset * tl.sum(xv, axis=1)[None, :]
-    if DOT:
-        out = acc
-        mask = row_ok[:, None] & m_ok[None, :]
-        tl.store(y_ptr + ms[None, :] * stride_y + rows[:, None], out.to(y_ptr.dtype.element_ty), mask=mask)
+                signed = QTYPE == _Q8_0
+                z = tl.sum(_dp4a(cb, xb, _dp4a(ca, xa, zero, signed, ASM), signed, ASM), axis=1)  # (BN,)
+                if QTYPE == _Q4_0:  # codes offset by 8
+                    z -= 8 * (tl.load(xqs_ptr + 2 * k32) + tl.load(xqs_ptr + 2 * k32 + 1))
+                acc = _accumulate(acc, z, ws_a, wo, dx, xs, HAS_OFFSET)
+    tl.store(out_ptr + split * N + rows, acc.to(out_ptr.dtype.element_ty), mask=row_ok)
+
+
+# --- Triton: 2 <= M <= 64, int8 tensor cores; dequantization -----------------------------------------
+
+
+@triton.jit
+def _group_codes(QTYPE: tl.constexpr, q_ptr, qh_ptr, blk, row_ok, g: tl.constexpr):
+    """Signed codes of 32-value group g, (BN, 32) int32, with Q4_0's 8 and Q6_K's 32 subtracted:
+    value = w_scale * code - w_off. q_ptr / qh_ptr address bytes (int8 for Q8_0, else uint8)."""
+    j = tl.arange(0, 32)[None, :]
+    b = blk[:, None]
+    ok = row_ok[:, None]
+    if QTYPE == _Q4_K or QTYPE == _Q5_K:  # noqa: SIM109
+        byte = tl.load(q_ptr + b * 128 + 32 * (g // 2) + j, mask=ok, other=0).to(tl.int32)
+        codes = (byte >> (4 * (g % 2))) & 15
+        if QTYPE == _Q5_K:
+            codes = codes | (((tl.load(qh_ptr + b * 32 + j, mask=ok, other=0).to(tl.int32) >> g) & 1) << 4)
+    elif QTYPE == _Q6_K:
+        low = tl.load(q_ptr + b * 128 + 64 * (g // 4) + 32 * (g % 4 % 2) + j, mask=ok, other=0).to(tl.int32)
+        high = tl.load(qh_ptr + b * 64 + 32 * (g // 4) + j, mask=ok, other=0).to(tl.int32)
+        codes = (((low >> (4 * (g % 4 // 2))) & 15) | (((high >> (2 * (g % 4))) & 3) << 4)) - 32
+    elif QTYPE == _Q8_0:
+        codes = tl.load(q_ptr + (b + g) * 32 + j, mask=ok, other=0).to(tl.int32)
     else:
-        out = tl.sum(tl.sum(acc, axis=2), axis=1)
-        if HAS_OFFSET:
-            out -= tl.sum(acc_off, axis=1)
-        tl.store(y_ptr + rows, out.to(y_ptr.dtype.element_ty), mask=row_ok)
+        byte = tl.load(q_ptr + (b + g) * 16 + j % 16, mask=ok, other=0).to(tl.int32)
+        codes = (byte >> (4 * (j // 16))) & 15
+        if QTYPE == _Q4_0:
+            codes = codes - 8
+    return codes
+
+
+@triton.jit
+def _matmul_kernel(
+    out_ptr, xq_ptr, dx_ptr, xs_ptr, q_ptr, hdr_ptr, qh_ptr, d_ptr, m_ptr,
+    M, N, K, n_blocks, units_per_split,
+    QTYPE: tl.constexpr, G: tl.constexpr, V: tl.constexpr, HAS_OFFSET: tl.constexpr, BN: tl.constexpr,
+    BM: tl.constexpr,
+):  # fmt: skip
+    """2 <= M <= BM rows of x (xq_ptr: their int8 codes, (M, K)): program (i, s) adds split s of rows
+    [i * BN, i * BN + BN) for all M, one int8 dot per group."""
+    rows = tl.program_id(0) * BN + tl.arange(0, BN)
+    row_ok = rows < N
+    split = tl.program_id(1)
+    first = split * units_per_split
+    last = tl.minimum(first + units_per_split, n_blocks // G)
+    row_blk = rows.to(tl.int64) * n_blocks
+    ms = tl.arange(0, BM)
+    m_ok = ms < M
+    j = tl.arange(0, 32)[:, None]
+    acc = tl.zeros((BN, BM), tl.float32)
+    for unit in range(first, last):
+        blk = row_blk + unit * G
+        d, dmin, s0, s1, s2, s3 = _unit_header(QTYPE, hdr_ptr, d_ptr, blk, row_ok)
+        for g in tl.static_range(V // 32):
+            codes = _group_codes(QTYPE, q_ptr, qh_ptr, blk, row_ok, g).to(tl.int8)  # (BN, 32)
+            k32 = unit * (V // 32) + g
+            xt = tl.load(xq_ptr + ms[None, :] * K + k32 * 32 + j, mask=m_ok[None, :], other=0)  # (32, BM)
+            dx = tl.load(dx_ptr + ms * (K // 32) + k32, mask=m_ok, other=0.0)[None, :]  # (1, BM)
+            xs = tl.load(xs_ptr + ms * (K // 32) + k32, mask=m_ok, other=0.0)[None, :]
+            ws_a, ws_b, wo = _group_scales(QTYPE, d, dmin, s0, s1, s2, s3, d_ptr, m_ptr, blk, row_ok, g)
+            if QTYPE == _Q6_K:  # one dot per 16-value sub-block: the other half of x zeroed
+                za = tl.dot(codes, tl.where(j < 16, xt, 0).to(tl.int8))  # (BN, BM) int32
+                zb = tl.dot(codes, tl.where(j >= 16, xt, 0).to(tl.int8))
+                acc = _accumulate(acc, za, ws_a[:, None], wo[:, None], dx, xs, False)
+                acc = _accumulate(acc, zb, ws_b[:, None], wo[:, None], dx, xs, False)
+            else:
+                z = tl.dot(codes, xt)
+                acc = _accumulate(acc, z, ws_a[:, None], wo[:, None], dx, xs, HAS_OFFSET)
+    ptrs = out_ptr + split * M * N + ms[None, :] * N + rows[:, None]
+    tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & m_ok[None, :])
+
+
+@triton.jit
+def _sum_splits_kernel(y_ptr, part_ptr, n, n_splits, BLOCK: tl.constexpr):
+    """y = the K-splits' partial sums (n_splits, n) added in split order."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = i < n
+    acc = tl.load(part_ptr + i, mask=ok, other=0.0)
+    for s in range(1, n_splits):
+        acc = acc + tl.load(part_ptr + s * n + i, mask=ok, other=0.0)
+    tl.store(y_ptr + i, acc.to(y_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
 def _dequant_kernel(
-    out_ptr, a_ptr, b_ptr, c_ptr, d_ptr, N, n_sb,
-    QTYPE: tl.constexpr, G: tl.constexpr, P: tl.constexpr, W: tl.constexpr, HAS_OFFSET: tl.constexpr,
-    BN: tl.constexpr,
+    out_ptr, q_ptr, hdr_ptr, qh_ptr, d_ptr, m_ptr, N, K, n_blocks,
+    QTYPE: tl.constexpr, G: tl.constexpr, V: tl.constexpr, HAS_OFFSET: tl.constexpr, BN: tl.constexpr,
 ):  # fmt: skip
+    """Unit program_id(1) of rows [i * BN, i * BN + BN) as dense values, the reference's float ops."""
     rows = tl.program_id(0) * BN + tl.arange(0, BN)
     row_ok = rows < N
-    s = tl.program_id(1)
-    q, scale, offset = _decode(a_ptr, b_ptr, c_ptr, d_ptr, rows.to(tl.int64)[:, None] * n_sb + s, row_ok,
-                               QTYPE, G, W)  # fmt: skip
-    w = q * scale
-    if HAS_OFFSET:
-        w = w - offset[:, :, None]
-    kk = s * (P * W) + tl.arange(0, P)[:, None] * W + tl.arange(0, W)[None, :]  # (P, W)
-    ptrs = out_ptr + rows.to(tl.int64)[:, None, None] * (n_sb * P * W) + kk[None, :, :]
-    tl.store(ptrs, w.to(out_ptr.dtype.element_ty), mask=row_ok[:, None, None])
+    unit = tl.program_id(1)
+    blk = rows.to(tl.int64) * n_blocks + unit * G
+    d, dmin, s0, s1, s2, s3 = _unit_header(QTYPE, hdr_ptr, d_ptr, blk, row_ok)
+    j = tl.arange(0, 32)[None, :]
+    for g in tl.static_range(V // 32):
+        codes = _group_codes(QTYPE, q_ptr, qh_ptr, blk, row_ok, g).to(tl.float32)  # (BN, 32)
+        ws_a, ws_b, wo = _group_scales(QTYPE, d, dmin, s0, s1, s2, s3, d_ptr, m_ptr, blk, row_ok, g)
+        w = tl.where(j < 16, ws_a[:, None], ws_b[:, None]) * codes
+        if HAS_OFFSET:
+            w = w - wo[:, None]
+        ptrs = out_ptr + rows.to(tl.int64)[:, None] * K + unit * V + 32 * g + j
+        tl.store(ptrs, w.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+@triton.jit
+def _quantize_kernel(x_ptr, xq_ptr, dx_ptr, xs_ptr, xqs_ptr, n_blocks, stride_x, NB: tl.constexpr):
+    """Blocks [j * NB, j * NB + NB) of row i of x, 32 values each: int8 codes round(x * 127 / amax) (ties
+    to even) packed 4 per int32 word (little-endian), dx = amax / 127, xs = sum(x), code sums per 16."""
+    m = tl.program_id(0)
+    blocks = tl.program_id(1) * NB + tl.arange(0, NB)
+    ok = blocks < n_blocks
+    w = tl.arange(0, 8)[None, :, None]
+    i = tl.arange(0, 4)[None, None, :]
+    at = blocks[:, None, None] * 32 + w * 4 + i
+    x = tl.load(x_ptr + m * stride_x + at, mask=ok[:, None, None], other=0.0).to(tl.float32)  # (NB, 8, 4)
+    amax = tl.max(tl.max(tl.abs(x), axis=2), axis=1)  # (NB,)
+    inv = tl.math.div_rn(127.0, tl.where(amax > 0, amax, 1.0))  # an all-zero block: codes 0 anyway
+    # |x * inv| <= 127: adding 1.5 * 2**23 rounds it to an integer (ties to even) held in the mantissa
+    codes = (x * inv[:, None, None] + 12582912.0).to(tl.int32, bitcast=True) - 0x4B400000  # (NB, 8, 4)
+    words = tl.sum((codes & 0xFF) << (8 * i), axis=2)  # (NB, 8): disjoint bytes, so sum = bitwise or
+    word_sums = tl.sum(codes, axis=2)  # (NB, 8)
+    first_half = tl.arange(0, 8)[None, :] < 4
+    row32 = m * n_blocks + blocks
+    tl.store(xq_ptr + row32[:, None] * 8 + tl.arange(0, 8)[None, :], words, mask=ok[:, None])
+    tl.store(dx_ptr + row32, tl.math.div_rn(amax, 127.0), mask=ok)
+    tl.store(xs_ptr + row32, tl.sum(tl.sum(x, axis=2), axis=1), mask=ok)
+    tl.store(xqs_ptr + 2 * row32, tl.sum(tl.where(first_half, word_sums, 0), axis=1), mask=ok)
+    tl.store(xqs_ptr + 2 * row32 + 1, tl.sum(tl.where(first_half, 0, word_sums), axis=1), mask=ok)
 
 
 # --- launchers -----------------------------------------------------------------------------------------
@@ -355,24 +463,23 @@ def _dequant_kernel(
 
 @dataclass(frozen=True)
 class TileConfig:
-    rows: int  # BN: output rows per program
+    rows: int  # BN: output rows per program (M = 1: one thread per row, so a multiple of 32 * warps)
     warps: int
-    unroll: int  # super-blocks decoded per loop step (used when it divides the row's count)
+    stages: int  # Triton pipelining stages of the unit loop
 
 
-# Keys: "gemv" (M = 1) and "dot16"/"dot32"/"dot64" (M padded to that many tensor-core columns).
-# Chosen by bench/gpu_kernels.py's sweep on an H200 (bench/results/issue6-2026-12-02/kernels_tune.json):
-# small row tiles won both (more programs in flight; the decode, not x traffic, is what costs).
+# Keys: "m1" (M = 1, dp4a) and "m16"/"m32"/"m64" (M padded to that many tensor-core columns).
+# Guesses for an H200 until bench/gpu_kernels.py's sweep picks (see its --tiles-out).
 DEFAULT_TILES = {
-    "gemv": TileConfig(8, 2, 2),
-    "dot16": TileConfig(16, 4, 1),
-    "dot32": TileConfig(16, 4, 1),
-    "dot64": TileConfig(16, 4, 1),
+    "m1": TileConfig(64, 2, 1),
+    "m16": TileConfig(32, 4, 1),
+    "m32": TileConfig(32, 4, 1),
+    "m64": TileConfig(32, 4, 1),
 }
 
 
 def tiles_from_env() -> dict[str, TileConfig]:
-    """DEFAULT_TILES, with overrides from FLASHTREE_QMM_TILES (JSON {"gemv": [rows, warps, unroll], ...}),
+    """DEFAULT_TILES, with overrides from FLASHTREE_QMM_TILES (JSON {"m1": [rows, warps, stages], ...}),
     the way a tuning sweep hands its choice to a benchmark run."""
     text = os.environ.get("FLASHTREE_QMM_TILES")
     if not text:
@@ -381,7 +488,7 @@ def tiles_from_env() -> dict[str, TileConfig]:
         chosen = {key: TileConfig(*map(int, value)) for key, value in json.loads(text).items()}
     except (ValueError, TypeError) as e:
         raise FlashtreeError(
-            f"FLASHTREE_QMM_TILES: expected JSON {{key: [rows, warps, unroll]}} ({e})"
+            f"FLASHTREE_QMM_TILES: expected JSON {{key: [rows, warps, stages]}} ({e})"
         ) from None
     unknown = set(chosen) - set(DEFAULT_TILES)
     if unknown:
@@ -395,22 +502,54 @@ TILES = tiles_from_env()
 
 
 def tile_key(m: int) -> str:
-    return "gemv" if m == 1 else f"dot{max(16, triton.next_power_of_2(m))}"
+    return "m1" if m == 1 else f"m{max(16, triton.next_power_of_2(m))}"
 
 
-def _kernel_args(fields: list[torch.Tensor], lay: Layout) -> list[torch.Tensor]:
-    """The four pointer arguments _decode expects for this type (unused ones repeat the first)."""
-    if lay.qtype == QT.Q4_K:  # words, header bytes, header as fp16
-        args = [fields[0], fields[1], fields[1].view(torch.float16)]
-    elif lay.qtype == QT.Q5_K:  # words, qh, header bytes, header as fp16
-        args = [fields[0], fields[1], fields[2], fields[2].view(torch.float16)]
-    else:
-        args = list(fields)
-    return args + [args[0]] * (4 - len(args))
+def k_splits(n_rows: int, n_units: int) -> tuple[int, int]:
+    """(splits, units per split) of each row's units: from the matrix shape only, so that every M adds
+    the same partial sums in the same order (batch invariance)."""
+    wanted = min(n_units, max(1, SPLIT_TARGET // n_rows))
+    per_split = triton.cdiv(n_units, wanted)
+    return triton.cdiv(n_units, per_split), per_split
 
 
-def _has_offset(qtype: int) -> bool:
-    return qtype in (QT.Q4_K, QT.Q5_K, QT.Q4_1)
+class QuantizedActivations(NamedTuple):
+    codes: torch.Tensor  # (M, K / 4) int32: 4 int8 codes per word, little-endian
+    scale: torch.Tensor  # (M, K / 32) fp32: dx = amax / 127 per 32 values
+    sums: torch.Tensor  # (M, K / 32) fp32: xs = the float sum of x per 32 values
+    code_sums: torch.Tensor  # (M, K / 16) int32: the codes' sum per 16 values
+
+
+def quantize_activations(x: torch.Tensor) -> QuantizedActivations:
+    """x (M, K) float, K a multiple of 32 -> its int8 quantization per 32 values (see the module doc)."""
+    m, k = x.shape
+    n_blocks = k // 32
+    act = QuantizedActivations(
+        torch.empty(m, k // 4, dtype=torch.int32, device=x.device),
+        torch.empty(m, n_blocks, dtype=torch.float32, device=x.device),
+        torch.empty(m, n_blocks, dtype=torch.float32, device=x.device),
+        torch.empty(m, 2 * n_blocks, dtype=torch.int32, device=x.device),
+    )
+    nb = 32  # blocks per program
+    _quantize_kernel[(m, triton.cdiv(n_blocks, nb))](
+        x, *act, n_blocks, x.stride(0), NB=nb, num_warps=4, enable_fp_fusion=False
+    )
+    return act
+
+
+def _pointers(fields: list[torch.Tensor], lay: Layout, as_bytes: bool) -> list[torch.Tensor]:
+    """The kernels' (q, hdr, qh, d, m) arguments; a type's missing fields repeat q (never read).
+    as_bytes: q and qh viewed as bytes (int8 for Q8_0's signed codes) for the tensor-core path."""
+    by_name = {f.name: t for f, t in zip(lay.fields, fields, strict=True)}
+    q, qh = by_name["q"], by_name.get("qh", by_name["q"])
+    if as_bytes:
+        q, qh = q.view(torch.int8 if lay.qtype == QT.Q8_0 else torch.uint8), qh.view(torch.uint8)
+    return [q, by_name.get("hdr", q), qh, by_name.get("d", q), by_name.get("m", q)]
+
+
+def _type_args(lay: Layout) -> dict:
+    has_offset = lay.qtype in (QT.Q4_K, QT.Q5_K, QT.Q4_1)
+    return {"QTYPE": lay.qtype, "G": lay.group, "V": lay.values, "HAS_OFFSET": has_offset}
 
 
 def quant_matmul(
@@ -418,43 +557,48 @@ def quant_matmul(
 ) -> torch.Tensor:
     """x (M, n_cols) @ W^T for a repacked W (n_rows, n_cols) -> (M, n_rows) in x's dtype.
 
-    Runs the fused kernel for M <= 64 and dequantize + matmul above. Works on CUDA tensors, and on CPU
-    tensors under TRITON_INTERPRET=1."""
+    M <= 64: int8 activations x the quantized weight, batch-invariant (see the module doc); above:
+    dequantize + matmul. Works on CUDA tensors, and on CPU tensors under TRITON_INTERPRET=1."""
     lay = layout(qtype, n_cols)
     m = x.shape[0]
     if m > MAX_FUSED_M:
         return x @ dequantize_packed(fields, qtype, n_rows, n_cols, x.dtype).t()
-    x = x.contiguous()
+    act = quantize_activations(x.contiguous())
+    n_blocks = n_cols // block_size(qtype)
+    n_splits, per_split = k_splits(n_rows, n_blocks // lay.group)
     y = torch.empty(m, n_rows, dtype=x.dtype, device=x.device)
-    n_sb = n_cols // lay.values
+    out = y if n_splits == 1 else torch.empty(n_splits, m, n_rows, dtype=torch.float32, device=x.device)
     tile = TILES[tile_key(m)]
-    unroll = tile.unroll if n_sb % tile.unroll == 0 else 1
-    grid = (triton.cdiv(n_rows, tile.rows),)
-    _qmm_kernel[grid](
-        x, y, *_kernel_args(fields, lay),
-        m, n_rows, n_sb, x.stride(0), y.stride(0),
-        QTYPE=lay.qtype, G=lay.group, P=lay.planes, W=lay.width, HAS_OFFSET=_has_offset(lay.qtype),
-        BN=tile.rows, BM=max(16, triton.next_power_of_2(m)), DOT=m > 1, UNROLL=unroll,
-        DOT_DTYPE=tl.bfloat16 if x.is_cuda else tl.float32,  # the CPU interpreter's bf16 dot is wrong
-        num_warps=tile.warps,
-    )  # fmt: skip
+    grid = (triton.cdiv(n_rows, tile.rows), n_splits)
+    launch = _type_args(lay) | {"BN": tile.rows, "num_warps": tile.warps, "num_stages": tile.stages}
+    if m == 1:
+        _matvec_kernel[grid](
+            out, *act, *_pointers(fields, lay, False), n_rows, n_blocks, per_split,
+            ASM=x.is_cuda and not EMULATE_DP4A, enable_fp_fusion=False, **launch,
+        )  # fmt: skip
+    else:
+        _matmul_kernel[grid](
+            out, act.codes.view(torch.int8), act.scale, act.sums, *_pointers(fields, lay, True),
+            m, n_rows, n_cols, n_blocks, per_split,
+            BM=max(16, triton.next_power_of_2(m)), enable_fp_fusion=False, **launch,
+        )  # fmt: skip
+    if n_splits > 1:
+        block = 1024
+        _sum_splits_kernel[(triton.cdiv(m * n_rows, block),)](y, out, m * n_rows, n_splits, BLOCK=block)
     return y
 
 
 def dequantize_packed(
     fields: list[torch.Tensor], qtype: int, n_rows: int, n_cols: int, dtype: torch.dtype = torch.bfloat16
 ) -> torch.Tensor:
-    """The dense (n_rows, n_cols) weight, decoded by the kernels' own decoder."""
+    """The dense (n_rows, n_cols) weight, decoded by the kernels' own decoder (bit-exact vs the reference
+    dequantizer in fp32)."""
     lay = layout(qtype, n_cols)
-    n_sb = n_cols // lay.values
+    n_blocks = n_cols // block_size(qtype)
     out = torch.empty(n_rows, n_cols, dtype=dtype, device=fields[0].device)
     rows = 32
-    _dequant_kernel[(triton.cdiv(n_rows, rows), n_sb)](
-        out, *_kernel_args(fields, lay), n_rows, n_sb,
-        QTYPE=lay.qtype, G=lay.group, P=lay.planes, W=lay.width, HAS_OFFSET=_has_offset(lay.qtype), BN=rows,
+    _dequant_kernel[(triton.cdiv(n_rows, rows), n_blocks // lay.group)](
+        out, *_pointers(fields, lay, True), n_rows, n_cols, n_blocks,
+        BN=rows, num_warps=4, enable_fp_fusion=False, **_type_args(lay),
     )  # fmt: skip
     return out
-
-
-def packed_bytes(fields: list[torch.Tensor]) -> int:
-    return sum(f.numel() * f.element_size() for f in fields)
