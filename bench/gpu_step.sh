@@ -1,21 +1,25 @@
 #!/bin/bash
-# Issue-6 measurements on the device machine, in two calls that reuse the warm machine's /root/stash:
-#   bench/gpu_step.sh kernels   kernel checks + tile sweep + 27B layer shapes (bench/gpu_kernels.py);
-#                               starts the synthetic Qwen3.6-27B Q4_K_M + 5-layer draft in the background
-#   bench/gpu_step.sh step      flashtree bench-step with the quantized kernels, then with dense bf16
-#   bench/gpu_step.sh quick     only the 27B types' checks and layer-shape timings (little device time)
-#   bench/gpu_step.sh all       in one call: checks, bench-step (default tiles), then sweep + shapes
-# Needs: carry .wheels/issue6 (gguf wheel) and .cache/issue6 (Qwen3 tokenizer files for synth); $OUT.
+# Issue-6 measurements on the device machine, in back-to-back calls that share the warm machine's $STASH.
+# Stages run in the order given: `bash bench/gpu_step.sh prep kernels graphs`.
+#   prep     install the gguf wheel; stash the shipped draft and the benchmark prompt cache; start the
+#            synthetic Qwen3.6-27B Q4_K_M + 5-layer draft in the background
+#            (carry .wheels/issue6, .cache/issue6 = Qwen3 tokenizer files, .stage/draft/cache)
+#   kernels  bench/gpu_kernels.py: every type checked, a tile sweep, the 27B layer shapes timed
+#   graphs   bench/gpu_graphs.py: CUDA-graph decode steps emit the eager steps' tokens (tiny targets)
+#   step     flashtree bench-step on the 27B: quantized kernels, then dense bf16
+#   stage-a  stash the SmolLM2 GGUF's first half (carry .stage/draft/smollm2.part.aa; the shipped draft
+#            must be out of the working tree for this call: 64 MiB per call)
+#   pair     join the second half (carry .stage/draft/smollm2.part.ab), then `flashtree bench` on the
+#            default pair: AR / chain / tree / HF baseline, 10 prompts per set, 256 new tokens
 set -u
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-    .wheels/issue6/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD FLASHTREE_CACHE=$PWD/.cache/issue6 PYTHONUNBUFFERED=1
-# RAM-backed when /dev/shm can hold the model twice (the writer's side file): no disk in the way
 STASH=/root/stash
-if [ "$(df --output=avail -B1G /dev/shm 2>/dev/null | tail -1)" -gt 40 ] 2>/dev/null; then STASH=/dev/shm/issue6; fi
-mkdir -p "$STASH"
-echo "stash: $STASH"
+mkdir -p "$STASH" "$OUT"
+export PYTHONPATH=/tmp/site:$PWD FLASHTREE_CACHE=$STASH/cache PYTHONUNBUFFERED=1
 FT="python3 -m flashtree"
+GGUF=$STASH/SmolLM2-135M-Instruct.Q4_1.gguf
+GGUF_MD5=a1231443440b107ff29f02bdb38c9d0a
+[ -d /tmp/site ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
+    .wheels/issue6/*.whl 2>/dev/null || [ -d /tmp/site ] || { echo "no gguf wheel" >&2; exit 1; }
 
 synth() {
     $FT synth --shape qwen3.6-27b --type q4_k_m "$STASH/q27.gguf" \
@@ -23,44 +27,43 @@ synth() {
         && touch "$STASH/synth.done"
 }
 
-start_synth() {
+prep() {
     nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv
-    if [ ! -f "$STASH/synth.done" ]; then
-        # own session: survives this command; nice: Triton compiles in the foreground keep the CPU
+    cp -r flashtree/drafts/smollm2-135m-instruct "$STASH/draft" && cp -r .stage/draft/cache "$STASH/" || exit 1
+    mkdir -p "$STASH/cache" && cp -r .cache/issue6/* "$STASH/cache/"
+    if [ ! -f "$STASH/synth.done" ]; then  # own session: outlives this call; nice: compiles come first
         export -f synth; export FT STASH
         setsid nohup nice -n 19 bash -c 'time synth' >"$STASH/synth.log" 2>&1 </dev/null &
     fi
 }
 
-kernels() {  # kernels NAME STAGES [TYPES]
-    python3 bench/gpu_kernels.py "$OUT" --name "$1" --stages "$2" --types "${3:-Q4_K,Q5_K,Q6_K,Q8_0,Q4_0,Q4_1}" \
-        --tiles-out "$STASH/tiles.json" 2>&1 | tee "$OUT/$1.log"
-}
-
 step() {
-    if [ ! -f "$STASH/synth.done" ]; then
-        if ! pgrep -f "synth --" >/dev/null; then time synth >"$STASH/synth.log" 2>&1; fi
-        while [ ! -f "$STASH/synth.done" ] && pgrep -f "synth --" >/dev/null; do sleep 2; done
-    fi
-    tail -c 300 "$STASH/synth.log"; ls -la "$STASH" "$STASH/draft5"
-    [ -f "$STASH/tiles.json" ] && export FLASHTREE_QMM_TILES="$(cat "$STASH/tiles.json")"
-    echo "tiles: ${FLASHTREE_QMM_TILES:-defaults}"
-    $FT bench-step --target "$STASH/q27.gguf" --draft "$STASH/draft5" --out "$OUT/step_quant.json" 2>&1 \
-        | grep -v USDT | tee "$OUT/step_quant.log"
-    $FT bench-step --target "$STASH/q27.gguf" --draft "$STASH/draft5" --out "$OUT/step_dense.json" --dense 2>&1 \
-        | grep -v USDT | tee "$OUT/step_dense.log"
+    while [ ! -f "$STASH/synth.done" ] && pgrep -f "synth --" >/dev/null; do sleep 2; done
+    tail -c 300 "$STASH/synth.log"
+    [ -f "$STASH/synth.done" ] || exit 1
+    for weights in quant dense; do
+        flag=$([ $weights = dense ] && echo --dense)
+        $FT bench-step --target "$STASH/q27.gguf" --draft "$STASH/draft5" --out "$OUT/step_$weights.json" $flag 2>&1 \
+            | grep -v USDT | tee "$OUT/step_$weights.log"
+    done
 }
 
-case "$1" in
-kernels) start_synth && kernels kernels checks,sweep,shapes ;;
-step) step ;;
-quick) kernels kernels checks,shapes Q4_K,Q6_K ;;
-all)
-    start_synth && kernels kernels_checks checks Q4_K,Q6_K && rm -f "$STASH/tiles.json" && step
-    kernels kernels_tune checks,sweep,shapes Q5_K,Q8_0,Q4_0,Q4_1
-    ;;
-*)
-    echo "usage: $0 kernels|step|all" >&2
-    exit 2
-    ;;
-esac
+pair() {
+    cat "$STASH/smollm2.part.aa" .stage/draft/smollm2.part.ab >"$GGUF"
+    echo "$GGUF_MD5  $GGUF" | md5sum -c || exit 1
+    $FT bench --target "$GGUF" --draft "$STASH/draft" --n 10 --max-tokens 256 --modes ar,chain,tree \
+        --budget 22 --baseline hf --seed 0 --out "$OUT/pair" --device cuda 2>&1 | grep -v USDT | tail -40
+}
+
+for stage in "$@"; do
+    echo "=== $stage $(date +%T)"
+    case "$stage" in
+    prep) prep ;;
+    kernels) python3 bench/gpu_kernels.py "$OUT" 2>&1 | tee "$OUT/kernels.log" ;;
+    graphs) python3 bench/gpu_graphs.py "$OUT" 2>&1 | tee "$OUT/graphs.log" ;;
+    step) step ;;
+    stage-a) cp .stage/draft/smollm2.part.aa "$STASH/" ;;
+    pair) pair ;;
+    *) echo "unknown stage $stage (prep|kernels|graphs|step|stage-a|pair)" >&2; exit 2 ;;
+    esac
+done

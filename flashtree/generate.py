@@ -9,16 +9,18 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 
 from flashtree.config import SamplingParams, SpecConfig
+from flashtree.cuda_graphs import StepRunner, graphs_wanted
 from flashtree.errors import FlashtreeError
 from flashtree.memory import plan_context
 from flashtree.models.model import DecoderModel
-from flashtree.sampling import sample
+from flashtree.sampling import SEED_MASK, sample
+from flashtree.spec.accept import Accepted
 
 PREFILL_CHUNK = {"cpu": 256, "cuda": 2048}
 
@@ -105,6 +107,11 @@ class Engine:
         headroom = self.decoder.max_block if self.decoder else 1
         self.max_ctx = plan_context(target, max_ctx, headroom)
         self.state = target.new_state(self.max_ctx + headroom)
+        # Each step's inputs, as device tensors a captured step reads: the token, the sampling seed.
+        self.root = torch.zeros((), dtype=torch.long, device=self.device)
+        self.seed = torch.zeros((), dtype=torch.long, device=self.device)
+        fixed = self.decoder is None or self.decoder.fixed_shape
+        self.runner = StepRunner(self.state, graphs=fixed and graphs_wanted(self.device))
 
     @property
     def device(self) -> torch.device:
@@ -231,14 +238,28 @@ class Engine:
         return int(sample(out.logits, sampling, pos)[0])
 
     def _step(self, root: int, sampling: SamplingParams) -> list[int]:
-        """One decode step from the last emitted token: AR, or draft -> verify -> accept."""
+        """One decode step from the last emitted token: AR, or draft -> verify -> accept. The device
+        work runs eagerly or from a CUDA graph (StepRunner); then one read-back and the host's books."""
+        # fill kernels; torch.tensor would copy from the host and wait for the GPU
+        self.root.fill_(root)
+        self.seed.fill_(sampling.seed & SEED_MASK)
+        block = self.decoder.max_block if self.decoder else 1
+        self.state.check_room(block)
+        n_keys = self.runner.n_keys(self.state.seq_len + block)
+        key = (n_keys, replace(sampling, seed=0))  # the seed is an input, not part of the graph
         if self.decoder:
-            return self.decoder.step(root, self.state, sampling)
-        # torch.full launches a fill; torch.tensor would copy from the host and wait for the GPU.
-        ids = torch.full((1,), root, dtype=torch.long, device=self.device)
-        out = self.target(ids, self.state, logits="last")
-        pos = torch.full((1,), self.state.seq_len, device=self.device)
-        return [int(sample(out.logits, sampling, pos)[0])]  # the step's one host sync
+            step = lambda: self.decoder.step(self.root, self.state, sampling, self.seed, n_keys)  # noqa: E731
+            packed = self.runner.run(key, step).tolist()  # the step's one host sync
+            self.state.advance_host(packed[0])
+            return Accepted.emitted(packed)
+        token = int(self.runner.run(key, lambda: self._ar_step(sampling, n_keys)))  # the one sync
+        self.state.advance_host(1)
+        return [token]
+
+    def _ar_step(self, sampling: SamplingParams, n_keys: int | None) -> torch.Tensor:
+        out = self.target(self.root.view(1), self.state, logits="last", n_keys=n_keys)
+        # (1,): sampled for the position the token takes
+        return sample(out.logits, sampling, self.state.position.view(1), self.seed)
 
     def stream(
         self,

@@ -17,15 +17,16 @@ import torch
 from flashtree.config import SamplingParams
 
 _M32 = 0xFFFFFFFF
+SEED_MASK = (1 << 63) - 1  # seeds fit an int64 tensor
 
 
-def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
-    """(x * c) mod 2^32 for x in [0, 2^32) without int64 overflow (16-bit halves)."""
+def _mul32(x: torch.Tensor | int, c: int) -> torch.Tensor | int:
+    """(x * c) mod 2^32 for x in [0, 2^32) without int64 overflow (16-bit halves); tensors or ints."""
     lo, hi = x & 0xFFFF, x >> 16
     return (lo * c + (((hi * c) & 0xFFFF) << 16)) & _M32
 
 
-def _mix32(x: torch.Tensor) -> torch.Tensor:
+def _mix32(x: torch.Tensor | int) -> torch.Tensor | int:
     """A 32-bit integer hash with good avalanche (the 'lowbias32' constants)."""
     x = x ^ (x >> 16)
     x = _mul32(x, 0x7FEB352D)
@@ -34,11 +35,13 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def uniform_noise(seed: int, positions: torch.Tensor, vocab: int) -> torch.Tensor:
-    """(N, vocab) uniforms in (0, 1), a deterministic function of (seed, position, token id)."""
+def uniform_noise(seed: int | torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
+    """(N, vocab) uniforms in (0, 1), a deterministic function of (seed, position, token id). The seed
+    (taken mod 2^63) is a Python int or a 0-d int64 device tensor (a CUDA graph's input); either way
+    nothing is copied from the host."""
     device = positions.device
-    s = torch.tensor(seed & _M32, dtype=torch.int64, device=device)
-    s = _mix32(s ^ _mix32(torch.tensor((seed >> 32) & _M32, dtype=torch.int64, device=device)))
+    seed = seed & SEED_MASK
+    s = _mix32((seed & _M32) ^ _mix32((seed >> 32) & _M32))
     row = _mix32(s ^ _mix32(positions.long() & _M32))  # (N,)
     col = _mix32(torch.arange(vocab, dtype=torch.int64, device=device) + 0x9E3779B9)  # (V,)
     h = _mix32(row[:, None] ^ col[None, :])
@@ -68,10 +71,13 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return filter_logits(logits, params).softmax(-1)
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, positions: torch.Tensor) -> torch.Tensor:
-    """One token per row. logits: (N, V); positions: (N,) sequence position each token will occupy."""
+def sample(
+    logits: torch.Tensor, params: SamplingParams, positions: torch.Tensor, seed: torch.Tensor | None = None
+) -> torch.Tensor:
+    """One token per row. logits: (N, V); positions: (N,) sequence position each token will occupy;
+    seed: a device tensor holding params.seed, for steps replayed from a CUDA graph."""
     if params.greedy:
         return logits.argmax(-1)
-    u = uniform_noise(params.seed, positions, logits.shape[-1])
+    u = uniform_noise(params.seed if seed is None else seed, positions, logits.shape[-1])
     gumbel = -torch.log(-torch.log(u))
     return (filter_logits(logits, params) + gumbel).argmax(-1)

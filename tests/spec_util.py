@@ -43,13 +43,13 @@ class OracleDraft:
         self.sequence, self.vocab, self.error, self.seed = sequence, vocab, error, seed
         self.config = SimpleNamespace(block_size=block_size, target_layer_ids=(0,))
 
-    def new_context(self, size: int) -> _Context:
+    def new_context(self, size: int, spare: int = 0) -> _Context:
         return _Context()
 
-    def append_context(self, ctx: _Context, features: torch.Tensor) -> None:
-        ctx.length += features.shape[0]
+    def append_context(self, ctx: _Context, features: torch.Tensor, n: torch.Tensor | None = None) -> None:
+        ctx.length += features.shape[0] if n is None else int(n)
 
-    def propose(self, ctx: _Context, root: int, block_size: int) -> torch.Tensor:
+    def propose(self, ctx: _Context, root: torch.Tensor, block_size: int) -> torch.Tensor:
         start = ctx.length  # the root's position
         g = torch.Generator().manual_seed(self.seed * 100003 + start)
         logits = torch.randn(block_size - 1, self.vocab, generator=g)

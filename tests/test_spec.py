@@ -5,7 +5,9 @@ import random
 import pytest
 import torch
 
-from flashtree.config import SamplingParams
+from flashtree.config import SamplingParams, SpecConfig
+from flashtree.cuda_graphs import MIN_KEYS, StepRunner
+from flashtree.generate import Engine
 from flashtree.models.loader import load_target
 from flashtree.spec import decoder as spec_decoder
 from tests.spec_util import OracleDraft, engine, generate, random_draft
@@ -56,9 +58,9 @@ def test_greedy_identity_oracle_draft(pair, error, config, monkeypatch):
     real_accept = spec_decoder.accept_path
 
     def recording_accept(tokens, layout, samples):
-        path, bonus = real_accept(tokens, layout, samples)
-        walks.append((layout, path.tolist()))
-        return path, bonus
+        accepted = real_accept(tokens, layout, samples)
+        walks.append((layout, accepted.path[: int(accepted.n)].tolist()))
+        return accepted
 
     monkeypatch.setattr(spec_decoder, "accept_path", recording_accept)
     hist_total = [0] * 17
@@ -130,3 +132,33 @@ def test_one_host_read_per_decode_step(tiny_root, family, mode, monkeypatch):
         reads.clear()
         next(steps)
         assert len(reads) == 1, reads
+
+
+BUCKETED_CONFIGS = [
+    dict(mode="ar"),
+    dict(mode="chain", block_size=8),
+    dict(mode="tree", block_size=8, budget=12),
+]
+
+
+@pytest.mark.parametrize("config", BUCKETED_CONFIGS, ids=["ar", "chain8", "tree8-12"])
+@pytest.mark.parametrize(
+    "sampling", [SamplingParams(), SamplingParams(temperature=0.9, seed=4)], ids=["greedy", "t0.9"]
+)
+def test_fixed_shape_steps_emit_the_exact_steps_tokens(pair, config, sampling):
+    """The steps CUDA graphs replay read the KV cache in fixed buckets (keys past the committed length
+    masked) and keep the host's books from the step's read-back; run eagerly here, they must emit
+    exactly plain decoding's tokens, with an oracle draft so long paths and branches are committed,
+    and leave the host's and the device's committed length equal."""
+    target, draft = pair
+    mode = config["mode"]
+    for i, prompt in enumerate(prompts(4, target.config.vocab, seed=11)):
+        ar, _ = generate(target, None, prompt, 40, sampling)
+        oracle = OracleDraft(prompt + ar, target.config.vocab, 8, 0.2, seed=i)
+        e = Engine(target, None, None if mode == "ar" else oracle, SpecConfig(**config), max_ctx=300)
+        e.runner = StepRunner(e.state, graphs=False, bucketed=True)
+        assert e.runner.n_keys(len(prompt) + 1) == MIN_KEYS  # reads past the committed length
+        got = [t for step in e.generate(prompt, 40, sampling, stop_ids=()) for t in step]
+        assert got == ar
+        # the last step may commit past the 40 tokens it is clipped to
+        assert e.state.seq_len == int(e.state.position) >= len(prompt) + 40 - 1

@@ -244,7 +244,7 @@ def test_draft_for_target(tiny, tmp_path, target_name):
         ).features
         context = draft.new_context(64)
         draft.append_context(context, features)
-        logits = draft.propose(context, root=9, block_size=16)
+        logits = draft.propose(context, root=torch.tensor(9), block_size=16)
         assert logits.shape == (15, 4096) and torch.isfinite(logits).all()
 
 

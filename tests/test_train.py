@@ -168,7 +168,7 @@ def test_training_forward_equals_propose_per_block(tiny, window):
             ctx = draft.new_context(64)
             if anchor:
                 draft.append_context(ctx, feats[row, :anchor])
-            ref = draft.propose(ctx, int(ids[row, anchor]), BLOCK)  # (B - 1, V)
+            ref = draft.propose(ctx, ids[row, anchor], BLOCK)  # (B - 1, V)
             got = logits[row, n * BLOCK + 1 : (n + 1) * BLOCK]
             torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
 

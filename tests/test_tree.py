@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from flashtree.models.block import BlockLayout
-from flashtree.spec.accept import accept_path
+from flashtree.spec.accept import Accepted, accept_path
 from flashtree.spec.tree import build_tree
 
 
@@ -48,7 +48,7 @@ def tree_paths(tokens: torch.Tensor, parents: torch.Tensor) -> set[tuple[int, ..
 def test_build_tree_takes_the_best_paths(chain_seed, budget, top_k, depth, seed):
     g = torch.Generator().manual_seed(seed)
     logits = 3 * torch.randn(depth, 50, generator=g)
-    tree = build_tree(7, logits, budget, top_k, chain_seed)
+    tree = build_tree(torch.tensor(7), logits, budget, top_k, chain_seed)
     n = min(budget, sum(top_k**d for d in range(1, depth + 1)))
     assert tree.tokens.shape == (n + 1,) and int(tree.tokens[0]) == 7
     parents = tree.layout.parents
@@ -84,11 +84,13 @@ def test_from_parents_matches_walking_the_pointers(seed):
 @pytest.mark.parametrize("seed", range(10))
 def test_accept_path_follows_the_samples(seed):
     g = torch.Generator().manual_seed(seed)
-    tree = build_tree(3, torch.randn(6, 5, generator=g), 20, 3)
+    tree = build_tree(torch.tensor(3), torch.randn(6, 5, generator=g), 20, 3)
     tokens, parents = tree.tokens, tree.layout.parents.tolist()
     # samples that often agree with the tree, so paths of many lengths occur
     samples = tokens[torch.randint(0, len(tokens), (len(tokens),), generator=g)]
-    path, emitted = accept_path(tokens, tree.layout, samples)
+    accepted = accept_path(tokens, tree.layout, samples)
+    path = accepted.path[: int(accepted.n)]
+    emitted = Accepted.emitted(accepted.packed(tokens).tolist())
     node, ref_path = 0, [0]
     while True:  # walk: the child whose token equals the current node's sample
         children = [c for c in range(len(tokens)) if parents[c] == node and tokens[c] == samples[node]]

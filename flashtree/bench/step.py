@@ -1,11 +1,13 @@
 """`flashtree bench-step`: what one step of each kind costs on a target + draft, next to the device ceilings.
 
 Measured in one run: copy bandwidth and bf16 matmul rate (roofline.py); the AR step (a 1-token forward,
-eager and, on CUDA, replayed from a CUDA graph captured at a fixed position); verify forwards of tree
-layouts with N = 16, 23, 32, 64 tokens; the draft step (DFlash propose + tree build); prefill tok/s at
-512 and 8192 tokens (in the engine's chunks); peak memory; and a kernel-time profile of the AR step and
-the 23-token verify, so a missed target says what bounds it. Times are medians of CUDA-event timings
-after warm-up. AR roofline ratio = (weight bytes read per token / copy bandwidth) / AR step time.
+eager and, on CUDA, replayed from a CUDA graph, at a fixed position); verify forwards of tree layouts with
+N = 16, 23, 32, 64 tokens (eager and graphed); the draft step (DFlash propose + tree build); the engine's
+own decode steps end to end (AR, and tree: draft + verify + accept + commit, one host read each; CUDA
+graphs on CUDA, exactly as `flashtree run` does them); prefill tok/s at 512 and 8192 tokens (in the
+engine's chunks); peak memory; and a kernel-time profile of the AR step and the 23-token verify, so a
+missed target says what bounds it. Times are medians of CUDA-event timings after warm-up.
+AR roofline ratio = (weight bytes read per token / copy bandwidth) / AR step time.
 """
 
 from __future__ import annotations
@@ -22,9 +24,11 @@ import torch
 
 from flashtree.bench.roofline import measure_ceilings
 from flashtree.bench.run import device_info, git_info, versions
+from flashtree.config import SpecConfig
 from flashtree.convert.inspect import describe
+from flashtree.cuda_graphs import kv_bucket
 from flashtree.errors import FlashtreeError
-from flashtree.generate import PREFILL_CHUNK
+from flashtree.generate import PREFILL_CHUNK, Engine
 from flashtree.models.dflash import load_draft
 from flashtree.models.loader import default_device, load_target
 from flashtree.spec.tree import build_tree
@@ -82,7 +86,7 @@ def tree_block(n_tokens: int, block_size: int, vocab: int, device: torch.device,
     """A DDTree verify block of `n_tokens` (root + n_tokens - 1 nodes) built from random draft logits."""
     gen = torch.Generator(device="cpu").manual_seed(seed)
     logits = torch.randn(block_size - 1, vocab, generator=gen).mul_(4).to(device)  # peaked, like a draft
-    tree = build_tree(0, logits, n_tokens - 1, TREE_TOP_K)
+    tree = build_tree(torch.zeros((), dtype=torch.long, device=device), logits, n_tokens - 1, TREE_TOP_K)
     tokens = torch.randint(0, vocab, (tree.tokens.shape[0],), generator=gen).to(device)
     return tokens, tree.layout
 
@@ -160,32 +164,64 @@ class StepBench:
         out = self.model(self.prompt[:CONTEXT], state, logits="none", capture=self.capture)
         return state, out.features
 
+    def n_keys(self, state) -> int | None:
+        """The KV read length a graphed engine step uses here (its bucket), None on the CPU."""
+        return kv_bucket(CONTEXT + 1 + self.budget, state.max_ctx) if self.device.type == "cuda" else None
+
     def ar_step(self, state) -> tuple[Callable[[], object], float]:
         token = self.prompt[:1].clone()
-        step = lambda: self.model(token, state, logits="last")  # noqa: E731
+        n_keys = self.n_keys(state)
+
+        def step():
+            state.seq_len = CONTEXT  # every call (and replay) decodes at the same position
+            state.position.fill_(CONTEXT)
+            return self.model(token, state, logits="last", n_keys=n_keys)
+
         return step, self.time(step)
 
-    def ar_graph(self, step: Callable[[], object]) -> float:
+    def graph_ms(self, step: Callable[[], object]) -> float:
         graph = capture_graph(step)
         return self.time(graph.replay)
 
-    def verify(self, state, n_tokens: int) -> tuple[Callable[[], object], float]:
+    def verify(self, state, n_tokens: int) -> tuple[Callable[[], object], dict]:
         tokens, layout = tree_block(n_tokens, self.block_size, self.vocab, self.device, seed=n_tokens)
-        step = lambda: self.model(tokens, state, layout, commit=False, capture=self.capture)  # noqa: E731
-        ms = self.time(step, max(3, self.repeats // 4))
+        n_keys = self.n_keys(state)
+        step = lambda: self.model(  # noqa: E731
+            tokens, state, layout, commit=False, capture=self.capture, n_keys=n_keys
+        )
+        found = {"eager_ms": self.time(step, max(3, self.repeats // 4))}
+        if self.device.type == "cuda":
+            found["graph_ms"] = _try(lambda: self.graph_ms(step))
         state.pending = 0  # nothing of the verify is kept
-        return step, ms
+        return step, found
 
     def draft_step(self, features: torch.Tensor) -> dict:
         ctx = self.draft.new_context(4096)
         self.draft.append_context(ctx, features)
-        logits = self.draft.propose(ctx, 0, self.block_size)
-        propose = lambda: self.draft.propose(ctx, 0, self.block_size)  # noqa: E731
-        tree = lambda: build_tree(0, logits, self.budget, TREE_TOP_K)  # noqa: E731
+        root = torch.zeros((), dtype=torch.long, device=self.device)
+        logits = self.draft.propose(ctx, root, self.block_size)
+        propose = lambda: self.draft.propose(ctx, root, self.block_size)  # noqa: E731
+        tree = lambda: build_tree(root, logits, self.budget, TREE_TOP_K)  # noqa: E731
         found = {"propose_ms": self.time(propose), "tree_ms": self.time(tree)}
         found["total_ms"] = found["propose_ms"] + found["tree_ms"]
         if self.device.type == "cuda":
-            found["propose_graph_ms"] = _try(lambda: self.time(capture_graph(propose).replay))
+            found["graph_ms"] = _try(lambda: self.graph_ms(lambda: (propose(), tree())))
+        return found
+
+    def engine_steps(self) -> dict:
+        """Per-step time of the engine's own decoding (Engine.generate, greedy, stop tokens off) from
+        CONTEXT prompt tokens: AR, and tree mode with this draft (random weights accept little, so
+        the tree step costs what it costs whatever the acceptance)."""
+        found = {}
+        prompt = self.prompt[:CONTEXT].tolist()
+        for mode in ("ar", "tree"):
+            spec = SpecConfig(mode=mode, budget=self.budget, block_size=self.block_size)
+            steps = 2 + self.repeats
+            max_ctx = CONTEXT + (steps + 2) * (self.budget + 1)
+            engine = Engine(self.model, None, self.draft if mode == "tree" else None, spec, max_ctx=max_ctx)
+            tokens = engine.generate(prompt, max_tokens=steps * (self.budget + 1), stop_ids=())
+            next(tokens)  # prefill
+            found[f"{mode}_ms"] = _try(lambda: self.time(lambda: next(tokens)))  # noqa: B023
         return found
 
     def prefill(self, n_tokens: int) -> dict:
@@ -202,6 +238,12 @@ class StepBench:
 
         ms = time_ms(run, self.device, repeats=3, warmup=1)
         return {"tokens": n_tokens, "ms": ms, "tok_s": n_tokens / ms * 1e3}
+
+
+def _best(found: dict, eager_key: str = "eager_ms") -> float:
+    """The graphed time when it was measured, else the eager one."""
+    graph = found.get("graph_ms")
+    return graph if isinstance(graph, float) else found[eager_key]
 
 
 def _try(fn: Callable[[], object]):
@@ -230,12 +272,14 @@ def run_bench_step(
         torch.cuda.reset_peak_memory_stats(device)
     state, features = bench.decode_state()
     ar_fn, ar_ms = bench.ar_step(state)
-    ar_graph_ms = _try(lambda: bench.ar_graph(ar_fn)) if device.type == "cuda" else None
+    ar_graph_ms = _try(lambda: bench.graph_ms(ar_fn)) if device.type == "cuda" else None
     verify = {n: bench.verify(state, n) for n in verify_sizes}
     results = {
         "ar": {"eager_ms": ar_ms, "graph_ms": ar_graph_ms},
-        "verify_ms": {str(n): ms for n, (_, ms) in verify.items()},
+        "verify_ms": {str(n): _best(found) for n, (_, found) in verify.items()},
+        "verify": {str(n): found for n, (_, found) in verify.items()},
         "draft_step": bench.draft_step(features),
+        "engine_step_ms": bench.engine_steps(),
         "prefill": [bench.prefill(n) for n in prefill_sizes],
         "profile": {
             "ar_step": _try(lambda: profile_kernels(ar_fn, device)),
@@ -251,7 +295,7 @@ def run_bench_step(
         "ar_roofline_ratio": roofline_ms / best_ar,
         "ar_roofline_ratio_eager": roofline_ms / ar_ms,
         "verify_23_over_ar": results["verify_ms"].get("23", float("nan")) / best_ar,
-        "draft_over_ar": results["draft_step"]["total_ms"] / best_ar,
+        "draft_over_ar": _best(results["draft_step"], "total_ms") / best_ar,
     }
     if bench.n_quant_linears:
         from flashtree.kernels.qmatmul import TILES
@@ -303,10 +347,11 @@ def summary_lines(r: dict) -> list[str]:
     lines += [f"verify N={n:<3}      {_ms(ms)}  {ms / best:5.2f}x AR" for n, ms in r["verify_ms"].items()]
     d = r["draft_step"]
     lines.append(
-        f"draft step        {_ms(d['total_ms'])}  {d['total_ms'] / best:5.2f}x AR"
-        f" (propose {d['propose_ms']:.3f}, tree {d['tree_ms']:.3f},"
-        f" propose graph {d.get('propose_graph_ms')})"
+        f"draft step        {_ms(_best(d, 'total_ms'))}  {_best(d, 'total_ms') / best:5.2f}x AR"
+        f" (eager: propose {d['propose_ms']:.3f} + tree {d['tree_ms']:.3f})"
     )
+    e = r["engine_step_ms"]
+    lines.append(f"engine AR step    {_ms(e['ar_ms'])}   engine tree step {_ms(e['tree_ms'])}")
     lines += [f"prefill {p['tokens']:>5}     {p['tok_s']:8.0f} tok/s" for p in r["prefill"]]
     if r["peak_memory_gb"] is not None:
         lines.append(f"peak memory       {r['peak_memory_gb']:.1f} GB")

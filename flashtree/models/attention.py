@@ -49,8 +49,8 @@ class Attention(nn.Module):
         cos, sin = fp.rope()
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
-        kv.write(fp.start, k, v)
-        keys, values = kv.read(fp.start + t)  # (n_kv, S, hd)
+        kv.write(fp.slots, k, v)
+        keys, values = kv.read(fp.n_keys)  # (n_kv, S, hd)
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1)[None],  # (1, nh, T, hd)
             keys[None],

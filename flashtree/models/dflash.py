@@ -174,20 +174,34 @@ class DraftLayer(nn.Module):
 
 
 class DraftContext:
-    """Ring of per-layer context K/V over the last `size` committed positions."""
+    """Ring of per-layer context K/V over the last `size` committed positions.
 
-    def __init__(self, draft: DFlashDraft, size: int):
+    The ring has `spare` extra slots: a decode step appends a fixed number of feature rows (the whole
+    verify block, padded) of which only the accepted ones count, and the padding must land in slots
+    outside the live window. A slot is live iff the position it holds is among the last `size`
+    before `position` (the committed length, on the device)."""
+
+    def __init__(self, draft: DFlashDraft, size: int, spare: int = 0):
         c = draft.config
         dev, dt = draft.device, draft.dtype
         self.size = size
-        self.k = torch.zeros(c.n_layers, c.n_kv_heads, size, c.head_dim, dtype=dt, device=dev)
+        slots = size + spare
+        self.k = torch.zeros(c.n_layers, c.n_kv_heads, slots, c.head_dim, dtype=dt, device=dev)
         self.v = torch.zeros_like(self.k)
-        self.slot_pos = torch.full((size,), -1, dtype=torch.long, device=dev)  # position held by each slot
-        self.length = 0  # committed positions seen so far
+        self.slot_pos = torch.full((slots,), -1, dtype=torch.long, device=dev)  # position held by each slot
+        self.position = torch.zeros((), dtype=torch.long, device=dev)  # committed positions seen so far
 
     def reset(self) -> None:
         self.slot_pos.fill_(-1)
-        self.length = 0
+        self.position.zero_()
+
+    def live(self) -> torch.Tensor:
+        """(slots,) bool: slots holding one of the last `size` committed positions."""
+        return (
+            (self.slot_pos >= 0)
+            & (self.slot_pos < self.position)
+            & (self.slot_pos >= self.position - self.size)
+        )
 
 
 class DFlashDraft(nn.Module):
@@ -213,39 +227,44 @@ class DFlashDraft(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.fc.weight.dtype
 
-    def new_context(self, size: int) -> DraftContext:
-        return DraftContext(self, size)
+    def new_context(self, size: int, spare: int = 0) -> DraftContext:
+        return DraftContext(self, size, spare)
 
     @torch.inference_mode()
-    def append_context(self, ctx: DraftContext, features: torch.Tensor) -> None:
-        """Add target features (T, n_feat * H) of the next T committed positions to the ring."""
-        n = features.shape[0]
-        features = features[-ctx.size :]  # older positions would be overwritten anyway
+    def append_context(
+        self, ctx: DraftContext, features: torch.Tensor, n: torch.Tensor | None = None
+    ) -> None:
+        """Add target features (T, n_feat * H) of the next committed positions to the ring. With n
+        (0-d, on the device) only the first n rows are committed positions; the rest is padding that
+        keeps the shape fixed (it lands in spare slots and is never live)."""
+        t_all = features.shape[0]
+        if n is None:
+            features = features[-ctx.size :]  # older positions would be overwritten anyway
         t = features.shape[0]
-        positions = torch.arange(ctx.length + n - t, ctx.length + n, device=self.device)
+        positions = ctx.position + (t_all - t) + torch.arange(t, device=self.device)
         fused = self.hidden_norm(self.fc(features.to(self.dtype)))  # (T, H)
         cos, sin = self.rotary.cos_sin(positions, self.dtype)
-        slots = positions % ctx.size
+        slots = positions % ctx.slot_pos.shape[0]
         for i, layer in enumerate(self.layers):
             k, v = layer.keys_values(fused, cos, sin)
-            ctx.k[i][:, slots] = k.transpose(0, 1)
-            ctx.v[i][:, slots] = v.transpose(0, 1)
-        ctx.slot_pos[slots] = positions
-        ctx.length += n
+            ctx.k[i].index_copy_(1, slots, k.transpose(0, 1))
+            ctx.v[i].index_copy_(1, slots, v.transpose(0, 1))
+        ctx.slot_pos.index_copy_(0, slots, positions)
+        ctx.position += t_all if n is None else n
 
     @torch.inference_mode()
-    def propose(self, ctx: DraftContext, root: int, block_size: int) -> torch.Tensor:
-        """Draft logits (block_size - 1, vocab) fp32 for the positions after `root`, which sits at
-        position ctx.length (the first one the target has not processed)."""
-        cfg, start = self.config, ctx.length
-        ids = torch.full((block_size,), cfg.mask_token_id, dtype=torch.long, device=self.device)
-        ids[0] = root
-        positions = torch.arange(start, start + block_size, device=self.device)
+    def propose(self, ctx: DraftContext, root: torch.Tensor, block_size: int) -> torch.Tensor:
+        """Draft logits (block_size - 1, vocab) fp32 for the positions after `root` (0-d long on the
+        device), which sits at position ctx.position (the first one the target has not processed)."""
+        cfg = self.config
+        masks = torch.full((block_size - 1,), cfg.mask_token_id, dtype=torch.long, device=self.device)
+        ids = torch.cat([root.view(1), masks])
+        positions = ctx.position + torch.arange(block_size, device=self.device)
         x = self.target.embed(ids).to(self.dtype)
         cos, sin = self.rotary.cos_sin(positions, self.dtype)
-        valid = ctx.slot_pos >= 0  # (S,)
+        live = ctx.live()  # (S,)
         for i, layer in enumerate(self.layers):
-            mask = valid[None, :].expand(block_size, -1)
+            mask = live[None, :].expand(block_size, -1)
             if layer.window is not None:
                 mask = mask & (positions[:, None] - ctx.slot_pos[None, :] < layer.window)
             x = layer(x, cos, sin, ctx.k[i], ctx.v[i], mask)

@@ -66,7 +66,7 @@ class DecoderModel(nn.Module):
             else:
                 channels = m.conv_weight.shape[0]
                 states.append(DeltaNetState(m.n_v_heads, m.k_dim, m.v_dim, channels, m.kernel, dt, dev))
-        return ModelState(states, max_ctx)
+        return ModelState(states, max_ctx, dev)
 
     def state_bytes(self, max_ctx: int) -> int:
         """Bytes `new_state(max_ctx)` allocates: KV slots plus fixed DeltaNet and conv state."""
@@ -96,11 +96,16 @@ class DecoderModel(nn.Module):
         commit: bool = True,
         logits: str = "all",  # "all" | "last" | "none"
         capture: tuple[int, ...] = (),
+        n_keys: int | None = None,
     ) -> ForwardOutput:
+        """n_keys: KV slots attention reads (default exactly seq_len + T; a CUDA-graph step passes a
+        fixed bucket at least that large, so its shapes do not change from step to step)."""
         t = tokens.shape[0]
         layout = layout if layout is not None else BlockLayout.chain(t, tokens.device)
         state.check_room(t)
-        fp = ForwardPass(state.seq_len, layout, commit, self.rotary, self.dtype)
+        exact = n_keys is None
+        n_keys = state.seq_len + t if exact else n_keys
+        fp = ForwardPass(state.position, n_keys, exact, layout, commit, self.rotary, self.dtype)
         x = self.embed(tokens)
         captured = {}
         for i, layer in enumerate(self.layers):

@@ -12,7 +12,9 @@ from flashtree.models.layers import Rotary
 
 @dataclass
 class ForwardPass:
-    start: int  # committed tokens before this block (= first write slot)
+    start: torch.Tensor  # 0-d long on the device: committed tokens before this block (= first KV slot)
+    n_keys: int  # KV slots attention reads: start + T exactly, or a larger fixed bucket (CUDA graphs)
+    exact: bool  # n_keys == start + T
     layout: BlockLayout
     commit: bool  # True: prefill/AR, state advances; False: verify, per-token state kept pending
     rotary: Rotary | None
@@ -24,15 +26,27 @@ class ForwardPass:
         return self.start + self.layout.depths
 
     @property
+    def slots(self) -> torch.Tensor:
+        """(T,) KV slots this block writes."""
+        if "slots" not in self._cache:
+            self._cache["slots"] = self.start + torch.arange(
+                self.layout.size, device=self.layout.parents.device
+            )
+        return self._cache["slots"]
+
+    @property
     def attn_mask(self) -> torch.Tensor | None:
-        """(T, start + T) bool, or None when every key is visible (a single token)."""
+        """(T, n_keys) bool: every committed key, the token's ancestors in the block and itself; None
+        when that is every key read (a single token over an exact-length read)."""
         if "mask" not in self._cache:
             t = self.layout.size
-            if t == 1:
-                mask = None
-            else:
-                past = torch.ones(t, self.start, dtype=torch.bool, device=self.layout.parents.device)
-                mask = torch.cat([past, self.layout.visible], dim=1)
+            mask = None
+            if not (self.exact and t == 1):
+                key = torch.arange(self.n_keys, device=self.layout.parents.device)
+                rel = key - self.start  # (S,) index of key in the block, when 0 <= rel < T
+                in_block = (rel >= 0) & (rel < t)
+                ancestor = self.layout.visible.gather(1, rel.clamp(0, t - 1)[None, :].expand(t, -1))
+                mask = (rel < 0)[None, :] | (in_block[None, :] & ancestor)
             self._cache["mask"] = mask
         return self._cache["mask"]
 

@@ -21,15 +21,14 @@ class KVCache:
         self.k = torch.zeros(n_kv, max_ctx, head_dim, dtype=dtype, device=device)
         self.v = torch.zeros(n_kv, max_ctx, head_dim, dtype=dtype, device=device)
 
-    def write(self, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """k, v: (T, n_kv, head_dim) written at slots [start, start + T)."""
-        end = start + k.shape[0]
-        self.k[:, start:end] = k.transpose(0, 1)
-        self.v[:, start:end] = v.transpose(0, 1)
+    def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v: (T, n_kv, head_dim) written at slots (T,) (a device tensor: no host value needed)."""
+        self.k.index_copy_(1, slots, k.transpose(0, 1))
+        self.v.index_copy_(1, slots, v.transpose(0, 1))
 
-    def read(self, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K/V of slots [0, end): (n_kv, end, head_dim) each."""
-        return self.k[:, :end], self.v[:, :end]
+    def read(self, n_keys: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V of slots [0, n_keys): (n_kv, n_keys, head_dim) each."""
+        return self.k[:, :n_keys], self.v[:, :n_keys]
 
     def compact(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Move slots src[i] to dst[i] (src is increasing and src >= dst, so a gather is safe)."""
@@ -49,10 +48,11 @@ class DeltaNetState:
     def set_pending(self, states: torch.Tensor, conv_windows: torch.Tensor) -> None:
         self.pending_states, self.pending_conv = states, conv_windows
 
-    def commit(self, last: torch.Tensor | int) -> None:
-        """Adopt the state after block token `last` (the deepest accepted node)."""
-        self.recurrent.copy_(self.pending_states[last])
-        self.conv.copy_(self.pending_conv[last])
+    def commit(self, last: torch.Tensor) -> None:
+        """Adopt the state after block token `last` ((1,) on the device: the deepest accepted node).
+        index_select, not `states[last]`: indexing with a 0-d tensor reads it back to the host."""
+        self.recurrent.copy_(self.pending_states.index_select(0, last)[0])
+        self.conv.copy_(self.pending_conv.index_select(0, last)[0])
         self.pending_states = self.pending_conv = None
 
     def reset(self) -> None:
@@ -62,12 +62,18 @@ class DeltaNetState:
 
 
 class ModelState:
-    """Everything one sequence needs between forwards: `seq_len` committed tokens plus layer state."""
+    """Everything one sequence needs between forwards: `seq_len` committed tokens plus layer state.
 
-    def __init__(self, layers: list[KVCache | DeltaNetState], max_ctx: int):
+    The committed length lives twice: `seq_len` on the host (room checks, bookkeeping) and `position`
+    on the device, which every forward reads (RoPE positions, KV slots, masks). A decode step that is
+    replayed from a CUDA graph advances `position` itself; the host learns how far from the step's
+    one read-back and calls `advance_host`."""
+
+    def __init__(self, layers: list[KVCache | DeltaNetState], max_ctx: int, device):
         self.layers = layers
         self.max_ctx = max_ctx
         self.seq_len = 0
+        self.position = torch.zeros((), dtype=torch.long, device=device)
         self.pending = 0  # tokens written by an uncommitted forward
 
     @property
@@ -83,23 +89,39 @@ class ModelState:
             )
 
     def commit_all(self, n: int) -> None:
+        self.position += n
+        self.advance_host(n)
+
+    def advance_host(self, n: int) -> None:
         self.seq_len += n
         self.pending = 0
 
-    def commit_path(self, path: torch.Tensor) -> None:
-        """Keep block tokens `path` (increasing indices, root first) of the last commit=False forward."""
+    def commit_path(self, path: torch.Tensor, n: torch.Tensor | None = None) -> None:
+        """Keep block tokens path[:n] (increasing indices, root first) of the last commit=False forward.
+
+        path: (T,) on the device, every block index once, the n accepted ones first (so its shape is
+        fixed); n: 0-d device tensor. Device work only, with fixed shapes (CUDA-graph safe); the caller
+        then calls advance_host(n) once it has read n. Without n, path is exactly the accepted nodes
+        and the host side is updated here too."""
         if self.pending == 0:
             raise RuntimeError("commit_path without a pending verify forward")
-        last = path[-1]  # a 0-d tensor: indexing with it needs no host sync
-        src = self.seq_len + path  # KV slots of the accepted tokens, moved to follow the prefix
-        dst = self.seq_len + torch.arange(path.shape[0], device=path.device)
+        n_host = None
+        if n is None:
+            n_host, n = path.shape[0], torch.full((), path.shape[0], device=path.device)
+        idx = torch.arange(path.shape[0], device=path.device)
+        # Slot i takes accepted node path[i] for i < n; later slots are copied onto themselves (their
+        # content is garbage either way), which keeps the shape fixed. src >= dst, so a gather is safe.
+        src = self.position + torch.where(idx < n, path, idx)
+        dst = self.position + idx
+        last = path.gather(0, (n - 1).view(1))  # (1,): the deepest accepted node
         for layer in self.layers:
             if isinstance(layer, KVCache):
                 layer.compact(src, dst)
             else:
                 layer.commit(last)
-        self.seq_len += path.shape[0]
-        self.pending = 0
+        self.position += n
+        if n_host is not None:
+            self.advance_host(n_host)
 
     def truncate(self, length: int) -> None:
         if length == self.seq_len:
@@ -107,9 +129,11 @@ class ModelState:
         if not self.rewindable or length > self.seq_len:
             raise FlashtreeError(f"cannot rewind this state from {self.seq_len} to {length} tokens")
         self.seq_len = length
+        self.position.fill_(length)
 
     def reset(self) -> None:
         self.seq_len = 0
+        self.position.zero_()
         self.pending = 0
         for layer in self.layers:
             if isinstance(layer, DeltaNetState):

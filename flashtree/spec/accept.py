@@ -8,24 +8,40 @@ Every emitted token is thus the target's sample given the accepted prefix, for a
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from flashtree.models.block import BlockLayout
 
 
-def accept_path(
-    tokens: torch.Tensor, layout: BlockLayout, samples: torch.Tensor
-) -> tuple[torch.Tensor, list[int]]:
-    """tokens, samples: (N + 1,) with the root at 0. Returns (path: block indices root-first, on the
-    device; emitted: the accepted draft tokens then the bonus). One host transfer per call."""
+@dataclass(frozen=True)
+class Accepted:
+    """The accepted path, on the device, in fixed shapes (a CUDA graph can produce it)."""
+
+    path: torch.Tensor  # (N + 1,) block indices: the n accepted ones root-first, then the others
+    n: torch.Tensor  # 0-d long: accepted nodes, the root included
+    bonus: torch.Tensor  # 0-d long: the target's sample after the deepest accepted node
+
+    def packed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """(N + 3,) [n, bonus, tokens along path...]: everything the host needs, in one read."""
+        return torch.cat([self.n.view(1), self.bonus.view(1), tokens[self.path]])
+
+    @staticmethod
+    def emitted(packed: list[int]) -> list[int]:
+        """The step's output from a read-back `packed`: the accepted draft tokens, then the bonus."""
+        n = packed[0]
+        return packed[3 : 2 + n] + [packed[1]]
+
+
+def accept_path(tokens: torch.Tensor, layout: BlockLayout, samples: torch.Tensor) -> Accepted:
+    """tokens, samples: (N + 1,) with the root at 0. No host transfer."""
     # A node is accepted iff it and each of its ancestors match (the root always does).
     match = (tokens == samples[layout.parents.clamp(min=0)]) | (layout.parents < 0)
     accepted = ~(layout.visible & ~match[None, :]).any(1)  # (N + 1,)
-    deepest = torch.where(accepted, layout.depths, -1).argmax()
-    on_path = layout.visible[deepest]  # (N + 1,) bool: the deepest accepted node and its ancestors
-    host = torch.cat([on_path.long(), tokens, samples[deepest, None]]).tolist()
-    n = tokens.shape[0]
-    path = [i for i in range(n) if host[i]]
-    # The path's indices in increasing order, without copying the host list back to the device.
-    on_device = torch.sort((~on_path).to(torch.uint8), stable=True).indices[: len(path)]
-    return on_device, [host[n + i] for i in path[1:]] + [host[-1]]
+    deepest = torch.where(accepted, layout.depths, -1).argmax().view(1)
+    # index_select/gather, not [deepest]: indexing with a 0-d tensor would read it back to the host
+    on_path = layout.visible.index_select(0, deepest)[0]  # (N + 1,): the deepest node and its ancestors
+    # A stable sort of "off the path" puts the path's indices first, in increasing (root-first) order.
+    path = torch.sort((~on_path).to(torch.uint8), stable=True).indices
+    return Accepted(path, on_path.sum(), samples.gather(0, deepest)[0])

@@ -11,7 +11,7 @@ from flashtree.models.model import DecoderModel
 from flashtree.models.state import ModelState
 from flashtree.sampling import sample
 from flashtree.spec.accept import accept_path
-from flashtree.spec.tree import DraftTree, build_tree, chain_tree
+from flashtree.spec.tree import DraftTree, build_tree, chain_tree, fills_budget
 
 
 class SpecDecoder:
@@ -21,35 +21,52 @@ class SpecDecoder:
         if self.block_size < 2:
             raise FlashtreeError(f"block size must be >= 2, got {self.block_size}")
         self.capture_layers = draft.config.target_layer_ids
-        self.context = draft.new_context(spec.draft_ctx)
+        # spare ring slots take the padded (rejected) rows a step appends: see DraftContext
+        self.context = draft.new_context(spec.draft_ctx, spare=self.max_block)
 
     @property
     def max_block(self) -> int:
         """Largest verify block: the root plus the draft nodes."""
         return 1 + (self.spec.budget if self.spec.mode == "tree" else self.block_size - 1)
 
+    @property
+    def fixed_shape(self) -> bool:
+        """Whether a step has the same shapes every time and reads nothing back (CUDA-graph safe)."""
+        s = self.spec
+        k = min(s.tree_top_k, self.target.config.vocab)
+        return s.mode == "chain" or fills_budget(k, self.block_size - 1, s.budget)
+
     def reset(self) -> None:
         self.context.reset()
 
-    def observe(self, features: torch.Tensor) -> None:
-        """Target features (T, n_feat * H) of newly committed tokens enter the draft's context ring."""
-        self.draft.append_context(self.context, features)
+    def observe(self, features: torch.Tensor, n: torch.Tensor | None = None) -> None:
+        """Target features (T, n_feat * H) of newly committed tokens (the first n) enter the draft's ring."""
+        self.draft.append_context(self.context, features, n)
 
-    def draft_tree(self, root: int) -> DraftTree:
+    def draft_tree(self, root: torch.Tensor) -> DraftTree:
         logits = self.draft.propose(self.context, root, self.block_size)  # (B - 1, V)
         if self.spec.mode == "chain":
             return chain_tree(root, logits)
         s = self.spec
         return build_tree(root, logits, s.budget, s.tree_top_k, s.chain_seed, s.draft_temperature)
 
-    def step(self, root: int, state: ModelState, sampling: SamplingParams) -> list[int]:
-        """Draft from the last emitted token, verify, commit; returns the accepted draft tokens plus
-        the bonus token."""
+    def step(
+        self,
+        root: torch.Tensor,
+        state: ModelState,
+        sampling: SamplingParams,
+        seed: torch.Tensor | None = None,
+        n_keys: int | None = None,
+    ) -> torch.Tensor:
+        """Draft from the last emitted token `root` (0-d, on the device), verify, accept, and commit
+        the accepted nodes' KV/recurrent state and features. Device work only (the host side of the
+        commit is the caller's, from the result): returns Accepted.packed, the step's one read-back."""
         tree = self.draft_tree(root)
-        start = state.seq_len  # the root's position
-        out = self.target(tree.tokens, state, tree.layout, commit=False, capture=self.capture_layers)
-        samples = sample(out.logits, sampling, start + tree.layout.depths + 1)
-        path, emitted = accept_path(tree.tokens, tree.layout, samples)
-        state.commit_path(path)
-        self.observe(out.features[path])
-        return emitted
+        out = self.target(
+            tree.tokens, state, tree.layout, commit=False, capture=self.capture_layers, n_keys=n_keys
+        )
+        samples = sample(out.logits, sampling, state.position + tree.layout.depths + 1, seed)
+        accepted = accept_path(tree.tokens, tree.layout, samples)
+        state.commit_path(accepted.path, accepted.n)
+        self.observe(out.features[accepted.path], accepted.n)
+        return accepted.packed(tree.tokens)

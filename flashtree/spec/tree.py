@@ -29,15 +29,20 @@ class DraftTree:
     layout: BlockLayout
 
 
-def chain_tree(root: int, draft_logits: torch.Tensor) -> DraftTree:
-    """Chain decoding: the draft's argmax at every depth."""
-    root_t = torch.full((1,), root, dtype=torch.long, device=draft_logits.device)  # a fill, not a copy
-    tokens = torch.cat([root_t, draft_logits.argmax(-1)])
+def chain_tree(root: torch.Tensor, draft_logits: torch.Tensor) -> DraftTree:
+    """Chain decoding: the draft's argmax at every depth. root: 0-d long on the device."""
+    tokens = torch.cat([root.view(1), draft_logits.argmax(-1)])
     return DraftTree(tokens, BlockLayout.chain(tokens.shape[0], tokens.device))
 
 
+def fills_budget(top_k: int, depth: int, budget: int) -> bool:
+    """Whether `depth` levels of `top_k` ranks always hold `budget` paths (else build_tree reads the
+    count back to the host, which a CUDA graph cannot)."""
+    return top_k**depth >= budget
+
+
 def build_tree(
-    root: int,
+    root: torch.Tensor,  # 0-d long on the device
     draft_logits: torch.Tensor,  # (L, V): depth d + 1 distribution in row d
     budget: int,
     top_k: int,
@@ -72,7 +77,7 @@ def build_tree(
     key = scores.clone()
     key[:, 0] += bonus[0]  # the chain's nodes first
     # Only a tiny vocabulary can have fewer than `budget` distinct paths; count them then (a sync).
-    n = budget if k**depth_l >= budget else min(budget, int(torch.isfinite(scores).sum()))
+    n = budget if fills_budget(k, depth_l, budget) else min(budget, int(torch.isfinite(scores).sum()))
     # The best `budget` over all depths. Entries are laid out depth-major and the sort is stable, so a
     # tie goes to the shallower node: a parent always outranks its children, keeping the set a tree.
     chosen = torch.sort(key.flatten(), descending=True, stable=True).indices[:n]
@@ -84,6 +89,6 @@ def build_tree(
     parent_node = torch.where(
         depth == 0, torch.zeros_like(slot), node_of[(depth - 1).clamp(min=0), parent_slot[depth, slot]]
     )
-    block_tokens = torch.cat([torch.full((1,), root, dtype=torch.long, device=dev), tokens[depth, slot]])
+    block_tokens = torch.cat([root.view(1), tokens[depth, slot]])
     block_parents = torch.cat([torch.full((1,), -1, dtype=torch.long, device=dev), parent_node])
     return DraftTree(block_tokens, BlockLayout.from_parents(block_parents, max_depth=depth_l))
