@@ -53,8 +53,8 @@ from flashtree.quant.formats import QT, block_bytes, block_size, row_bytes, type
 
 KERNEL_TYPES = frozenset(int(t) for t in (QT.Q4_0, QT.Q4_1, QT.Q8_0, QT.Q4_K, QT.Q5_K, QT.Q6_K))
 MAX_FUSED_M = 64  # above this many rows: dequantize to x's dtype + cuBLAS
-SPLIT_TARGET = 1 << 16  # (row, K-split) pairs per matrix: about what an H200 keeps in flight at M = 1
-EMULATE_DP4A = False  # test hook: True runs the integer emulation of dp4a on CUDA too
+SPLIT_TARGET = 1 << 17  # (row, K-split) pairs per matrix: M = 1 threads, ~30 warps per H200 SM
+EMULATE_PTX = False  # test hook: True runs the integer emulations of the inline PTX on CUDA too
 
 # --- layout --------------------------------------------------------------------------------------------
 
@@ -163,7 +163,10 @@ def _dp4a(a, b, c, A_SIGNED: tl.constexpr, ASM: tl.constexpr):
 @triton.jit
 def _accumulate(acc, z, w_scale, w_off, dx, xs, HAS_OFFSET: tl.constexpr):
     """acc + z * w_scale * dx - w_off * xs: one group's term, the same fp32 operations on every path."""
-    acc = tl.fma(z.to(tl.float32), w_scale * dx, acc)
+    # float(z), exact for |z| < 2**22: z in the mantissa of 1.5 * 2**23 (int -> float conversions run at a
+    # fraction of the add rate)
+    z_f = (z + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
+    acc = tl.fma(z_f, w_scale * dx, acc)
     if HAS_OFFSET:
         acc = tl.fma(w_off, -xs, acc)
     return acc
@@ -173,12 +176,6 @@ def _accumulate(acc, z, w_scale, w_off, dx, xs, HAS_OFFSET: tl.constexpr):
 def _f16(bits):
     """The fp16 whose bit pattern is the low 16 bits of int32 `bits`, as fp32."""
     return (bits & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-
-
-@triton.jit
-def _column(t, i: tl.constexpr):
-    """Column i of an integer (BN, 4) tile, (BN,)."""
-    return tl.sum(tl.where(tl.arange(0, 4)[None, :] == i, t, 0), axis=1)
 
 
 @triton.jit
@@ -192,8 +189,11 @@ def _unit_header(QTYPE: tl.constexpr, hdr_ptr, d_ptr, blk, row_ok):
     scale words s0-s2; Q6_K: d and the four words of int8 scales; legacy types: nothing (zeros)."""
     zero = tl.full(blk.shape, 0, tl.float32)
     if QTYPE == _Q4_K or QTYPE == _Q5_K or QTYPE == _Q6_K:  # noqa: SIM109 - Triton's compiler has no `in`
-        words = tl.load(hdr_ptr + blk[:, None] * 4 + tl.arange(0, 4)[None, :], mask=row_ok[:, None], other=0)
-        w0, w1, w2, w3 = _column(words, 0), _column(words, 1), _column(words, 2), _column(words, 3)
+        # word by word: (BN,) loads land in whatever layout the consumers use, no conversion
+        w0 = tl.load(hdr_ptr + blk * 4, mask=row_ok, other=0)
+        w1 = tl.load(hdr_ptr + blk * 4 + 1, mask=row_ok, other=0)
+        w2 = tl.load(hdr_ptr + blk * 4 + 2, mask=row_ok, other=0)
+        w3 = tl.load(hdr_ptr + blk * 4 + 3, mask=row_ok, other=0)
         if QTYPE == _Q6_K:
             d = tl.load(d_ptr + blk, mask=row_ok, other=0.0).to(tl.float32)
             out = d, zero, w0, w1, w2, w3
@@ -290,7 +290,7 @@ def _group_words(QTYPE: tl.constexpr, q_ptr, qh_ptr, blk, row_ok, g: tl.constexp
 
 @triton.jit
 def _matvec_kernel(
-    out_ptr, xq_ptr, dx_ptr, xs_ptr, xqs_ptr, q_ptr, hdr_ptr, qh_ptr, d_ptr, m_ptr,
+    out_ptr, xq_ptr, scale_ptr, xqs_ptr, q_ptr, hdr_ptr, qh_ptr, d_ptr, m_ptr,
     N, n_blocks, units_per_split,
     QTYPE: tl.constexpr, G: tl.constexpr, V: tl.constexpr, HAS_OFFSET: tl.constexpr, BN: tl.constexpr,
     ASM: tl.constexpr,
@@ -311,8 +311,8 @@ def _matvec_kernel(
             k32 = unit * (V // 32) + g  # the group's 32-value block of x
             xa = tl.load(xq_ptr + k32 * 8 + tl.arange(0, 4))[None, :]  # (1, 4): xq of values 0-15
             xb = tl.load(xq_ptr + k32 * 8 + 4 + tl.arange(0, 4))[None, :]  # values 16-31
-            dx = tl.load(dx_ptr + k32)
-            xs = tl.load(xs_ptr + k32)
+            dx = tl.load(scale_ptr + 2 * k32)
+            xs = tl.load(scale_ptr + 2 * k32 + 1)
             ws_a, ws_b, wo = _group_scales(QTYPE, d, dmin, s0, s1, s2, s3, d_ptr, m_ptr, blk, row_ok, g)
             zero = tl.zeros_like(ca)
             if QTYPE == _Q6_K:  # two 16-value sub-blocks, codes offset by 32
@@ -333,40 +333,77 @@ def _matvec_kernel(
 
 
 @triton.jit
-def _group_codes(QTYPE: tl.constexpr, q_ptr, qh_ptr, blk, row_ok, g: tl.constexpr):
-    """Signed codes of 32-value group g, (BN, 32) int32, with Q4_0's 8 and Q6_K's 32 subtracted:
+def _field(x, SRC: tl.constexpr, WIDTH: tl.constexpr, DST: tl.constexpr, ASM: tl.constexpr):
+    """Bits [SRC, SRC + WIDTH) of every byte of a uint8 tensor, moved to bit DST (fields stay in a byte)."""
+    if ASM:  # 4 bytes per 32-bit rotate + and (LLVM would shift byte by byte); no other byte's bits
+        # reach the mask, as the field never crosses its byte
+        shift = tl.full(x.shape, (SRC - DST) % 32, tl.uint8)  # the low 5 bits of the packed register
+        mask = tl.full(x.shape, ((1 << WIDTH) - 1) << DST, tl.uint8)
+        out = tl.inline_asm_elementwise(
+            "{ .reg .b32 t; shf.r.wrap.b32 t, $1, $1, $2; and.b32 $0, t, $3; }",
+            "=r,r,r,r", [x, shift, mask], dtype=tl.uint8, is_pure=True, pack=4,
+        )  # fmt: skip
+    else:
+        out = ((x >> SRC) & ((1 << WIDTH) - 1)) << DST
+    return out
+
+
+@triton.jit
+def _centered(c, BITS: tl.constexpr, ASM: tl.constexpr):
+    """c - 2**(BITS - 1) as int8, for BITS-bit unsigned codes c (uint8): flip the top bit, sign-extend."""
+    v = c ^ (1 << (BITS - 1))
+    if ASM:  # the flipped top bit times 0xF0 / 8 (or 0xC0 / 32) fills the byte's upper bits, no carries
+        if BITS == 4:
+            out = tl.inline_asm_elementwise(
+                "{ .reg .b32 t; and.b32 t, $1, 0x08080808; mul.lo.u32 t, t, 30; or.b32 $0, $1, t; }",
+                "=r,r", [v], dtype=tl.int8, is_pure=True, pack=4,
+            )  # fmt: skip
+        else:
+            out = tl.inline_asm_elementwise(
+                "{ .reg .b32 t; and.b32 t, $1, 0x20202020; mul.lo.u32 t, t, 6; or.b32 $0, $1, t; }",
+                "=r,r", [v], dtype=tl.int8, is_pure=True, pack=4,
+            )  # fmt: skip
+    else:
+        out = (c.to(tl.int32) - (1 << (BITS - 1))).to(tl.int8)
+    return out
+
+
+@triton.jit
+def _group_codes(QTYPE: tl.constexpr, q_ptr, qh_ptr, blk, row_ok, g: tl.constexpr, ASM: tl.constexpr):
+    """Signed codes of 32-value group g, (BN, 32) int8, Q4_0's 8 and Q6_K's 32 subtracted:
     value = w_scale * code - w_off. q_ptr / qh_ptr address bytes (int8 for Q8_0, else uint8)."""
     j = tl.arange(0, 32)[None, :]
     b = blk[:, None]
     ok = row_ok[:, None]
-    if QTYPE == _Q4_K or QTYPE == _Q5_K:  # noqa: SIM109
-        byte = tl.load(q_ptr + b * 128 + 32 * (g // 2) + j, mask=ok, other=0).to(tl.int32)
-        codes = (byte >> (4 * (g % 2))) & 15
-        if QTYPE == _Q5_K:
-            codes = codes | (((tl.load(qh_ptr + b * 32 + j, mask=ok, other=0).to(tl.int32) >> g) & 1) << 4)
+    if QTYPE == _Q8_0:
+        codes = tl.load(q_ptr + (b + g) * 32 + j, mask=ok, other=0)
     elif QTYPE == _Q6_K:
-        low = tl.load(q_ptr + b * 128 + 64 * (g // 4) + 32 * (g % 4 % 2) + j, mask=ok, other=0).to(tl.int32)
-        high = tl.load(qh_ptr + b * 64 + 32 * (g // 4) + j, mask=ok, other=0).to(tl.int32)
-        codes = (((low >> (4 * (g % 4 // 2))) & 15) | (((high >> (2 * (g % 4))) & 3) << 4)) - 32
-    elif QTYPE == _Q8_0:
-        codes = tl.load(q_ptr + (b + g) * 32 + j, mask=ok, other=0).to(tl.int32)
-    else:
-        byte = tl.load(q_ptr + (b + g) * 16 + j % 16, mask=ok, other=0).to(tl.int32)
-        codes = (byte >> (4 * (j // 16))) & 15
-        if QTYPE == _Q4_0:
-            codes = codes - 8
+        low = tl.load(q_ptr + b * 128 + 64 * (g // 4) + 32 * (g % 4 % 2) + j, mask=ok, other=0)
+        high = tl.load(qh_ptr + b * 64 + 32 * (g // 4) + j, mask=ok, other=0)
+        six = _field(low, 4 * (g % 4 // 2), 4, 0, ASM) | _field(high, 2 * (g % 4), 2, 4, ASM)
+        codes = _centered(six, 6, ASM)
+    elif QTYPE == _Q4_0 or QTYPE == _Q4_1:  # noqa: SIM109 - bytes 0-15: values j and j + 16
+        byte = tl.load(q_ptr + (b + g) * 16 + j % 16, mask=ok, other=0)
+        nibble = tl.where(j < 16, _field(byte, 0, 4, 0, ASM), _field(byte, 4, 4, 0, ASM))
+        codes = _centered(nibble, 4, ASM) if QTYPE == _Q4_0 else nibble.to(tl.int8, bitcast=True)
+    else:  # Q4_K / Q5_K
+        byte = tl.load(q_ptr + b * 128 + 32 * (g // 2) + j, mask=ok, other=0)
+        codes = _field(byte, 4 * (g % 2), 4, 0, ASM)
+        if QTYPE == _Q5_K:
+            codes = codes | _field(tl.load(qh_ptr + b * 32 + j, mask=ok, other=0), g, 1, 4, ASM)
+        codes = codes.to(tl.int8, bitcast=True)
     return codes
 
 
 @triton.jit
 def _matmul_kernel(
-    out_ptr, xq_ptr, dx_ptr, xs_ptr, q_ptr, hdr_ptr, qh_ptr, d_ptr, m_ptr,
+    out_ptr, xq_ptr, scale_ptr, q_ptr, hdr_ptr, qh_ptr, d_ptr, m_ptr,
     M, N, K, n_blocks, units_per_split,
     QTYPE: tl.constexpr, G: tl.constexpr, V: tl.constexpr, HAS_OFFSET: tl.constexpr, BN: tl.constexpr,
-    BM: tl.constexpr,
+    BM: tl.constexpr, ASM: tl.constexpr,
 ):  # fmt: skip
-    """2 <= M <= BM rows of x (xq_ptr: their int8 codes, (M, K)): program (i, s) adds split s of rows
-    [i * BN, i * BN + BN) for all M, one int8 dot per group."""
+    """2 <= M <= BM rows of x (their activations padded to BM rows; xq_ptr: the int8 codes, (BM, K)):
+    program (i, s) adds split s of rows [i * BN, i * BN + BN) for all M, one int8 dot per group."""
     rows = tl.program_id(0) * BN + tl.arange(0, BN)
     row_ok = rows < N
     split = tl.program_id(1)
@@ -381,11 +418,11 @@ def _matmul_kernel(
         blk = row_blk + unit * G
         d, dmin, s0, s1, s2, s3 = _unit_header(QTYPE, hdr_ptr, d_ptr, blk, row_ok)
         for g in tl.static_range(V // 32):
-            codes = _group_codes(QTYPE, q_ptr, qh_ptr, blk, row_ok, g).to(tl.int8)  # (BN, 32)
+            codes = _group_codes(QTYPE, q_ptr, qh_ptr, blk, row_ok, g, ASM)  # (BN, 32) int8
             k32 = unit * (V // 32) + g
-            xt = tl.load(xq_ptr + ms[None, :] * K + k32 * 32 + j, mask=m_ok[None, :], other=0)  # (32, BM)
-            dx = tl.load(dx_ptr + ms * (K // 32) + k32, mask=m_ok, other=0.0)[None, :]  # (1, BM)
-            xs = tl.load(xs_ptr + ms * (K // 32) + k32, mask=m_ok, other=0.0)[None, :]
+            xt = tl.load(xq_ptr + ms[None, :] * K + k32 * 32 + j)  # (32, BM) int8
+            dx, xs = tl.split(tl.load(scale_ptr + (k32 * BM + ms[:, None]) * 2 + tl.arange(0, 2)[None, :]))
+            dx, xs = dx[None, :], xs[None, :]  # (1, BM) each
             ws_a, ws_b, wo = _group_scales(QTYPE, d, dmin, s0, s1, s2, s3, d_ptr, m_ptr, blk, row_ok, g)
             if QTYPE == _Q6_K:  # one dot per 16-value sub-block: the other half of x zeroed
                 za = tl.dot(codes, tl.where(j < 16, xt, 0).to(tl.int8))  # (BN, BM) int32
@@ -414,6 +451,7 @@ def _sum_splits_kernel(y_ptr, part_ptr, n, n_splits, BLOCK: tl.constexpr):
 def _dequant_kernel(
     out_ptr, q_ptr, hdr_ptr, qh_ptr, d_ptr, m_ptr, N, K, n_blocks,
     QTYPE: tl.constexpr, G: tl.constexpr, V: tl.constexpr, HAS_OFFSET: tl.constexpr, BN: tl.constexpr,
+    ASM: tl.constexpr,
 ):  # fmt: skip
     """Unit program_id(1) of rows [i * BN, i * BN + BN) as dense values, the reference's float ops."""
     rows = tl.program_id(0) * BN + tl.arange(0, BN)
@@ -423,7 +461,7 @@ def _dequant_kernel(
     d, dmin, s0, s1, s2, s3 = _unit_header(QTYPE, hdr_ptr, d_ptr, blk, row_ok)
     j = tl.arange(0, 32)[None, :]
     for g in tl.static_range(V // 32):
-        codes = _group_codes(QTYPE, q_ptr, qh_ptr, blk, row_ok, g).to(tl.float32)  # (BN, 32)
+        codes = _group_codes(QTYPE, q_ptr, qh_ptr, blk, row_ok, g, ASM).to(tl.float32)  # (BN, 32)
         ws_a, ws_b, wo = _group_scales(QTYPE, d, dmin, s0, s1, s2, s3, d_ptr, m_ptr, blk, row_ok, g)
         w = tl.where(j < 16, ws_a[:, None], ws_b[:, None]) * codes
         if HAS_OFFSET:
@@ -433,16 +471,18 @@ def _dequant_kernel(
 
 
 @triton.jit
-def _quantize_kernel(x_ptr, xq_ptr, dx_ptr, xs_ptr, xqs_ptr, n_blocks, stride_x, NB: tl.constexpr):
+def _quantize_kernel(x_ptr, xq_ptr, scale_ptr, xqs_ptr, M, R, n_blocks, stride_x, NB: tl.constexpr):
     """Blocks [j * NB, j * NB + NB) of row i of x, 32 values each: int8 codes round(x * 127 / amax) (ties
-    to even) packed 4 per int32 word (little-endian), dx = amax / 127, xs = sum(x), code sums per 16."""
+    to even) packed 4 per int32 word (little-endian), (dx = amax / 127, xs = sum(x)), code sums per 16.
+    Rows M <= i < R (padding up to the tensor-core tile) come out all zero."""
     m = tl.program_id(0)
     blocks = tl.program_id(1) * NB + tl.arange(0, NB)
     ok = blocks < n_blocks
     w = tl.arange(0, 8)[None, :, None]
     i = tl.arange(0, 4)[None, None, :]
     at = blocks[:, None, None] * 32 + w * 4 + i
-    x = tl.load(x_ptr + m * stride_x + at, mask=ok[:, None, None], other=0.0).to(tl.float32)  # (NB, 8, 4)
+    real = ok & (blocks * 0 + m < M)  # (NB,): a block of one of x's rows, not of the padding
+    x = tl.load(x_ptr + m * stride_x + at, mask=real[:, None, None], other=0.0).to(tl.float32)
     amax = tl.max(tl.max(tl.abs(x), axis=2), axis=1)  # (NB,)
     inv = tl.math.div_rn(127.0, tl.where(amax > 0, amax, 1.0))  # an all-zero block: codes 0 anyway
     # |x * inv| <= 127: adding 1.5 * 2**23 rounds it to an integer (ties to even) held in the mantissa
@@ -452,8 +492,8 @@ def _quantize_kernel(x_ptr, xq_ptr, dx_ptr, xs_ptr, xqs_ptr, n_blocks, stride_x,
     first_half = tl.arange(0, 8)[None, :] < 4
     row32 = m * n_blocks + blocks
     tl.store(xq_ptr + row32[:, None] * 8 + tl.arange(0, 8)[None, :], words, mask=ok[:, None])
-    tl.store(dx_ptr + row32, tl.math.div_rn(amax, 127.0), mask=ok)
-    tl.store(xs_ptr + row32, tl.sum(tl.sum(x, axis=2), axis=1), mask=ok)
+    tl.store(scale_ptr + (blocks * R + m) * 2, tl.math.div_rn(amax, 127.0), mask=ok)
+    tl.store(scale_ptr + (blocks * R + m) * 2 + 1, tl.sum(tl.sum(x, axis=2), axis=1), mask=ok)
     tl.store(xqs_ptr + 2 * row32, tl.sum(tl.where(first_half, word_sums, 0), axis=1), mask=ok)
     tl.store(xqs_ptr + 2 * row32 + 1, tl.sum(tl.where(first_half, 0, word_sums), axis=1), mask=ok)
 
@@ -468,13 +508,14 @@ class TileConfig:
     stages: int  # Triton pipelining stages of the unit loop
 
 
-# Keys: "m1" (M = 1, dp4a) and "m16"/"m32"/"m64" (M padded to that many tensor-core columns).
-# Guesses for an H200 until bench/gpu_kernels.py's sweep picks (see its --tiles-out).
+# Keys: "m1" (M = 1, dp4a) and "m16"/"m32"/"m64" (M padded to that many tensor-core columns). Chosen
+# from sm_90 SASS compiled offline (fewest instructions per weight value without spills), until
+# bench/gpu_kernels.py's sweep measures them on an H200.
 DEFAULT_TILES = {
     "m1": TileConfig(64, 2, 1),
-    "m16": TileConfig(32, 4, 1),
-    "m32": TileConfig(32, 4, 1),
-    "m64": TileConfig(32, 4, 1),
+    "m16": TileConfig(128, 4, 1),
+    "m32": TileConfig(64, 4, 1),
+    "m64": TileConfig(64, 4, 1),
 }
 
 
@@ -514,25 +555,27 @@ def k_splits(n_rows: int, n_units: int) -> tuple[int, int]:
 
 
 class QuantizedActivations(NamedTuple):
-    codes: torch.Tensor  # (M, K / 4) int32: 4 int8 codes per word, little-endian
-    scale: torch.Tensor  # (M, K / 32) fp32: dx = amax / 127 per 32 values
-    sums: torch.Tensor  # (M, K / 32) fp32: xs = the float sum of x per 32 values
-    code_sums: torch.Tensor  # (M, K / 16) int32: the codes' sum per 16 values
+    """x (M, K) quantized per 32 values, as R >= M rows (the rows past M all zero)."""
+
+    codes: torch.Tensor  # (R, K / 4) int32: 4 int8 codes per word, little-endian
+    scales: torch.Tensor  # (K / 32, R, 2) fp32: (dx = amax / 127, xs = the float sum of x), block-major
+    code_sums: torch.Tensor  # (R, K / 16) int32: the codes' sum per 16 values
 
 
-def quantize_activations(x: torch.Tensor) -> QuantizedActivations:
-    """x (M, K) float, K a multiple of 32 -> its int8 quantization per 32 values (see the module doc)."""
+def quantize_activations(x: torch.Tensor, rows: int | None = None) -> QuantizedActivations:
+    """x (M, K) float, K a multiple of 32 -> its int8 quantization per 32 values (see the module doc),
+    padded with zero rows up to `rows` (default M)."""
     m, k = x.shape
+    rows = rows or m
     n_blocks = k // 32
     act = QuantizedActivations(
-        torch.empty(m, k // 4, dtype=torch.int32, device=x.device),
-        torch.empty(m, n_blocks, dtype=torch.float32, device=x.device),
-        torch.empty(m, n_blocks, dtype=torch.float32, device=x.device),
-        torch.empty(m, 2 * n_blocks, dtype=torch.int32, device=x.device),
+        torch.empty(rows, k // 4, dtype=torch.int32, device=x.device),
+        torch.empty(n_blocks, rows, 2, dtype=torch.float32, device=x.device),
+        torch.empty(rows, 2 * n_blocks, dtype=torch.int32, device=x.device),
     )
     nb = 32  # blocks per program
-    _quantize_kernel[(m, triton.cdiv(n_blocks, nb))](
-        x, *act, n_blocks, x.stride(0), NB=nb, num_warps=4, enable_fp_fusion=False
+    _quantize_kernel[(rows, triton.cdiv(n_blocks, nb))](
+        x, *act, m, rows, n_blocks, x.stride(0), NB=nb, num_warps=4, enable_fp_fusion=False
     )
     return act
 
@@ -547,9 +590,11 @@ def _pointers(fields: list[torch.Tensor], lay: Layout, as_bytes: bool) -> list[t
     return [q, by_name.get("hdr", q), qh, by_name.get("d", q), by_name.get("m", q)]
 
 
-def _type_args(lay: Layout) -> dict:
+def _static_args(lay: Layout, device: torch.device) -> dict:
+    """The kernels' compile-time arguments for a layout; ASM: inline PTX (CUDA) or its emulation."""
     has_offset = lay.qtype in (QT.Q4_K, QT.Q5_K, QT.Q4_1)
-    return {"QTYPE": lay.qtype, "G": lay.group, "V": lay.values, "HAS_OFFSET": has_offset}
+    asm = device.type == "cuda" and not EMULATE_PTX
+    return {"QTYPE": lay.qtype, "G": lay.group, "V": lay.values, "HAS_OFFSET": has_offset, "ASM": asm}
 
 
 def quant_matmul(
@@ -563,24 +608,28 @@ def quant_matmul(
     m = x.shape[0]
     if m > MAX_FUSED_M:
         return x @ dequantize_packed(fields, qtype, n_rows, n_cols, x.dtype).t()
-    act = quantize_activations(x.contiguous())
+    bm = 1 if m == 1 else max(16, triton.next_power_of_2(m))  # tensor-core columns
+    act = quantize_activations(x.contiguous(), bm)
     n_blocks = n_cols // block_size(qtype)
     n_splits, per_split = k_splits(n_rows, n_blocks // lay.group)
     y = torch.empty(m, n_rows, dtype=x.dtype, device=x.device)
     out = y if n_splits == 1 else torch.empty(n_splits, m, n_rows, dtype=torch.float32, device=x.device)
     tile = TILES[tile_key(m)]
     grid = (triton.cdiv(n_rows, tile.rows), n_splits)
-    launch = _type_args(lay) | {"BN": tile.rows, "num_warps": tile.warps, "num_stages": tile.stages}
+    launch = _static_args(lay, x.device) | {
+        "BN": tile.rows,
+        "num_warps": tile.warps,
+        "num_stages": tile.stages,
+    }
     if m == 1:
         _matvec_kernel[grid](
             out, *act, *_pointers(fields, lay, False), n_rows, n_blocks, per_split,
-            ASM=x.is_cuda and not EMULATE_DP4A, enable_fp_fusion=False, **launch,
+            enable_fp_fusion=False, **launch,
         )  # fmt: skip
     else:
         _matmul_kernel[grid](
-            out, act.codes.view(torch.int8), act.scale, act.sums, *_pointers(fields, lay, True),
-            m, n_rows, n_cols, n_blocks, per_split,
-            BM=max(16, triton.next_power_of_2(m)), enable_fp_fusion=False, **launch,
+            out, act.codes.view(torch.int8), act.scales, *_pointers(fields, lay, True),
+            m, n_rows, n_cols, n_blocks, per_split, BM=bm, enable_fp_fusion=False, **launch,
         )  # fmt: skip
     if n_splits > 1:
         block = 1024
@@ -599,6 +648,6 @@ def dequantize_packed(
     rows = 32
     _dequant_kernel[(triton.cdiv(n_rows, rows), n_blocks // lay.group)](
         out, *_pointers(fields, lay, True), n_rows, n_cols, n_blocks,
-        BN=rows, num_warps=4, enable_fp_fusion=False, **_type_args(lay),
+        BN=rows, num_warps=4, enable_fp_fusion=False, **_static_args(lay, out.device),
     )  # fmt: skip
     return out
