@@ -44,7 +44,10 @@ def test_incremental_context_equals_full_recompute(qwen3, tiny_root):
     for lo, hi in [(0, 17), (17, 18), (18, 41), (41, 60)]:  # committed in uneven steps
         draft.append_context(ctx, feats[lo:hi])
         torch.testing.assert_close(
-            draft.propose(ctx, 5, 16), propose_full(draft, feats[:hi], 5, 16), atol=1e-5, rtol=1e-5
+            draft.propose(ctx, torch.tensor(5), 16),
+            propose_full(draft, feats[:hi], torch.tensor(5), 16),
+            atol=1e-5,
+            rtol=1e-5,
         )
 
 
@@ -60,7 +63,9 @@ def test_ring_keeps_the_last_positions_only(qwen3, tiny_root):
     full = draft.new_context(4096)
     draft.append_context(full, feats)
     full.slot_pos[full.slot_pos < 36] = -1  # hide what the ring dropped
-    torch.testing.assert_close(draft.propose(ring, 3, 8), draft.propose(full, 3, 8), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        draft.propose(ring, torch.tensor(3), 8), draft.propose(full, torch.tensor(3), 8), atol=1e-5, rtol=1e-5
+    )
 
 
 def test_sliding_window_layers_see_only_recent_context(qwen3, tiny_root):
@@ -89,7 +94,9 @@ def test_sliding_window_layers_see_only_recent_context(qwen3, tiny_root):
     for i, layer in enumerate(draft.layers):
         if layer.window is None:
             other.k[i], other.v[i] = ctx.k[i], ctx.v[i]
-    torch.testing.assert_close(draft.propose(ctx, 2, 4), draft.propose(other, 2, 4), atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(
+        draft.propose(ctx, torch.tensor(2), 4), draft.propose(other, torch.tensor(2), 4), atol=1e-6, rtol=1e-6
+    )
 
 
 def test_gguf_draft_equals_safetensors_draft(qwen3, tiny_root):
@@ -100,7 +107,9 @@ def test_gguf_draft_equals_safetensors_draft(qwen3, tiny_root):
     convert_checkpoint(src, out, "f32")
     from_gguf = load_draft(out, target)
     feats = target_features(target, draft, 30)
-    torch.testing.assert_close(propose_full(from_gguf, feats, 7, 16), propose_full(draft, feats, 7, 16))
+    torch.testing.assert_close(
+        propose_full(from_gguf, feats, torch.tensor(7), 16), propose_full(draft, feats, torch.tensor(7), 16)
+    )
 
 
 @pytest.mark.parametrize(
@@ -147,3 +156,23 @@ def test_run_with_draft_reports_acceptance(qwen3, tiny_root):
         base + ["--draft", str(tiny_root / "nowhere")], capture_output=True, text=True, timeout=300
     )
     assert bad.returncode == 1 and bad.stderr.startswith("error:") and "Traceback" not in bad.stderr
+
+
+def test_padded_append_counts_only_the_first_n_rows(qwen3, tiny_root):
+    """A decode step appends its whole verify block (fixed shape, for CUDA graphs) with the accepted
+    count n: the draft must then propose exactly as if only the n accepted rows had been appended,
+    also once the ring has wrapped around several times."""
+    gguf, target = qwen3
+    draft = random_draft(gguf, target, tiny_root, layers=2)
+    feats = target_features(target, draft, 80)
+    padded, exact = draft.new_context(24, spare=9), draft.new_context(24)
+    junk = 100 * torch.randn(9, feats.shape[1], generator=torch.Generator().manual_seed(0))
+    lo = 0
+    for n in [5, 1, 9, 3, 7, 2, 8, 4, 6, 9, 9, 1]:  # 64 positions in blocks of 9 rows
+        draft.append_context(padded, torch.cat([feats[lo : lo + n], junk[: 9 - n]]), torch.tensor(n))
+        draft.append_context(exact, feats[lo : lo + n])
+        lo += n
+        root = torch.tensor(lo % 50)
+        torch.testing.assert_close(
+            draft.propose(padded, root, 8), draft.propose(exact, root, 8), atol=1e-5, rtol=1e-5
+        )
