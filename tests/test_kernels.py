@@ -1,10 +1,11 @@
-"""Quantized-matmul kernels on CPU, through Triton's interpreter (dp4a by its integer emulation).
+"""Quantized-matmul kernels on CPU, through Triton's interpreter (inline PTX by its integer emulation).
 
-References: gguf-py-exact dequantization (flashtree.quant.dequant, itself tested against gguf-py) and an
-int8 activation quantizer written here in torch. The kernels' math redone in fp64 from those (weights
-dequantized exactly, activations quantized the same way, min terms against the true block sums) must
-match to fp32 rounding; against the plain fp64 x @ W^T they differ by the int8 activation error. The
-same checks, in bf16 and with PTX dp4a, run on the GPU in bench/gpu_kernels.py.
+References: gguf-py-exact dequantization (flashtree.quant.dequant, itself tested against gguf-py) and
+plain-torch int8 activation quantization (qmatmul.quantize_activations_reference). The kernels' math
+redone in fp64 from those (qmatmul.reference_matmul: weights dequantized exactly, activations quantized
+the same way, min terms against the true block sums) must match to fp32 rounding; against the plain fp64
+x @ W^T they differ by the int8 activation error. The same checks, in bf16 and with the PTX, run on the
+GPU in bench/gpu_kernels.py.
 """
 
 import os
@@ -26,11 +27,13 @@ from flashtree.kernels.qmatmul import (
     layout,
     quant_matmul,
     quantize_activations,
+    quantize_activations_reference,
+    reference_matmul,
     repack,
     unpack,
 )
 from flashtree.quant.dequant import dequantize
-from flashtree.quant.formats import QT, block_bytes
+from flashtree.quant.formats import QT
 from flashtree.quant.pack import quantize, random_blocks
 
 TYPES = [QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.Q8_0, QT.Q4_0, QT.Q4_1]
@@ -46,8 +49,6 @@ EXACT_TOL = 1e-6  # the kernels vs their own math in fp64: fp32 rounding only
 # vs the plain fp64 x @ W^T: the int8 activations' rounding, ~5e-3 of y for Gaussian x, up to twice that
 # for the types with a min (there y is a difference of larger scale * code and min terms)
 INT8_TOL = 2e-2
-# The GGUF bytes that hold codes, in the types with a min: zeroing them leaves value = -min term
-CODE_BYTES = {QT.Q4_K: (16, 144), QT.Q5_K: (16, 176), QT.Q4_1: (4, 20)}
 
 
 def shapes(qtype):
@@ -61,30 +62,6 @@ def case(qtype, rows, cols, seed=0):
 
 def rel_err(y, ref):
     return ((y.double() - ref).norm() / ref.norm()).item()
-
-
-def int8_reference(x):
-    """x (M, K) -> codes (M, K / 32, 32) fp32 and dx (M, K / 32): round(x * 127 / amax), ties to even."""
-    blocks = x.float().view(x.shape[0], -1, 32)
-    amax = blocks.abs().amax(-1)
-    return torch.round(blocks * (127 / torch.where(amax > 0, amax, 1.0))[..., None]), amax / 127
-
-
-def exact_reference(x, raw, qtype, rows, cols):
-    """The kernels' math in fp64: per 32-block, weights times dequantized int8 activations, except that
-    the types with a min weigh that min by the true block sum of x."""
-    m = x.shape[0]
-    codes, dx = int8_reference(x)
-    xhat = (codes.double() * dx.double()[..., None]).view(m, cols)
-    y = xhat @ dequantize(raw, qtype, (rows, cols)).double().t()
-    if qtype in CODE_BYTES:
-        start, stop = CODE_BYTES[qtype]
-        no_codes = raw.view(rows, -1, block_bytes(qtype)).clone()
-        no_codes[..., start:stop] = 0
-        w_min = -dequantize(no_codes, qtype, (rows, cols)).double()[:, ::32]  # (rows, cols / 32)
-        xs = x.double().view(m, -1, 32).sum(-1)
-        y -= (xs - xhat.view(m, -1, 32).sum(-1)) @ w_min.t()  # the kernels use xs where xhat sums
-    return y
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
@@ -110,7 +87,7 @@ def test_activation_quantizer_matches_torch():
     x[1, 32:64] = 0  # an all-zero block: codes 0, dx 0
     for dtype in (torch.float32, torch.bfloat16):
         xd = x.to(dtype)
-        codes, dx = int8_reference(xd)
+        codes, dx = quantize_activations_reference(xd)
         act = quantize_activations(xd, rows=4)  # a zero row of padding
         got_codes = act.codes.view(torch.int8).view(4, 5, 32).float()  # (rows, blocks, 32)
         assert torch.equal(got_codes[:3], codes) and not got_codes[3].any()
@@ -159,7 +136,7 @@ def matmul_case(request):
 def test_quant_matmul_matches_its_math_and_the_plain_product(matmul_case):
     qtype, raw, w, x, prefix, _ = matmul_case
     rows, cols = w.shape
-    exact = exact_reference(x, raw, qtype, rows, cols)
+    exact = reference_matmul(x, raw, qtype, rows, cols)
     for m, y in prefix.items():
         assert y.shape == (m, rows) and y.dtype == torch.float32
         assert rel_err(y, exact[:m]) < EXACT_TOL, (qtype.name, m)
@@ -196,7 +173,7 @@ def test_uneven_k_splits(monkeypatch):
     fields = repack(raw, QT.Q8_0, cols)
     for m in (1, 3):
         y = quant_matmul(x[:m], fields, QT.Q8_0, rows, cols)
-        assert rel_err(y, exact_reference(x[:m], raw, QT.Q8_0, rows, cols)) < EXACT_TOL
+        assert rel_err(y, reference_matmul(x[:m], raw, QT.Q8_0, rows, cols)) < EXACT_TOL
 
 
 def test_k_splits_depend_on_the_shape_only():
@@ -209,7 +186,7 @@ def test_every_row_and_column_counts():
     """A weight that is zero except one element finds exactly that element's row and column."""
     rows, cols = 37, 512
     x = torch.randn(5, cols, generator=torch.Generator().manual_seed(0))
-    codes, dx = int8_reference(x)
+    codes, dx = quantize_activations_reference(x)
     x_int8 = (codes * dx[..., None]).view(5, cols)  # what the kernels multiply
     for qtype in (QT.Q8_0, QT.Q4_0):  # types that can encode an isolated value (symmetric codes)
         w = torch.zeros(rows, cols)

@@ -49,6 +49,7 @@ import triton
 import triton.language as tl
 
 from flashtree.errors import FlashtreeError
+from flashtree.quant.dequant import dequantize
 from flashtree.quant.formats import QT, block_bytes, block_size, row_bytes, type_name
 
 KERNEL_TYPES = frozenset(int(t) for t in (QT.Q4_0, QT.Q4_1, QT.Q8_0, QT.Q4_K, QT.Q5_K, QT.Q6_K))
@@ -651,3 +652,34 @@ def dequantize_packed(
         BN=rows, num_warps=4, enable_fp_fusion=False, **_static_args(lay, out.device),
     )  # fmt: skip
     return out
+
+
+# --- references (plain torch, for the tests and the GPU checks) -----------------------------------------
+
+
+def quantize_activations_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (M, K) -> (codes (M, K / 32, 32) fp32, dx (M, K / 32)): what `quantize_activations` computes."""
+    blocks = x.float().view(x.shape[0], -1, 32)
+    amax = blocks.abs().amax(-1)
+    return torch.round(blocks * (127 / torch.where(amax > 0, amax, 1.0))[..., None]), amax / 127
+
+
+def reference_matmul(
+    x: torch.Tensor, raw: torch.Tensor, qtype: int, n_rows: int, n_cols: int
+) -> torch.Tensor:
+    """The fused kernels' math in fp64, (M, n_rows): per 32-value block, the weights (the reference
+    dequantizer) times the int8-quantized x, except that the types with a min weigh it by the block's
+    true sum of x. GGUF rows raw (n_rows, row_bytes) uint8."""
+    m = x.shape[0]
+    codes, dx = quantize_activations_reference(x)
+    x_int8 = (codes.double() * dx.double()[..., None]).view(m, n_cols)
+    y = x_int8 @ dequantize(raw, qtype, (n_rows, n_cols)).double().t()
+    if qtype in (QT.Q4_K, QT.Q5_K, QT.Q4_1):
+        no_codes = raw.view(n_rows, -1, block_bytes(qtype)).clone()
+        for f in layout(qtype, n_cols).fields:
+            if f.name in ("q", "qh"):
+                no_codes[..., f.start : f.start + f.size] = 0
+        w_min = -dequantize(no_codes, qtype, (n_rows, n_cols)).double()[:, ::32]  # value = w(code) - w_min
+        sums = x.double().view(m, -1, 32).sum(-1)  # the kernels use these where x_int8's sums stand
+        y -= (sums - x_int8.view(m, -1, 32).sum(-1)) @ w_min.t()
+    return y
