@@ -176,9 +176,10 @@ def test_tiny_run_writes_the_schema_and_passes_the_identity_check(tiny_pair, tmp
 def test_an_output_that_differs_from_ar_fails_the_run_after_writing_results(tiny_pair, tmp_path, monkeypatch):
     real_step = SpecDecoder.step
 
-    def wrong_bonus(self, root, state, sampling):  # a speculative-decoding bug
-        tokens = real_step(self, root, state, sampling)
-        return tokens[:-1] + [(tokens[-1] + 1) % self.target.config.vocab]
+    def wrong_bonus(self, *args):  # a speculative-decoding bug
+        packed = real_step(self, *args).clone()  # [n, bonus, path tokens...] (Accepted.packed)
+        packed[1] = (packed[1] + 1) % self.target.config.vocab
+        return packed
 
     monkeypatch.setattr(SpecDecoder, "step", wrong_bonus)
     result = run_bench(tiny_pair, tmp_path, "--datasets", "gsm8k", "--modes", "ar,chain")
