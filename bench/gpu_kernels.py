@@ -1,14 +1,21 @@
-"""Quantized-matmul kernels on a real GPU: check against dequantize + matmul, sweep tiles, time 27B shapes.
+"""Quantized-matmul kernels on a real GPU: checks, a small tile sweep, the 27B layer shapes timed.
 
-    python bench/gpu_kernels.py OUT_DIR [--stages checks,sweep,shapes] [--name kernels] [--tiles-out FILE]
+    python bench/gpu_kernels.py OUT_DIR [--stages checks,sweep,shapes] [--name kernels]
+                                [--types Q4_K,Q6_K,...] [--tiles-out FILE]
 
-1. Checks every kernel type at M in {1, 5, 16, 23, 33, 64, 100} against the reference dequantizer
-   (flashtree.quant.dequant) + an fp32 matmul, and the kernels' own dequantizer bit for bit.
-2. Sweeps tile configs on the Qwen3.6-27B layer shapes (M = 1 and the tensor-core buckets) and keeps
-   the fastest per bucket (written as FLASHTREE_QMM_TILES JSON to --tiles-out).
-3. Times every 27B layer shape at M in {1, 16, 23, 32, 64} with the chosen tiles, next to dense bf16
-   cuBLAS on the same shape, as achieved bandwidth against the measured copy ceiling.
+1. checks: every type at M in {1, 5, 16, 23, 33, 64, 100} (dp4a; the m16, m32, m64 tensor-core buckets;
+   dequantize + cuBLAS), with relative errors against
+   - the kernels' own math in fp64 (qmatmul.reference_matmul), x and y in fp32: rounding only (< 1e-5);
+   - the plain product x @ W^T, x and y in bf16: the int8 activation error (~5e-3; < 1e-2);
+   and, bit for bit: the kernels' dequantizer vs the reference dequantizer; batch invariance (every M's
+   rows vs the 64-row call, fp32 and bf16; single rows, which take the dp4a path); the inline PTX vs
+   its integer emulation (qmatmul.EMULATE_PTX) at M = 1, 23 and in the dequantizer.
+2. sweep: a few tiles per bucket on the 27B shapes, then the K-split target (qmatmul.SPLIT_TARGET); the
+   fastest tiles are kept (and written as FLASHTREE_QMM_TILES JSON to --tiles-out).
+3. shapes: every 27B layer shape at M in {1, 16, 23, 32, 64} next to dense bf16 cuBLAS, as achieved
+   bandwidth against the copy ceiling measured in the same run.
 Timings replay a CUDA graph of back-to-back calls that cycle over enough weight copies to leave L2.
+Run from the repository root with it on PYTHONPATH; needs torch, triton, numpy and gguf.
 """
 
 from __future__ import annotations
@@ -22,18 +29,27 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import triton
 
 from flashtree.bench.roofline import measure_ceilings
 from flashtree.kernels import qmatmul
-from flashtree.kernels.qmatmul import TileConfig, dequantize_packed, packed_bytes, quant_matmul, repack
+from flashtree.kernels.qmatmul import (
+    TileConfig,
+    dequantize_packed,
+    packed_bytes,
+    quant_matmul,
+    reference_matmul,
+    repack,
+)
 from flashtree.quant.dequant import dequantize
 from flashtree.quant.formats import QT, row_bytes
 from flashtree.quant.pack import random_blocks
 
-CHECK_M = (1, 5, 16, 23, 33, 64, 100)  # every path: GEMV, the three tensor-core buckets, dequant + cuBLAS
-CHECK_M_SHORT = (1, 23, 100)  # the types 27B Q4_K_M does not use: one M per path kind (fewer compiles)
+CHECK_M = (1, 5, 16, 23, 33, 64, 100)  # dp4a, m16 (5, 16), m32 (23), m64 (33, 64), dequantize + cuBLAS
+SINGLE_ROWS = (0, 7, 22, 63)  # rows also computed alone (dp4a) for the invariance check
 TIME_M = (1, 16, 23, 32, 64)
-CHECK_SHAPES = {  # (rows, cols): k-quants need cols % 256 == 0, 576 is SmolLM2's width (18 blocks of 32)
+EXACT_TOL, INT8_TOL = 1e-5, 1e-2
+CHECK_SHAPES = {  # (rows, cols): rows not a multiple of any tile; legacy widths of 18 and 48 blocks
     QT.Q4_K: (1000, 4096), QT.Q5_K: (1000, 4096), QT.Q6_K: (1000, 4096),
     QT.Q8_0: (1000, 576), QT.Q4_0: (1000, 576), QT.Q4_1: (1000, 1536),
 }  # fmt: skip
@@ -50,17 +66,114 @@ SHAPES_27B = [  # (name, type, rows, cols): every matrix one Qwen3.6-27B Q4_K_M 
     ("output", QT.Q6_K, 248320, 5120),
 ]
 SWEEP_SHAPES = [SHAPES_27B[i] for i in (0, 1, 2, 4)]
-SWEEP = {  # few candidates: each one is a Triton compile per type, paid in device time
-    "gemv": [TileConfig(*c) for c in ((8, 2, 2), (16, 4, 2), (32, 4, 2), (32, 8, 2))],
-    "dot": [TileConfig(*c) for c in ((16, 4, 1), (32, 4, 1), (64, 4, 1))],
+SWEEP = {  # bucket -> (the M timed, candidate tiles): few, as each is a Triton compile per type
+    "m1": ((1,), [TileConfig(*c) for c in ((32, 1, 1), (64, 2, 1), (128, 4, 1), (128, 2, 1))]),
+    "m16": ((16,), [TileConfig(*c) for c in ((64, 4, 1), (128, 4, 1), (128, 4, 2))]),
+    "m32": ((23, 32), [TileConfig(*c) for c in ((64, 4, 1), (128, 8, 1), (64, 4, 2))]),
 }
+SPLIT_TARGETS = (1 << 16, 1 << 17, 1 << 18)  # runtime only: no compiles
 L2_BYTES = 60 << 20
+DEVICE = torch.device("cuda")
+
+
+# --- checks --------------------------------------------------------------------------------------------
+
+
+def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((y.double() - ref).norm() / ref.norm()).item()
+
+
+def check_all(types: list[str]) -> dict:
+    rows, failed = [], []
+    for qtype, (n, k) in CHECK_SHAPES.items():
+        if qtype.name not in types:
+            continue
+        try:
+            result = check_type(qtype, n, k)
+        except Exception as e:  # noqa: BLE001 - report it, check the other types
+            result = {"type": qtype.name, "error": f"{type(e).__name__}: {e}"[:2000], "ok": False}
+            print(f"check {qtype.name} FAILED: {type(e).__name__}: {e}", flush=True)
+        rows.append(result)
+        if not result["ok"]:
+            failed.append(qtype.name)
+    print(f"checks: {'all ok' if not failed else 'FAILED for ' + ', '.join(failed)}", flush=True)
+    return {"types": rows, "ok": not failed}
+
+
+def check_type(qtype, n: int, k: int) -> dict:
+    raw = torch.from_numpy(random_blocks(qtype, n, k, np.random.default_rng(int(qtype)))).to(DEVICE)
+    fields = repack(raw, qtype, k)
+    w = dequantize(raw, qtype, (n, k))  # (n, k) fp32, the reference decoder
+    x = torch.randn(max(CHECK_M), k, generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    xb = x.bfloat16()
+    exact = reference_matmul(x, raw, qtype, n, k)  # (100, n) fp64
+    plain = xb.double() @ w.double().t()  # (100, n): the product the kernels approximate
+
+    def mm(a):
+        return quant_matmul(a, fields, qtype, n, k)
+
+    full, full_b = mm(x[:64]), mm(xb[:64])
+    per_m = []
+    for m in CHECK_M:
+        y, yb = mm(x[:m]), mm(xb[:m])
+        fused = m <= qmatmul.MAX_FUSED_M
+        row = {
+            "m": m,
+            "rel_err_exact": rel_err(y, exact[:m]) if fused else rel_err(y, x[:m].double() @ w.double().t()),
+            "rel_err_bf16": rel_err(yb, plain[:m]),
+            "invariant": bool(torch.equal(y, full[:m]) and torch.equal(yb, full_b[:m])) if fused else None,
+            "finite": bool(torch.isfinite(y).all() and torch.isfinite(yb).all()),
+        }
+        row["ok"] = (
+            row["rel_err_exact"] < EXACT_TOL and row["rel_err_bf16"] < INT8_TOL
+            and row["invariant"] is not False and row["finite"]
+        )  # fmt: skip
+        per_m.append(row)
+        verdict = "ok" if row["ok"] else "FAILED"
+        print(
+            f"check {qtype.name:5} M={m:<3} vs own math {row['rel_err_exact']:.1e}  vs x@W^T (bf16) "
+            f"{row['rel_err_bf16']:.1e}  invariant {_yes(row['invariant'])}  {verdict}",
+            flush=True,
+        )
+    single = all(torch.equal(mm(x[i : i + 1])[0], full[i]) for i in SINGLE_ROWS)
+    dequant_exact = bool(torch.equal(dequantize_packed(fields, qtype, n, k, torch.float32), w))
+    ptx_exact = ptx_matches_emulation(x, fields, qtype, n, k)
+    print(
+        f"check {qtype.name:5} single rows == rows of M=64 {_yes(single)}; dequantizer == reference "
+        f"{_yes(dequant_exact)}; inline PTX == emulation {_yes(ptx_exact)}",
+        flush=True,
+    )
+    ok = all(r["ok"] for r in per_m) and single and dequant_exact and ptx_exact
+    return {"type": qtype.name, "rows": n, "cols": k, "per_m": per_m, "single_rows_invariant": single,
+            "dequant_exact": dequant_exact, "ptx_equals_emulation": ptx_exact, "ok": ok}  # fmt: skip
+
+
+def ptx_matches_emulation(x, fields, qtype, n, k) -> bool:
+    def outputs():
+        return [quant_matmul(x[:m], fields, qtype, n, k) for m in (1, 23)] + [
+            dequantize_packed(fields, qtype, n, k, torch.float32)
+        ]
+
+    with_ptx = outputs()
+    qmatmul.EMULATE_PTX = True
+    try:
+        emulated = outputs()
+    finally:
+        qmatmul.EMULATE_PTX = False
+    return all(torch.equal(a, b) for a, b in zip(with_ptx, emulated, strict=True))
+
+
+def _yes(flag) -> str:
+    return "-" if flag is None else ("yes" if flag else "NO")
+
+
+# --- timing --------------------------------------------------------------------------------------------
 
 
 def weight_copies(qtype: int, rows: int, cols: int, seed: int = 0) -> list[list[torch.Tensor]]:
     """Enough repacked copies of a random (rows, cols) matrix to exceed 3x L2 when cycled.
     Rows are tiled from 256 random ones: timing needs real-looking bytes, not distinct rows."""
-    base = torch.from_numpy(random_blocks(qtype, 256, cols, np.random.default_rng(seed))).cuda()
+    base = torch.from_numpy(random_blocks(qtype, 256, cols, np.random.default_rng(seed))).to(DEVICE)
     n = max(2, -(-3 * L2_BYTES // (rows * row_bytes(qtype, cols))))
     reps = -(-rows // 256)
     return [repack(base.roll(i, 0).repeat(reps, 1)[:rows].contiguous(), qtype, cols) for i in range(n)]
@@ -87,85 +200,62 @@ def graph_time_us(calls: list, reps: int = 20) -> float:
     return statistics.median(times)
 
 
-def quant_time_us(copies, qtype, rows, cols, m, tile: TileConfig | None = None) -> float:
-    if tile is not None:
-        qmatmul.TILES[qmatmul.tile_key(m)] = tile
-    x = torch.randn(m, cols, device="cuda", dtype=torch.bfloat16)
-    calls = [lambda f=f: quant_matmul(x, f, qtype, rows, cols) for f in copies] * 2
-    return graph_time_us(calls)
+def quant_time_us(copies, qtype, rows, cols, m) -> float:
+    x = torch.randn(m, cols, device=DEVICE, dtype=torch.bfloat16)
+    return graph_time_us([lambda f=f: quant_matmul(x, f, qtype, rows, cols) for f in copies] * 2)
 
 
 def dense_copies(rows, cols) -> list[torch.Tensor]:
     n = max(2, -(-3 * L2_BYTES // (rows * cols * 2)))
-    return [torch.randn(rows, cols, device="cuda", dtype=torch.bfloat16) for _ in range(n)]
+    return [torch.randn(rows, cols, device=DEVICE, dtype=torch.bfloat16) for _ in range(n)]
 
 
 def dense_time_us(weights, m) -> float:
-    x = torch.randn(m, weights[0].shape[1], device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(m, weights[0].shape[1], device=DEVICE, dtype=torch.bfloat16)
     return graph_time_us([lambda w=w: x @ w.t() for w in weights] * 2)
 
 
-def check_all(types: list[str]) -> list[dict]:
-    rows = []
-    for qtype, (n, k) in CHECK_SHAPES.items():
-        if qtype.name not in types:
-            continue
-        try:
-            rows += check_type(qtype, n, k)
-        except Exception as e:  # noqa: BLE001 - report it, check the other types
-            rows.append({"type": qtype.name, "error": f"{type(e).__name__}: {e}"[:2000], "ok": False})
-            print(f"check {qtype.name} failed: {type(e).__name__}: {e}", flush=True)
-    return rows
-
-
-def check_type(qtype, n: int, k: int) -> list[dict]:
-    raw = torch.from_numpy(random_blocks(qtype, n, k, np.random.default_rng(int(qtype)))).cuda()
-    fields = repack(raw, qtype, k)
-    ref_w = dequantize(raw, qtype, (n, k))  # (n, k) fp32, the reference decoder
-    # the kernels' decoder vs the reference: FMA contraction may move a value by 1 ulp
-    dq_err = (dequantize_packed(fields, qtype, n, k, torch.float32) - ref_w).abs().max().item()
-    rows = []
-    for m in CHECK_M if qtype in (QT.Q4_K, QT.Q6_K) else CHECK_M_SHORT:
-        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        y = torch.full(
-            (m, n), float("nan"), device="cuda", dtype=torch.bfloat16
-        )  # poison: all must be written
-        y = quant_matmul(x, fields, qtype, n, k).float()
-        ref = x.float() @ ref_w.t()
-        rel = ((y - ref).norm() / ref.norm()).item()
-        ok = rel < 1e-2 and bool(torch.isfinite(y).all())
-        rows.append({"type": qtype.name, "m": m, "rel_err": rel, "dequant_max_abs_err": dq_err, "ok": ok})
-        print(
-            f"check {qtype.name:5} M={m:<3} rel err {rel:.2e} dequant max err {dq_err:.1e} ok {ok}",
-            flush=True,
-        )
-    return rows
+# --- sweep ---------------------------------------------------------------------------------------------
 
 
 def sweep() -> dict:
-    """The fastest tile per bucket, summed over the sweep shapes."""
+    """The fastest tile per bucket, then the fastest K-split target, summed over the sweep shapes."""
     copies = {(qt, r, c): weight_copies(qt, r, c) for _, qt, r, c in SWEEP_SHAPES}
-    best, table = {}, []
-    # the tensor-core buckets share one choice, swept on the verify sizes (M = 23 and 32)
-    for key, ms in (("gemv", (1,)), ("dot32", (23, 32))):
-        for tile in SWEEP["gemv" if key == "gemv" else "dot"]:
+
+    def total_us(ms) -> float:
+        return sum(quant_time_us(copies[(qt, r, c)], qt, r, c, m) for _, qt, r, c in SWEEP_SHAPES for m in ms)
+
+    table, best = [], {}
+    for key, (ms, candidates) in SWEEP.items():
+        for tile in candidates:
+            qmatmul.TILES[key] = tile
             try:
-                us = sum(
-                    quant_time_us(copies[(qt, r, c)], qt, r, c, m, tile)
-                    for _, qt, r, c in SWEEP_SHAPES
-                    for m in ms
-                )
+                us = total_us(ms)
             except Exception as e:  # noqa: BLE001 - a config that does not compile is skipped
-                print(f"sweep {key} {tile}: failed {type(e).__name__}: {str(e)[:200]}", flush=True)
+                print(f"sweep {key:4} {astuple(tile)} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
                 continue
-            table.append({"bucket": key, "tile": list(astuple(tile)), "us": us})
-            print(f"sweep {key:6} {astuple(tile)} {us:9.1f} us", flush=True)
+            table.append({"bucket": key, "tile": list(astuple(tile)), "m": list(ms), "us": us})
+            print(f"sweep {key:4} {astuple(tile)} M={ms}: {us:9.1f} us over the sweep shapes", flush=True)
             if key not in best or us < best[key][1]:
                 best[key] = (tile, us)
-        if key in best:
-            for k in ("dot16", "dot32", "dot64") if key == "dot32" else (key,):
-                qmatmul.TILES[k] = best[key][0]
-    return {"table": table, "best": {k: list(astuple(t)) for k, (t, _) in best.items()}}
+        qmatmul.TILES[key] = best[key][0] if key in best else qmatmul.DEFAULT_TILES[key]
+    splits = []
+    for target in SPLIT_TARGETS:
+        qmatmul.SPLIT_TARGET = target
+        us = {m: total_us((m,)) for m in (1, 23)}
+        splits.append({"split_target": target, "us_m1": us[1], "us_m23": us[23]})
+        print(f"sweep SPLIT_TARGET {target:7}: M=1 {us[1]:8.1f} us  M=23 {us[23]:8.1f} us", flush=True)
+    chosen = min(splits, key=lambda s: s["us_m1"] + s["us_m23"])
+    qmatmul.SPLIT_TARGET = chosen["split_target"]
+    print(f"sweep chose tiles {_tiles()} and SPLIT_TARGET {qmatmul.SPLIT_TARGET}", flush=True)
+    return {"tiles": table, "splits": splits, "best": _tiles(), "split_target": qmatmul.SPLIT_TARGET}
+
+
+def _tiles() -> dict:
+    return {k: list(astuple(t)) for k, t in qmatmul.TILES.items()}
+
+
+# --- shapes --------------------------------------------------------------------------------------------
 
 
 def time_shapes(copy_gb_s: float) -> list[dict]:
@@ -174,21 +264,40 @@ def time_shapes(copy_gb_s: float) -> list[dict]:
         copies, dense = weight_copies(qtype, r, c), dense_copies(r, c)
         nbytes = packed_bytes(copies[0])
         for m in TIME_M:
-            q_us = quant_time_us(copies, qtype, r, c, m)
-            d_us = dense_time_us(dense, m)
+            q_us, d_us = quant_time_us(copies, qtype, r, c, m), dense_time_us(dense, m)
             q_frac, d_frac = nbytes / q_us / 1e3 / copy_gb_s, r * c * 2 / d_us / 1e3 / copy_gb_s
-            row = {
+            rows.append({
                 "name": name, "type": qtype.name, "rows": r, "cols": c, "m": m, "packed_bytes": nbytes,
                 "quant_us": q_us, "quant_bw_frac": q_frac, "dense_us": d_us, "dense_bw_frac": d_frac,
-            }  # fmt: skip
-            rows.append(row)
+            })  # fmt: skip
             print(
-                f"{name:16} {qtype.name:5} {r:6}x{c:<5} M={m:<3} quant {q_us:8.1f} us ({q_frac:.2f} of copy)"
-                f"  dense bf16 {d_us:8.1f} us ({d_frac:.2f})",
+                f"time {name:16} {qtype.name:5} {r:6}x{c:<5} M={m:<2}  quant {_cell(q_us, q_frac)}"
+                f"  dense bf16 {_cell(d_us, d_frac)}  (us, fraction of copy bandwidth)",
                 flush=True,
             )
         del copies, dense
+    print_shape_table(rows)
     return rows
+
+
+def _cell(us: float, frac: float) -> str:
+    return f"{us:8.1f} ({frac:.2f})"
+
+
+def print_shape_table(rows: list[dict]) -> None:
+    """Two lines per matrix, quantized then dense bf16: us (fraction of copy bandwidth) per M."""
+    head = "".join(f"{'M=' + str(m):>16}" for m in TIME_M)
+    print(f"\n{'matrix':16} {'type':5} {'rows x cols':12} {'kernel':6}{head}")
+    for key in dict.fromkeys((r["name"], r["type"], r["rows"], r["cols"]) for r in rows):
+        cells = {r["m"]: r for r in rows if (r["name"], r["type"], r["rows"], r["cols"]) == key}
+        for kind in ("quant", "dense"):
+            label = f"{key[0]:16} {key[1]:5} {f'{key[2]}x{key[3]}':12}" if kind == "quant" else " " * 35
+            line = "".join(
+                f"{_cell(cells[m][kind + '_us'], cells[m][kind + '_bw_frac']):>16}" for m in TIME_M
+            )
+            print(f"{label} {kind:6}{line}")
+    total = {m: sum(r["quant_us"] for r in rows if r["m"] == m) for m in TIME_M}
+    print("one of each matrix, quantized: " + ", ".join(f"M={m} {us:.0f} us" for m, us in total.items()))
 
 
 def main() -> None:
@@ -200,12 +309,10 @@ def main() -> None:
     parser.add_argument("--types", default=",".join(t.name for t in CHECK_SHAPES), help="types to check")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
-    import triton
-
+    result = {"device": torch.cuda.get_device_name(DEVICE), "torch": torch.__version__}
     result["triton"] = triton.__version__
     t0 = time.time()
-    ceilings = measure_ceilings("cuda")
+    ceilings = measure_ceilings(DEVICE)
     result["ceilings"] = ceilings.as_dict()
     print(f"ceilings: {ceilings}", flush=True)
     stages = {
@@ -214,18 +321,19 @@ def main() -> None:
         "shapes": lambda: time_shapes(ceilings.copy_gb_s),
     }
     for name in args.stages.split(","):
-        stage = stages[name]
+        started = time.time()
         try:
-            result[name] = stage()
+            result[name] = stages[name]()
         except Exception as e:  # noqa: BLE001 - keep what the other stages found
             result[name] = f"failed: {type(e).__name__}: {e}"
             print(f"{name} failed: {type(e).__name__}: {e}", flush=True)
-        result[f"{name}_s"] = time.time() - t0
-        result["tiles"] = {k: list(astuple(t)) for k, t in qmatmul.TILES.items()}
+        result[f"{name}_s"] = time.time() - started
+        print(f"--- stage {name}: {result[f'{name}_s']:.0f} s", flush=True)
+        result["tiles"], result["split_target"] = _tiles(), qmatmul.SPLIT_TARGET
         (args.out / f"{args.name}.json").write_text(json.dumps(result, indent=2) + "\n")
         if name == "sweep" and args.tiles_out:  # the next run may start before the shapes are timed
             args.tiles_out.write_text(json.dumps(result["tiles"]))
-    print(f"tiles {result['tiles']}  total {time.time() - t0:.0f} s", flush=True)
+    print(f"tiles {result['tiles']}  SPLIT_TARGET {qmatmul.SPLIT_TARGET}  total {time.time() - t0:.0f} s")
 
 
 if __name__ == "__main__":

@@ -7,20 +7,29 @@ words (n_rows, n_blocks, 32), its header (d, dmin, 6-bit scales) words (n_rows, 
 word holds 4 consecutive values of a 32-value group: `w & 0x0F0F0F0F` (or `(w >> 4) & ...`) gives their
 codes as 4 bytes, ready for an integer dot product with 4 int8 activations.
 
-Activations. Like llama.cpp's MMVQ, each call first quantizes x per 32-value block to int8:
-code = round(x * 127 / amax) (ties to even), dx = amax / 127, plus xs = the block's float sum (for the
-types with a min/offset, which is more accurate than dx * sum(codes)) and the code sums per 16 values.
-This is a numerical change against dequantize-then-matmul: the activation rounding error (at most dx / 2
-per value) gives y a relative error of ~5e-3 for Gaussian-like x (tests/test_kernels.py measures it).
+Activations. Like llama.cpp's MMVQ, each call first quantizes x per 32-value block to int8 (one small
+kernel): xq = round(x * 127 / amax) (ties to even; llama.cpp rounds ties away), dx = amax / 127, and the
+codes' sums per 16 values. The kernels then compute exactly x_int8 @ W^T, x_int8 = xq * dx (to fp32
+rounding; `reference_matmul` is that math in fp64). Against dequantize-then-matmul this is a numerical
+change: the activation rounding (at most dx / 2 per value) gives y a relative error of ~5e-3 for
+Gaussian x, ~1e-2 when a few channels are 20x larger (tests/test_kernels.py bounds it at 1e-2). The min
+terms of Q4_K/Q5_K/Q4_1 use x_int8's own block sums, dx * sum(xq): the float sums of x would leave
+their error uncancelled and double it (measured: 9.9e-3 instead of 5.4e-3 on Q4_K-quantized Gaussian W).
 
-Products. Per 32-value group (Q6_K: per 16-value sub-block) the kernels form the exact integer sum
-z = sum(code * xq) - (Q4_0: 8, Q6_K: 32) * sum(xq), then add it in fp32, in one shared function
-(`_accumulate`): acc = fma(float(z), w_scale * dx, acc), and for Q4_K/Q5_K/Q4_1 acc = fma(w_off, -xs, acc).
+Products. Per 32-value group (Q6_K: per 16-value sub-block) the kernels form the exact integer sums
+z = sum(code * xq) - (Q4_0: 8, Q6_K: 32) * sum(xq) and S = sum(xq), then add them in fp32 by one shared
+function (`_accumulate`): acc = fma(w_scale * float(z) - w_off * float(S), dx, acc), the min term
+(w_off * S) only for Q4_K/Q5_K/Q4_1.
 - M = 1 (`_matvec_kernel`): z by `dp4a` (4 int8 products per instruction) on code words, one thread per
-  (row, K-split), no cross-thread traffic; an exact integer emulation runs instead off CUDA (Triton's
-  interpreter cannot run PTX), so the CPU tests execute the kernel's real structure.
-- 2 <= M <= 64 (`_matmul_kernel`): z by an int8 tensor-core dot per group, (BN, 32) codes x (32, BM) xq.
+  (row, K-split), no cross-thread traffic: ~1.7 instructions per Q4_K value in sm_90 SASS (the budget
+  at HBM speed is ~3.8).
+- 2 <= M <= 64 (`_matmul_kernel`): z by an int8 tensor-core dot per group, (BN, 32) codes x (32, BM) xq,
+  M padded to BM = 16, 32 or 64. The codes are built 4 bytes per 32-bit op; the fp32 terms above, ~5
+  operations per (row, column, group), bound it: ~BM / 6 instructions per weight value.
 - M > 64: the weight is dequantized to x's dtype by `_dequant_kernel` and multiplied by cuBLAS.
+Off CUDA an exact integer emulation replaces every inline PTX op (Triton's interpreter cannot run PTX),
+so the CPU tests execute the kernels' real structure; bench/gpu_kernels.py checks PTX == emulation.
+
 Batch invariance: integer sums are exact and every path adds the same fp32 terms in the same order (units
 in K order inside a K-split, then splits in order, `_sum_splits_kernel`), and the split count depends on
 the matrix shape only (`k_splits`). So for M <= 64, row m of an M-row call equals a 1-row call on x[m]
@@ -32,8 +41,7 @@ step (5120 rows = 5120 threads for a whole H200), so each row's units are cut in
 shape (`SPLIT_TARGET` (row, split) pairs) and the partial sums added by a second small kernel.
 
 Before this design (bench/results/issue6-2026-12-02) the kernels decoded weights to fp32 and FMA'd them:
-~9 instructions per value, 0.14-0.19 of copy bandwidth at M = 1. Here the M = 1 loop costs ~1.3
-instructions per Q4_K value (budget at HBM speed ~4.5); bench/gpu_kernels.py measures what it reaches.
+~9 instructions per value, 0.14-0.19 of copy bandwidth at M = 1.
 """
 
 from __future__ import annotations
@@ -162,15 +170,15 @@ def _dp4a(a, b, c, A_SIGNED: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
-def _accumulate(acc, z, w_scale, w_off, dx, xs, HAS_OFFSET: tl.constexpr):
-    """acc + z * w_scale * dx - w_off * xs: one group's term, the same fp32 operations on every path."""
+def _accumulate(acc, z, w_scale, w_off, code_sum, dx, HAS_OFFSET: tl.constexpr):
+    """acc + dx * (w_scale * z - w_off * code_sum): a group's exact integer sums z = sum(code * xq) and
+    code_sum = sum(xq) scaled, by the same fp32 operations on every path."""
     # float(z), exact for |z| < 2**22: z in the mantissa of 1.5 * 2**23 (int -> float conversions run at a
     # fraction of the add rate)
-    z_f = (z + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
-    acc = tl.fma(z_f, w_scale * dx, acc)
+    t = w_scale * ((z + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0)
     if HAS_OFFSET:
-        acc = tl.fma(w_off, -xs, acc)
-    return acc
+        t = tl.fma(w_off, -code_sum.to(tl.float32), t)
+    return tl.fma(t, dx, acc)
 
 
 @triton.jit
@@ -312,21 +320,21 @@ def _matvec_kernel(
             k32 = unit * (V // 32) + g  # the group's 32-value block of x
             xa = tl.load(xq_ptr + k32 * 8 + tl.arange(0, 4))[None, :]  # (1, 4): xq of values 0-15
             xb = tl.load(xq_ptr + k32 * 8 + 4 + tl.arange(0, 4))[None, :]  # values 16-31
-            dx = tl.load(scale_ptr + 2 * k32)
-            xs = tl.load(scale_ptr + 2 * k32 + 1)
+            dx = tl.load(scale_ptr + k32)
+            sum_a, sum_b = tl.load(xqs_ptr + 2 * k32), tl.load(xqs_ptr + 2 * k32 + 1)  # of xa's, xb's codes
             ws_a, ws_b, wo = _group_scales(QTYPE, d, dmin, s0, s1, s2, s3, d_ptr, m_ptr, blk, row_ok, g)
             zero = tl.zeros_like(ca)
             if QTYPE == _Q6_K:  # two 16-value sub-blocks, codes offset by 32
-                za = tl.sum(_dp4a(ca, xa, zero, False, ASM), axis=1) - 32 * tl.load(xqs_ptr + 2 * k32)
-                zb = tl.sum(_dp4a(cb, xb, zero, False, ASM), axis=1) - 32 * tl.load(xqs_ptr + 2 * k32 + 1)
-                acc = _accumulate(acc, za, ws_a, wo, dx, xs, False)
-                acc = _accumulate(acc, zb, ws_b, wo, dx, xs, False)
+                za = tl.sum(_dp4a(ca, xa, zero, False, ASM), axis=1) - 32 * sum_a
+                zb = tl.sum(_dp4a(cb, xb, zero, False, ASM), axis=1) - 32 * sum_b
+                acc = _accumulate(acc, za, ws_a, wo, sum_a, dx, False)
+                acc = _accumulate(acc, zb, ws_b, wo, sum_b, dx, False)
             else:
                 signed = QTYPE == _Q8_0
                 z = tl.sum(_dp4a(cb, xb, _dp4a(ca, xa, zero, signed, ASM), signed, ASM), axis=1)  # (BN,)
                 if QTYPE == _Q4_0:  # codes offset by 8
-                    z -= 8 * (tl.load(xqs_ptr + 2 * k32) + tl.load(xqs_ptr + 2 * k32 + 1))
-                acc = _accumulate(acc, z, ws_a, wo, dx, xs, HAS_OFFSET)
+                    z -= 8 * (sum_a + sum_b)
+                acc = _accumulate(acc, z, ws_a, wo, sum_a + sum_b, dx, HAS_OFFSET)
     tl.store(out_ptr + split * N + rows, acc.to(out_ptr.dtype.element_ty), mask=row_ok)
 
 
@@ -398,7 +406,7 @@ def _group_codes(QTYPE: tl.constexpr, q_ptr, qh_ptr, blk, row_ok, g: tl.constexp
 
 @triton.jit
 def _matmul_kernel(
-    out_ptr, xq_ptr, scale_ptr, q_ptr, hdr_ptr, qh_ptr, d_ptr, m_ptr,
+    out_ptr, xq_ptr, scale_ptr, xqs_ptr, q_ptr, hdr_ptr, qh_ptr, d_ptr, m_ptr,
     M, N, K, n_blocks, units_per_split,
     QTYPE: tl.constexpr, G: tl.constexpr, V: tl.constexpr, HAS_OFFSET: tl.constexpr, BN: tl.constexpr,
     BM: tl.constexpr, ASM: tl.constexpr,
@@ -422,17 +430,21 @@ def _matmul_kernel(
             codes = _group_codes(QTYPE, q_ptr, qh_ptr, blk, row_ok, g, ASM)  # (BN, 32) int8
             k32 = unit * (V // 32) + g
             xt = tl.load(xq_ptr + ms[None, :] * K + k32 * 32 + j)  # (32, BM) int8
-            dx, xs = tl.split(tl.load(scale_ptr + (k32 * BM + ms[:, None]) * 2 + tl.arange(0, 2)[None, :]))
-            dx, xs = dx[None, :], xs[None, :]  # (1, BM) each
+            dx = tl.load(scale_ptr + k32 * BM + ms)[None, :]  # (1, BM)
+            if HAS_OFFSET:  # (1, BM): the group's code sums, its two halves added
+                halves = tl.load(xqs_ptr + (k32 * BM + ms[:, None]) * 2 + tl.arange(0, 2)[None, :])
+                code_sum = tl.sum(halves, axis=1)[None, :]
+            else:
+                code_sum = dx  # unused
             ws_a, ws_b, wo = _group_scales(QTYPE, d, dmin, s0, s1, s2, s3, d_ptr, m_ptr, blk, row_ok, g)
             if QTYPE == _Q6_K:  # one dot per 16-value sub-block: the other half of x zeroed
                 za = tl.dot(codes, tl.where(j < 16, xt, 0).to(tl.int8))  # (BN, BM) int32
                 zb = tl.dot(codes, tl.where(j >= 16, xt, 0).to(tl.int8))
-                acc = _accumulate(acc, za, ws_a[:, None], wo[:, None], dx, xs, False)
-                acc = _accumulate(acc, zb, ws_b[:, None], wo[:, None], dx, xs, False)
+                acc = _accumulate(acc, za, ws_a[:, None], wo[:, None], code_sum, dx, False)
+                acc = _accumulate(acc, zb, ws_b[:, None], wo[:, None], code_sum, dx, False)
             else:
                 z = tl.dot(codes, xt)
-                acc = _accumulate(acc, z, ws_a[:, None], wo[:, None], dx, xs, HAS_OFFSET)
+                acc = _accumulate(acc, z, ws_a[:, None], wo[:, None], code_sum, dx, HAS_OFFSET)
     ptrs = out_ptr + split * M * N + ms[None, :] * N + rows[:, None]
     tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & m_ok[None, :])
 
@@ -474,7 +486,7 @@ def _dequant_kernel(
 @triton.jit
 def _quantize_kernel(x_ptr, xq_ptr, scale_ptr, xqs_ptr, M, R, n_blocks, stride_x, NB: tl.constexpr):
     """Blocks [j * NB, j * NB + NB) of row i of x, 32 values each: int8 codes round(x * 127 / amax) (ties
-    to even) packed 4 per int32 word (little-endian), (dx = amax / 127, xs = sum(x)), code sums per 16.
+    to even) packed 4 per int32 word (little-endian), dx = amax / 127, and the codes' sums per 16 values.
     Rows M <= i < R (padding up to the tensor-core tile) come out all zero."""
     m = tl.program_id(0)
     blocks = tl.program_id(1) * NB + tl.arange(0, NB)
@@ -491,12 +503,13 @@ def _quantize_kernel(x_ptr, xq_ptr, scale_ptr, xqs_ptr, M, R, n_blocks, stride_x
     words = tl.sum((codes & 0xFF) << (8 * i), axis=2)  # (NB, 8): disjoint bytes, so sum = bitwise or
     word_sums = tl.sum(codes, axis=2)  # (NB, 8)
     first_half = tl.arange(0, 8)[None, :] < 4
-    row32 = m * n_blocks + blocks
-    tl.store(xq_ptr + row32[:, None] * 8 + tl.arange(0, 8)[None, :], words, mask=ok[:, None])
-    tl.store(scale_ptr + (blocks * R + m) * 2, tl.math.div_rn(amax, 127.0), mask=ok)
-    tl.store(scale_ptr + (blocks * R + m) * 2 + 1, tl.sum(tl.sum(x, axis=2), axis=1), mask=ok)
-    tl.store(xqs_ptr + 2 * row32, tl.sum(tl.where(first_half, word_sums, 0), axis=1), mask=ok)
-    tl.store(xqs_ptr + 2 * row32 + 1, tl.sum(tl.where(first_half, 0, word_sums), axis=1), mask=ok)
+    tl.store(
+        xq_ptr + (m * n_blocks + blocks)[:, None] * 8 + tl.arange(0, 8)[None, :], words, mask=ok[:, None]
+    )
+    at = blocks * R + m  # block-major: a block's R rows side by side
+    tl.store(scale_ptr + at, tl.math.div_rn(amax, 127.0), mask=ok)
+    tl.store(xqs_ptr + 2 * at, tl.sum(tl.where(first_half, word_sums, 0), axis=1), mask=ok)
+    tl.store(xqs_ptr + 2 * at + 1, tl.sum(tl.where(first_half, 0, word_sums), axis=1), mask=ok)
 
 
 # --- launchers -----------------------------------------------------------------------------------------
@@ -559,8 +572,8 @@ class QuantizedActivations(NamedTuple):
     """x (M, K) quantized per 32 values, as R >= M rows (the rows past M all zero)."""
 
     codes: torch.Tensor  # (R, K / 4) int32: 4 int8 codes per word, little-endian
-    scales: torch.Tensor  # (K / 32, R, 2) fp32: (dx = amax / 127, xs = the float sum of x), block-major
-    code_sums: torch.Tensor  # (R, K / 16) int32: the codes' sum per 16 values
+    scales: torch.Tensor  # (K / 32, R) fp32: dx = amax / 127, block-major
+    code_sums: torch.Tensor  # (K / 32, R, 2) int32: the codes' sums over each half of a block
 
 
 def quantize_activations(x: torch.Tensor, rows: int | None = None) -> QuantizedActivations:
@@ -571,8 +584,8 @@ def quantize_activations(x: torch.Tensor, rows: int | None = None) -> QuantizedA
     n_blocks = k // 32
     act = QuantizedActivations(
         torch.empty(rows, k // 4, dtype=torch.int32, device=x.device),
-        torch.empty(n_blocks, rows, 2, dtype=torch.float32, device=x.device),
-        torch.empty(rows, 2 * n_blocks, dtype=torch.int32, device=x.device),
+        torch.empty(n_blocks, rows, dtype=torch.float32, device=x.device),
+        torch.empty(n_blocks, rows, 2, dtype=torch.int32, device=x.device),
     )
     nb = 32  # blocks per program
     _quantize_kernel[(rows, triton.cdiv(n_blocks, nb))](
@@ -629,7 +642,7 @@ def quant_matmul(
         )  # fmt: skip
     else:
         _matmul_kernel[grid](
-            out, act.codes.view(torch.int8), act.scales, *_pointers(fields, lay, True),
+            out, act.codes.view(torch.int8), act.scales, act.code_sums, *_pointers(fields, lay, True),
             m, n_rows, n_cols, n_blocks, per_split, BM=bm, enable_fp_fusion=False, **launch,
         )  # fmt: skip
     if n_splits > 1:
@@ -667,19 +680,8 @@ def quantize_activations_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch
 def reference_matmul(
     x: torch.Tensor, raw: torch.Tensor, qtype: int, n_rows: int, n_cols: int
 ) -> torch.Tensor:
-    """The fused kernels' math in fp64, (M, n_rows): per 32-value block, the weights (the reference
-    dequantizer) times the int8-quantized x, except that the types with a min weigh it by the block's
-    true sum of x. GGUF rows raw (n_rows, row_bytes) uint8."""
-    m = x.shape[0]
+    """The fused kernels' math in fp64, (M, n_rows): the int8-quantized x times the weights decoded by the
+    reference dequantizer. GGUF rows raw (n_rows, row_bytes) uint8."""
     codes, dx = quantize_activations_reference(x)
-    x_int8 = (codes.double() * dx.double()[..., None]).view(m, n_cols)
-    y = x_int8 @ dequantize(raw, qtype, (n_rows, n_cols)).double().t()
-    if qtype in (QT.Q4_K, QT.Q5_K, QT.Q4_1):
-        no_codes = raw.view(n_rows, -1, block_bytes(qtype)).clone()
-        for f in layout(qtype, n_cols).fields:
-            if f.name in ("q", "qh"):
-                no_codes[..., f.start : f.start + f.size] = 0
-        w_min = -dequantize(no_codes, qtype, (n_rows, n_cols)).double()[:, ::32]  # value = w(code) - w_min
-        sums = x.double().view(m, -1, 32).sum(-1)  # the kernels use these where x_int8's sums stand
-        y -= (sums - x_int8.view(m, -1, 32).sum(-1)) @ w_min.t()
-    return y
+    x_int8 = (codes.double() * dx.double()[..., None]).view(x.shape[0], n_cols)
+    return x_int8 @ dequantize(raw, qtype, (n_rows, n_cols)).double().t()
