@@ -429,7 +429,7 @@ def _matmul_kernel(
         for g in tl.static_range(V // 32):
             codes = _group_codes(QTYPE, q_ptr, qh_ptr, blk, row_ok, g, ASM)  # (BN, 32) int8
             k32 = unit * (V // 32) + g
-            xt = tl.load(xq_ptr + ms[None, :] * K + k32 * 32 + j)  # (32, BM) int8
+            xt_ptrs = xq_ptr + ms[None, :] * K + k32 * 32 + j  # (32, BM): x's codes, K-major
             dx = tl.load(scale_ptr + k32 * BM + ms)[None, :]  # (1, BM)
             if HAS_OFFSET:  # (1, BM): the group's code sums, its two halves added
                 halves = tl.load(xqs_ptr + (k32 * BM + ms[:, None]) * 2 + tl.arange(0, 2)[None, :])
@@ -437,13 +437,13 @@ def _matmul_kernel(
             else:
                 code_sum = dx  # unused
             ws_a, ws_b, wo = _group_scales(QTYPE, d, dmin, s0, s1, s2, s3, d_ptr, m_ptr, blk, row_ok, g)
-            if QTYPE == _Q6_K:  # one dot per 16-value sub-block: the other half of x zeroed
-                za = tl.dot(codes, tl.where(j < 16, xt, 0).to(tl.int8))  # (BN, BM) int32
-                zb = tl.dot(codes, tl.where(j >= 16, xt, 0).to(tl.int8))
+            if QTYPE == _Q6_K:  # one dot per 16-value sub-block: the other half of x loaded as zeros
+                za = tl.dot(codes, tl.load(xt_ptrs, mask=j < 16, other=0))  # (BN, BM) int32
+                zb = tl.dot(codes, tl.load(xt_ptrs, mask=j >= 16, other=0))
                 acc = _accumulate(acc, za, ws_a[:, None], wo[:, None], code_sum, dx, False)
                 acc = _accumulate(acc, zb, ws_b[:, None], wo[:, None], code_sum, dx, False)
             else:
-                z = tl.dot(codes, xt)
+                z = tl.dot(codes, tl.load(xt_ptrs))
                 acc = _accumulate(acc, z, ws_a[:, None], wo[:, None], code_sum, dx, HAS_OFFSET)
     ptrs = out_ptr + split * M * N + ms[None, :] * N + rows[:, None]
     tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & m_ok[None, :])
