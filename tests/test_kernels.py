@@ -156,17 +156,20 @@ def test_bf16_batch_invariance_and_error():
     assert rel_err(y, x.double() @ w.t()) < INT8_TOL
 
 
-def test_uneven_k_splits(monkeypatch):
-    """A row's units cut into splits of unequal length still give the same math."""
+def test_uneven_k_splits_and_unrolled_units(monkeypatch):
+    """Splits of unequal length, walked 3 units per step (so steps run past a split's end), give the same
+    math, bit for bit the same across M."""
     rows, cols = 21, 576  # Q8_0: 9 units of 2 blocks
     monkeypatch.setattr(qmatmul, "SPLIT_TARGET", 2 * rows)
     assert k_splits(rows, 9) == (2, 5)
+    for key in ("m1", "m16"):
+        monkeypatch.setitem(qmatmul.TILES, key, qmatmul.TileConfig(32, 1, 1, 3))
     raw, _ = case(QT.Q8_0, rows, cols)
     x = torch.randn(3, cols, generator=torch.Generator().manual_seed(3))
     fields = repack(raw, QT.Q8_0, cols)
-    for m in (1, 3):
-        y = quant_matmul(x[:m], fields, QT.Q8_0, rows, cols)
-        assert rel_err(y, reference_matmul(x[:m], raw, QT.Q8_0, rows, cols)) < EXACT_TOL
+    y = quant_matmul(x, fields, QT.Q8_0, rows, cols)
+    assert rel_err(y, reference_matmul(x, raw, QT.Q8_0, rows, cols)) < EXACT_TOL
+    assert torch.equal(quant_matmul(x[1:2], fields, QT.Q8_0, rows, cols)[0], y[1])
 
 
 def test_k_splits_depend_on_the_shape_only():
@@ -224,9 +227,9 @@ def test_layout_units_and_fields():
 
 
 def test_tiles_from_env(monkeypatch):
-    monkeypatch.setenv("FLASHTREE_QMM_TILES", '{"m1": [128, 4, 1]}')
+    monkeypatch.setenv("FLASHTREE_QMM_TILES", '{"m1": [128, 4, 1, 2]}')
     tiles = qmatmul.tiles_from_env()
-    assert tiles["m1"] == qmatmul.TileConfig(128, 4, 1) and tiles["m16"] == qmatmul.DEFAULT_TILES["m16"]
+    assert tiles["m1"] == qmatmul.TileConfig(128, 4, 1, 2) and tiles["m16"] == qmatmul.DEFAULT_TILES["m16"]
     monkeypatch.setenv("FLASHTREE_QMM_TILES", '{"gemv": [8, 2, 2]}')
     with pytest.raises(FlashtreeError, match="unknown keys"):
         qmatmul.tiles_from_env()

@@ -298,13 +298,45 @@ def _group_words(QTYPE: tl.constexpr, q_ptr, qh_ptr, blk, row_ok, g: tl.constexp
 
 
 @triton.jit
+def _matvec_unit(
+    acc, unit, row_blk, row_ok, xq_ptr, scale_ptr, xqs_ptr, q_ptr, hdr_ptr, qh_ptr, d_ptr, m_ptr,
+    QTYPE: tl.constexpr, G: tl.constexpr, V: tl.constexpr, HAS_OFFSET: tl.constexpr, ASM: tl.constexpr,
+):  # fmt: skip
+    """acc (BN,) plus the unit's terms, group after group."""
+    blk = row_blk + unit * G
+    d, dmin, s0, s1, s2, s3 = _unit_header(QTYPE, hdr_ptr, d_ptr, blk, row_ok)
+    for g in tl.static_range(V // 32):
+        ca, cb = _group_words(QTYPE, q_ptr, qh_ptr, blk, row_ok, g)  # (BN, 4) each
+        k32 = unit * (V // 32) + g  # the group's 32-value block of x
+        xa = tl.load(xq_ptr + k32 * 8 + tl.arange(0, 4))[None, :]  # (1, 4): xq of values 0-15
+        xb = tl.load(xq_ptr + k32 * 8 + 4 + tl.arange(0, 4))[None, :]  # values 16-31
+        dx = tl.load(scale_ptr + k32)
+        sum_a, sum_b = tl.load(xqs_ptr + 2 * k32), tl.load(xqs_ptr + 2 * k32 + 1)  # of xa's, xb's codes
+        ws_a, ws_b, wo = _group_scales(QTYPE, d, dmin, s0, s1, s2, s3, d_ptr, m_ptr, blk, row_ok, g)
+        zero = tl.zeros_like(ca)
+        if QTYPE == _Q6_K:  # two 16-value sub-blocks, codes offset by 32
+            za = tl.sum(_dp4a(ca, xa, zero, False, ASM), axis=1) - 32 * sum_a
+            zb = tl.sum(_dp4a(cb, xb, zero, False, ASM), axis=1) - 32 * sum_b
+            acc = _accumulate(acc, za, ws_a, wo, sum_a, dx, False)
+            acc = _accumulate(acc, zb, ws_b, wo, sum_b, dx, False)
+        else:
+            signed = QTYPE == _Q8_0
+            z = tl.sum(_dp4a(cb, xb, _dp4a(ca, xa, zero, signed, ASM), signed, ASM), axis=1)  # (BN,)
+            if QTYPE == _Q4_0:  # codes offset by 8
+                z -= 8 * (sum_a + sum_b)
+            acc = _accumulate(acc, z, ws_a, wo, sum_a + sum_b, dx, HAS_OFFSET)
+    return acc
+
+
+@triton.jit
 def _matvec_kernel(
     out_ptr, xq_ptr, scale_ptr, xqs_ptr, q_ptr, hdr_ptr, qh_ptr, d_ptr, m_ptr,
     N, n_blocks, units_per_split,
     QTYPE: tl.constexpr, G: tl.constexpr, V: tl.constexpr, HAS_OFFSET: tl.constexpr, BN: tl.constexpr,
-    ASM: tl.constexpr,
+    UNROLL: tl.constexpr, ASM: tl.constexpr,
 ):  # fmt: skip
-    """One row of x: program (i, s) adds split s of rows [i * BN, i * BN + BN), one thread per row."""
+    """One row of x: program (i, s) adds split s of rows [i * BN, i * BN + BN), one thread per row,
+    UNROLL units per step (their loads in flight together)."""
     rows = tl.program_id(0) * BN + tl.arange(0, BN)
     row_ok = rows < N
     split = tl.program_id(1)
@@ -312,29 +344,15 @@ def _matvec_kernel(
     last = tl.minimum(first + units_per_split, n_blocks // G)
     row_blk = rows.to(tl.int64) * n_blocks  # (BN,): each row's first block
     acc = tl.zeros((BN,), tl.float32)
-    for unit in range(first, last):
-        blk = row_blk + unit * G
-        d, dmin, s0, s1, s2, s3 = _unit_header(QTYPE, hdr_ptr, d_ptr, blk, row_ok)
-        for g in tl.static_range(V // 32):
-            ca, cb = _group_words(QTYPE, q_ptr, qh_ptr, blk, row_ok, g)  # (BN, 4) each
-            k32 = unit * (V // 32) + g  # the group's 32-value block of x
-            xa = tl.load(xq_ptr + k32 * 8 + tl.arange(0, 4))[None, :]  # (1, 4): xq of values 0-15
-            xb = tl.load(xq_ptr + k32 * 8 + 4 + tl.arange(0, 4))[None, :]  # values 16-31
-            dx = tl.load(scale_ptr + k32)
-            sum_a, sum_b = tl.load(xqs_ptr + 2 * k32), tl.load(xqs_ptr + 2 * k32 + 1)  # of xa's, xb's codes
-            ws_a, ws_b, wo = _group_scales(QTYPE, d, dmin, s0, s1, s2, s3, d_ptr, m_ptr, blk, row_ok, g)
-            zero = tl.zeros_like(ca)
-            if QTYPE == _Q6_K:  # two 16-value sub-blocks, codes offset by 32
-                za = tl.sum(_dp4a(ca, xa, zero, False, ASM), axis=1) - 32 * sum_a
-                zb = tl.sum(_dp4a(cb, xb, zero, False, ASM), axis=1) - 32 * sum_b
-                acc = _accumulate(acc, za, ws_a, wo, sum_a, dx, False)
-                acc = _accumulate(acc, zb, ws_b, wo, sum_b, dx, False)
-            else:
-                signed = QTYPE == _Q8_0
-                z = tl.sum(_dp4a(cb, xb, _dp4a(ca, xa, zero, signed, ASM), signed, ASM), axis=1)  # (BN,)
-                if QTYPE == _Q4_0:  # codes offset by 8
-                    z -= 8 * (sum_a + sum_b)
-                acc = _accumulate(acc, z, ws_a, wo, sum_a + sum_b, dx, HAS_OFFSET)
+    for start in range(first, last, UNROLL):
+        for u in tl.static_range(UNROLL):
+            # past the split's end: redo its last unit and drop the result (same adds, same order)
+            unit = tl.minimum(start + u, last - 1)
+            step = _matvec_unit(
+                acc, unit, row_blk, row_ok, xq_ptr, scale_ptr, xqs_ptr, q_ptr, hdr_ptr, qh_ptr, d_ptr, m_ptr,
+                QTYPE, G, V, HAS_OFFSET, ASM,
+            )  # fmt: skip
+            acc = tl.where(start + u < last, step, acc)
     tl.store(out_ptr + split * N + rows, acc.to(out_ptr.dtype.element_ty), mask=row_ok)
 
 
@@ -405,48 +423,65 @@ def _group_codes(QTYPE: tl.constexpr, q_ptr, qh_ptr, blk, row_ok, g: tl.constexp
 
 
 @triton.jit
+def _matmul_unit(
+    acc, unit, row_blk, row_ok, xq_ptr, scale_ptr, xqs_ptr, q_ptr, hdr_ptr, qh_ptr, d_ptr, m_ptr, K,
+    QTYPE: tl.constexpr, G: tl.constexpr, V: tl.constexpr, HAS_OFFSET: tl.constexpr, BM: tl.constexpr,
+    ASM: tl.constexpr,
+):  # fmt: skip
+    """acc (BN, BM) plus the unit's terms, group after group, one int8 dot each (two for Q6_K)."""
+    ms = tl.arange(0, BM)
+    j = tl.arange(0, 32)[:, None]
+    blk = row_blk + unit * G
+    d, dmin, s0, s1, s2, s3 = _unit_header(QTYPE, hdr_ptr, d_ptr, blk, row_ok)
+    for g in tl.static_range(V // 32):
+        codes = _group_codes(QTYPE, q_ptr, qh_ptr, blk, row_ok, g, ASM)  # (BN, 32) int8
+        k32 = unit * (V // 32) + g
+        xt_ptrs = xq_ptr + ms[None, :] * K + k32 * 32 + j  # (32, BM): x's codes, K-major
+        dx = tl.load(scale_ptr + k32 * BM + ms)[None, :]  # (1, BM)
+        if HAS_OFFSET:  # (1, BM): the group's code sums, its two halves added
+            halves = tl.load(xqs_ptr + (k32 * BM + ms[:, None]) * 2 + tl.arange(0, 2)[None, :])
+            code_sum = tl.sum(halves, axis=1)[None, :]
+        else:
+            code_sum = dx  # unused
+        ws_a, ws_b, wo = _group_scales(QTYPE, d, dmin, s0, s1, s2, s3, d_ptr, m_ptr, blk, row_ok, g)
+        if QTYPE == _Q6_K:  # one dot per 16-value sub-block: the other half of x loaded as zeros
+            za = tl.dot(codes, tl.load(xt_ptrs, mask=j < 16, other=0))  # (BN, BM) int32
+            zb = tl.dot(codes, tl.load(xt_ptrs, mask=j >= 16, other=0))
+            acc = _accumulate(acc, za, ws_a[:, None], wo[:, None], code_sum, dx, False)
+            acc = _accumulate(acc, zb, ws_b[:, None], wo[:, None], code_sum, dx, False)
+        else:
+            z = tl.dot(codes, tl.load(xt_ptrs))
+            acc = _accumulate(acc, z, ws_a[:, None], wo[:, None], code_sum, dx, HAS_OFFSET)
+    return acc
+
+
+@triton.jit
 def _matmul_kernel(
     out_ptr, xq_ptr, scale_ptr, xqs_ptr, q_ptr, hdr_ptr, qh_ptr, d_ptr, m_ptr,
     M, N, K, n_blocks, units_per_split,
     QTYPE: tl.constexpr, G: tl.constexpr, V: tl.constexpr, HAS_OFFSET: tl.constexpr, BN: tl.constexpr,
-    BM: tl.constexpr, ASM: tl.constexpr,
+    BM: tl.constexpr, UNROLL: tl.constexpr, ASM: tl.constexpr,
 ):  # fmt: skip
     """2 <= M <= BM rows of x (their activations padded to BM rows; xq_ptr: the int8 codes, (BM, K)):
-    program (i, s) adds split s of rows [i * BN, i * BN + BN) for all M, one int8 dot per group."""
+    program (i, s) adds split s of rows [i * BN, i * BN + BN) for all M, UNROLL units per step."""
     rows = tl.program_id(0) * BN + tl.arange(0, BN)
     row_ok = rows < N
     split = tl.program_id(1)
     first = split * units_per_split
     last = tl.minimum(first + units_per_split, n_blocks // G)
     row_blk = rows.to(tl.int64) * n_blocks
-    ms = tl.arange(0, BM)
-    m_ok = ms < M
-    j = tl.arange(0, 32)[:, None]
     acc = tl.zeros((BN, BM), tl.float32)
-    for unit in range(first, last):
-        blk = row_blk + unit * G
-        d, dmin, s0, s1, s2, s3 = _unit_header(QTYPE, hdr_ptr, d_ptr, blk, row_ok)
-        for g in tl.static_range(V // 32):
-            codes = _group_codes(QTYPE, q_ptr, qh_ptr, blk, row_ok, g, ASM)  # (BN, 32) int8
-            k32 = unit * (V // 32) + g
-            xt_ptrs = xq_ptr + ms[None, :] * K + k32 * 32 + j  # (32, BM): x's codes, K-major
-            dx = tl.load(scale_ptr + k32 * BM + ms)[None, :]  # (1, BM)
-            if HAS_OFFSET:  # (1, BM): the group's code sums, its two halves added
-                halves = tl.load(xqs_ptr + (k32 * BM + ms[:, None]) * 2 + tl.arange(0, 2)[None, :])
-                code_sum = tl.sum(halves, axis=1)[None, :]
-            else:
-                code_sum = dx  # unused
-            ws_a, ws_b, wo = _group_scales(QTYPE, d, dmin, s0, s1, s2, s3, d_ptr, m_ptr, blk, row_ok, g)
-            if QTYPE == _Q6_K:  # one dot per 16-value sub-block: the other half of x loaded as zeros
-                za = tl.dot(codes, tl.load(xt_ptrs, mask=j < 16, other=0))  # (BN, BM) int32
-                zb = tl.dot(codes, tl.load(xt_ptrs, mask=j >= 16, other=0))
-                acc = _accumulate(acc, za, ws_a[:, None], wo[:, None], code_sum, dx, False)
-                acc = _accumulate(acc, zb, ws_b[:, None], wo[:, None], code_sum, dx, False)
-            else:
-                z = tl.dot(codes, tl.load(xt_ptrs))
-                acc = _accumulate(acc, z, ws_a[:, None], wo[:, None], code_sum, dx, HAS_OFFSET)
+    for start in range(first, last, UNROLL):
+        for u in tl.static_range(UNROLL):
+            unit = tl.minimum(start + u, last - 1)  # as in _matvec_kernel
+            step = _matmul_unit(
+                acc, unit, row_blk, row_ok, xq_ptr, scale_ptr, xqs_ptr, q_ptr, hdr_ptr, qh_ptr, d_ptr, m_ptr,
+                K, QTYPE, G, V, HAS_OFFSET, BM, ASM,
+            )  # fmt: skip
+            acc = tl.where(start + u < last, step, acc)
+    ms = tl.arange(0, BM)
     ptrs = out_ptr + split * M * N + ms[None, :] * N + rows[:, None]
-    tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & m_ok[None, :])
+    tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (ms < M)[None, :])
 
 
 @triton.jit
@@ -517,25 +552,26 @@ def _quantize_kernel(x_ptr, xq_ptr, scale_ptr, xqs_ptr, M, R, n_blocks, stride_x
 
 @dataclass(frozen=True)
 class TileConfig:
-    rows: int  # BN: output rows per program (M = 1: one thread per row, so a multiple of 32 * warps)
+    rows: int  # BN: output rows per program (M = 1: one thread per row, so 32 * warps)
     warps: int
-    stages: int  # Triton pipelining stages of the unit loop
+    stages: int  # Triton pipelining stages of the unit loop (the tensor-core kernel's loads)
+    unroll: int = 1  # units per loop step: their loads are in flight together
 
 
 # Keys: "m1" (M = 1, dp4a) and "m16"/"m32"/"m64" (M padded to that many tensor-core columns). Chosen
 # from sm_90 SASS compiled offline (fewest instructions per weight value without spills), until
 # bench/gpu_kernels.py's sweep measures them on an H200.
 DEFAULT_TILES = {
-    "m1": TileConfig(64, 2, 1),
-    "m16": TileConfig(128, 4, 1),
-    "m32": TileConfig(64, 4, 1),
-    "m64": TileConfig(64, 4, 1),
+    "m1": TileConfig(64, 2, 1, 2),
+    "m16": TileConfig(128, 4, 1, 1),
+    "m32": TileConfig(64, 4, 1, 1),
+    "m64": TileConfig(64, 4, 1, 1),
 }
 
 
 def tiles_from_env() -> dict[str, TileConfig]:
-    """DEFAULT_TILES, with overrides from FLASHTREE_QMM_TILES (JSON {"m1": [rows, warps, stages], ...}),
-    the way a tuning sweep hands its choice to a benchmark run."""
+    """DEFAULT_TILES, with overrides from FLASHTREE_QMM_TILES (JSON {"m1": [rows, warps, stages, unroll],
+    ...}), the way a tuning sweep hands its choice to a benchmark run."""
     text = os.environ.get("FLASHTREE_QMM_TILES")
     if not text:
         return dict(DEFAULT_TILES)
@@ -543,7 +579,7 @@ def tiles_from_env() -> dict[str, TileConfig]:
         chosen = {key: TileConfig(*map(int, value)) for key, value in json.loads(text).items()}
     except (ValueError, TypeError) as e:
         raise FlashtreeError(
-            f"FLASHTREE_QMM_TILES: expected JSON {{key: [rows, warps, stages]}} ({e})"
+            f"FLASHTREE_QMM_TILES: expected JSON {{key: [rows, warps, stages, unroll]}} ({e})"
         ) from None
     unknown = set(chosen) - set(DEFAULT_TILES)
     if unknown:
@@ -630,11 +666,8 @@ def quant_matmul(
     out = y if n_splits == 1 else torch.empty(n_splits, m, n_rows, dtype=torch.float32, device=x.device)
     tile = TILES[tile_key(m)]
     grid = (triton.cdiv(n_rows, tile.rows), n_splits)
-    launch = _static_args(lay, x.device) | {
-        "BN": tile.rows,
-        "num_warps": tile.warps,
-        "num_stages": tile.stages,
-    }
+    tiling = {"BN": tile.rows, "UNROLL": tile.unroll, "num_warps": tile.warps, "num_stages": tile.stages}
+    launch = _static_args(lay, x.device) | tiling
     if m == 1:
         _matvec_kernel[grid](
             out, *act, *_pointers(fields, lay, False), n_rows, n_blocks, per_split,
