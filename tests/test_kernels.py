@@ -157,8 +157,8 @@ def test_bf16_batch_invariance_and_error():
 
 
 def test_uneven_k_splits_and_unrolled_units(monkeypatch):
-    """Splits of unequal length, walked 3 units per step (so steps run past a split's end), give the same
-    math, bit for bit the same across M."""
+    """Splits of unequal length (5 and 4 units), walked 3 units per step and the rest one by one, give the
+    same math, bit for bit the same across M."""
     rows, cols = 21, 576  # Q8_0: 9 units of 2 blocks
     monkeypatch.setattr(qmatmul, "SPLIT_TARGET", 2 * rows)
     assert k_splits(rows, 9) == (2, 5)

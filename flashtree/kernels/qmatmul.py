@@ -336,7 +336,7 @@ def _matvec_kernel(
     UNROLL: tl.constexpr, ASM: tl.constexpr,
 ):  # fmt: skip
     """One row of x: program (i, s) adds split s of rows [i * BN, i * BN + BN), one thread per row,
-    UNROLL units per step (their loads in flight together)."""
+    UNROLL units per step (their loads can be in flight together)."""
     rows = tl.program_id(0) * BN + tl.arange(0, BN)
     row_ok = rows < N
     split = tl.program_id(1)
@@ -344,15 +344,18 @@ def _matvec_kernel(
     last = tl.minimum(first + units_per_split, n_blocks // G)
     row_blk = rows.to(tl.int64) * n_blocks  # (BN,): each row's first block
     acc = tl.zeros((BN,), tl.float32)
-    for start in range(first, last, UNROLL):
+    unrolled_end = first + (last - first) // UNROLL * UNROLL
+    for start in range(first, unrolled_end, UNROLL):
         for u in tl.static_range(UNROLL):
-            # past the split's end: redo its last unit and drop the result (same adds, same order)
-            unit = tl.minimum(start + u, last - 1)
-            step = _matvec_unit(
-                acc, unit, row_blk, row_ok, xq_ptr, scale_ptr, xqs_ptr, q_ptr, hdr_ptr, qh_ptr, d_ptr, m_ptr,
-                QTYPE, G, V, HAS_OFFSET, ASM,
+            acc = _matvec_unit(
+                acc, start + u, row_blk, row_ok, xq_ptr, scale_ptr, xqs_ptr, q_ptr, hdr_ptr, qh_ptr, d_ptr,
+                m_ptr, QTYPE, G, V, HAS_OFFSET, ASM,
             )  # fmt: skip
-            acc = tl.where(start + u < last, step, acc)
+    for unit in range(unrolled_end, last):  # the rest, one by one: the same adds in the same order
+        acc = _matvec_unit(
+            acc, unit, row_blk, row_ok, xq_ptr, scale_ptr, xqs_ptr, q_ptr, hdr_ptr, qh_ptr, d_ptr, m_ptr,
+            QTYPE, G, V, HAS_OFFSET, ASM,
+        )  # fmt: skip
     tl.store(out_ptr + split * N + rows, acc.to(out_ptr.dtype.element_ty), mask=row_ok)
 
 
@@ -471,14 +474,18 @@ def _matmul_kernel(
     last = tl.minimum(first + units_per_split, n_blocks // G)
     row_blk = rows.to(tl.int64) * n_blocks
     acc = tl.zeros((BN, BM), tl.float32)
-    for start in range(first, last, UNROLL):
+    unrolled_end = first + (last - first) // UNROLL * UNROLL
+    for start in range(first, unrolled_end, UNROLL):
         for u in tl.static_range(UNROLL):
-            unit = tl.minimum(start + u, last - 1)  # as in _matvec_kernel
-            step = _matmul_unit(
-                acc, unit, row_blk, row_ok, xq_ptr, scale_ptr, xqs_ptr, q_ptr, hdr_ptr, qh_ptr, d_ptr, m_ptr,
-                K, QTYPE, G, V, HAS_OFFSET, BM, ASM,
+            acc = _matmul_unit(
+                acc, start + u, row_blk, row_ok, xq_ptr, scale_ptr, xqs_ptr, q_ptr, hdr_ptr, qh_ptr, d_ptr,
+                m_ptr, K, QTYPE, G, V, HAS_OFFSET, BM, ASM,
             )  # fmt: skip
-            acc = tl.where(start + u < last, step, acc)
+    for unit in range(unrolled_end, last):  # the rest, one by one: the same adds in the same order
+        acc = _matmul_unit(
+            acc, unit, row_blk, row_ok, xq_ptr, scale_ptr, xqs_ptr, q_ptr, hdr_ptr, qh_ptr, d_ptr, m_ptr, K,
+            QTYPE, G, V, HAS_OFFSET, BM, ASM,
+        )  # fmt: skip
     ms = tl.arange(0, BM)
     ptrs = out_ptr + split * M * N + ms[None, :] * N + rows[:, None]
     tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (ms < M)[None, :])
