@@ -115,9 +115,9 @@ def layout(qtype: int, n_cols: int) -> Layout:
     n_blocks = n_cols // block_size(qtype)
     group = 1 if block_size(qtype) == 256 else next(g for g in (8, 4, 2, 1) if n_blocks % g == 0)
     fields = tuple(Field(*f) for f in _FIELDS[qtype])
-    spans = sorted((f.start, f.start + f.size) for f in fields)
-    covered = [a for span in spans for a in span]
-    assert covered[0] == 0 and covered[-1] == block_bytes(qtype) and covered[1:-1:2] == covered[2:-1:2]
+    bounds = [b for f in sorted(fields, key=lambda f: f.start) for b in (f.start, f.start + f.size)]
+    # the fields tile the block: the first starts at 0, each ends where the next starts, the last at its end
+    assert bounds[0] == 0 and bounds[-1] == block_bytes(qtype) and bounds[1:-1:2] == bounds[2:-1:2]
     return Layout(int(qtype), group, fields)
 
 
@@ -195,7 +195,8 @@ def _signed_byte(word, i: tl.constexpr):
 @triton.jit
 def _unit_header(QTYPE: tl.constexpr, hdr_ptr, d_ptr, blk, row_ok):
     """What a unit's groups share: (d, dmin, s0, s1, s2, s3), (BN,) each. Q4_K/Q5_K: d, dmin and the
-    scale words s0-s2; Q6_K: d and the four words of int8 scales; legacy types: nothing (zeros)."""
+    scale words s0-s2; Q6_K: d and the four words of int8 scales; legacy types: placeholders (their
+    scales are per block, loaded by `_group_scales`)."""
     zero = tl.full(blk.shape, 0, tl.float32)
     if QTYPE == _Q4_K or QTYPE == _Q5_K or QTYPE == _Q6_K:  # noqa: SIM109 - Triton's compiler has no `in`
         # word by word: (BN,) loads land in whatever layout the consumers use, no conversion
