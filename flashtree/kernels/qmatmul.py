@@ -142,6 +142,11 @@ def packed_bytes(fields: list[torch.Tensor]) -> int:
 
 # --- Triton: shared pieces -----------------------------------------------------------------------------
 
+# Sizes the kernels take at run time, not compiled in (Triton would compile a variant for each shape's
+# divisibility by 16 and for 1): the addresses built from them get their alignment from constant
+# factors. K, strides and sum_splits' n (vector loads need their divisibility) stay specialized.
+_SHAPE_ARGS = ["M", "R", "N", "n_blocks", "units_per_split", "n_splits"]
+
 # GGML type ids as compile-time constants, for the kernels' static branches
 _Q4_0, _Q4_1, _Q8_0 = tl.constexpr(int(QT.Q4_0)), tl.constexpr(int(QT.Q4_1)), tl.constexpr(int(QT.Q8_0))
 _Q4_K, _Q5_K, _Q6_K = tl.constexpr(int(QT.Q4_K)), tl.constexpr(int(QT.Q5_K)), tl.constexpr(int(QT.Q6_K))
@@ -329,7 +334,7 @@ def _matvec_unit(
     return acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_SHAPE_ARGS)
 def _matvec_kernel(
     out_ptr, xq_ptr, scale_ptr, xqs_ptr, q_ptr, hdr_ptr, qh_ptr, d_ptr, m_ptr,
     N, n_blocks, units_per_split,
@@ -459,7 +464,7 @@ def _matmul_unit(
     return acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_SHAPE_ARGS)
 def _matmul_kernel(
     out_ptr, xq_ptr, scale_ptr, xqs_ptr, q_ptr, hdr_ptr, qh_ptr, d_ptr, m_ptr,
     M, N, K, n_blocks, units_per_split,
@@ -492,7 +497,7 @@ def _matmul_kernel(
     tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (ms < M)[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_SHAPE_ARGS)
 def _sum_splits_kernel(y_ptr, part_ptr, n, n_splits, BLOCK: tl.constexpr):
     """y = the K-splits' partial sums (n_splits, n) added in split order."""
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -503,7 +508,7 @@ def _sum_splits_kernel(y_ptr, part_ptr, n, n_splits, BLOCK: tl.constexpr):
     tl.store(y_ptr + i, acc.to(y_ptr.dtype.element_ty), mask=ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_SHAPE_ARGS)
 def _dequant_kernel(
     out_ptr, q_ptr, hdr_ptr, qh_ptr, d_ptr, m_ptr, N, K, n_blocks,
     QTYPE: tl.constexpr, G: tl.constexpr, V: tl.constexpr, HAS_OFFSET: tl.constexpr, BN: tl.constexpr,
@@ -526,7 +531,7 @@ def _dequant_kernel(
         tl.store(ptrs, w.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_SHAPE_ARGS)
 def _quantize_kernel(x_ptr, xq_ptr, scale_ptr, xqs_ptr, M, R, n_blocks, stride_x, NB: tl.constexpr):
     """Blocks [j * NB, j * NB + NB) of row i of x, 32 values each: int8 codes round(x * 127 / amax) (ties
     to even) packed 4 per int32 word (little-endian), dx = amax / 127, and the codes' sums per 16 values.
