@@ -56,13 +56,13 @@ def build_tree(
     width = budget  # candidates kept per depth
     # With chain_seed the greedy chain is slot 0 of every level: the bonus on (slot 0, rank 0) makes
     # it win each level's selection, and the same bonus on slot 0 wins the final one.
-    bonus = torch.zeros(width * k, device=dev)
-    bonus[0] = CHAIN_BONUS if chain_seed else 0.0
+    # (built by comparison: an item assignment copies a host scalar, which a CUDA graph cannot hold)
+    first = torch.arange(width * k, device=dev) == 0
+    bonus = first * (CHAIN_BONUS if chain_seed else 0.0)  # (width * k,)
 
     # Level d keeps `width` candidates (slot order = selection order): their scores and their flat
     # index (parent slot * k + rank) into the level's (width, k) candidate grid. Dead slots score -inf.
-    score = torch.full((width,), NEG_INF, device=dev)
-    score[0] = 0.0  # the root
+    score = torch.where(first[:width], 0.0, NEG_INF)  # only the root is alive
     level_scores, level_picks = [], []
     for d in range(depth_l):
         cand = (score[:, None] + logp[d][None, :]).flatten()  # (width * k,): every parent x every rank
