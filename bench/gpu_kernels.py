@@ -258,7 +258,14 @@ def _tiles() -> dict:
 # --- shapes --------------------------------------------------------------------------------------------
 
 
-def time_shapes(copy_gb_s: float) -> list[dict]:
+def quantize_time_us(cols: int, m: int) -> float:
+    """The activation quantization alone: one of the launches inside every quant_matmul call."""
+    x = torch.randn(m, cols, device=DEVICE, dtype=torch.bfloat16)
+    rows = 1 if m == 1 else max(16, triton.next_power_of_2(m))
+    return graph_time_us([lambda: qmatmul.quantize_activations(x, rows)] * 20)
+
+
+def time_shapes(copy_gb_s: float) -> dict:
     rows = []
     for name, qtype, r, c in SHAPES_27B:
         copies, dense = weight_copies(qtype, r, c), dense_copies(r, c)
@@ -277,7 +284,9 @@ def time_shapes(copy_gb_s: float) -> list[dict]:
             )
         del copies, dense
     print_shape_table(rows)
-    return rows
+    quantize = {f"K={c} M={m}": quantize_time_us(c, m) for c in (5120, 17408) for m in (1, 23)}
+    print("activation quantization alone: " + ", ".join(f"{k} {us:.1f} us" for k, us in quantize.items()))
+    return {"matrices": rows, "quantize_us": quantize}
 
 
 def _cell(us: float, frac: float) -> str:
