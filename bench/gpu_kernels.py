@@ -135,7 +135,10 @@ def check_type(qtype, n: int, k: int) -> dict:
             f"{row['rel_err_bf16']:.1e}  invariant {_yes(row['invariant'])}  {verdict}",
             flush=True,
         )
-    single = all(torch.equal(mm(x[i : i + 1])[0], full[i]) for i in SINGLE_ROWS)
+    single = all(
+        torch.equal(mm(x[i : i + 1])[0], full[i]) and torch.equal(mm(xb[i : i + 1])[0], full_b[i])
+        for i in SINGLE_ROWS
+    )
     dequant_exact = bool(torch.equal(dequantize_packed(fields, qtype, n, k, torch.float32), w))
     ptx_exact = ptx_matches_emulation(x, fields, qtype, n, k)
     print(
