@@ -82,6 +82,7 @@ def test_activation_quantizer_matches_torch():
     scales = torch.tensor([[1.0], [1e-3], [40.0]])
     x = torch.randn(3, 160, generator=torch.Generator().manual_seed(0)) * scales  # (3, 5 blocks of 32)
     x[1, 32:64] = 0  # an all-zero block: codes 0, dx 0
+    x[2, 64:96] *= 1e-40  # a subnormal block: 127 / amax floored, so codes 0 rather than overflows
     for dtype in (torch.float32, torch.bfloat16):
         codes, dx = quantize_activations_reference(x.to(dtype))
         act = quantize_activations(x.to(dtype), rows=4)  # a zero row of padding
@@ -90,7 +91,7 @@ def test_activation_quantizer_matches_torch():
         assert torch.equal(act.scales.t()[:3], dx) and not act.scales[:, 3].any()
         half_sums = codes.view(3, 5, 2, 16).sum(-1).int()  # (rows, blocks, 2)
         assert torch.equal(act.code_sums.transpose(0, 1)[:3], half_sums) and not act.code_sums[:, 3].any()
-    assert codes.abs().max() == 127 and dx[1, 1] == 0
+    assert codes.abs().max() == 127 and dx[1, 1] == 0 and not codes[2, 2].any()
 
 
 @triton.jit

@@ -545,7 +545,8 @@ def _quantize_kernel(x_ptr, xq_ptr, scale_ptr, xqs_ptr, M, R, n_blocks, stride_x
     real = ok & (blocks * 0 + m < M)  # (NB,): a block of one of x's rows, not of the padding
     x = tl.load(x_ptr + m * stride_x + at, mask=real[:, None, None], other=0.0).to(tl.float32)
     amax = tl.max(tl.max(tl.abs(x), axis=2), axis=1)  # (NB,)
-    inv = tl.math.div_rn(127.0, tl.where(amax > 0, amax, 1.0))  # an all-zero block: codes 0 anyway
+    # floored: 127 / amax stays finite for all-zero and subnormal blocks (their codes then stay small)
+    inv = tl.math.div_rn(127.0, tl.maximum(amax, 1e-30))
     # |x * inv| <= 127: adding 1.5 * 2**23 rounds it to an integer (ties to even) held in the mantissa
     codes = (x * inv[:, None, None] + 12582912.0).to(tl.int32, bitcast=True) - 0x4B400000  # (NB, 8, 4)
     words = tl.sum((codes & 0xFF) << (8 * i), axis=2)  # (NB, 8): disjoint bytes, so sum = bitwise or
@@ -720,7 +721,7 @@ def quantize_activations_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch
     """x (M, K) -> (codes (M, K / 32, 32) fp32, dx (M, K / 32)): what `quantize_activations` computes."""
     blocks = x.float().view(x.shape[0], -1, 32)
     amax = blocks.abs().amax(-1)
-    return torch.round(blocks * (127 / torch.where(amax > 0, amax, 1.0))[..., None]), amax / 127
+    return torch.round(blocks * (127 / amax.clamp_min(1e-30))[..., None]), amax / 127
 
 
 def reference_matmul(
