@@ -43,7 +43,7 @@ MATMUL_SHAPES = {
     QT.Q4_K: (37, 512), QT.Q5_K: (37, 512), QT.Q6_K: (37, 512),
     QT.Q4_0: (37, 256), QT.Q8_0: (21, 576), QT.Q4_1: (19, 96),
 }  # fmt: skip
-M_VALUES = (1, 5, 16, 33, 64)  # dp4a, then the three tensor-core buckets
+M_VALUES = (1, 5, 16, 23, 33, 64)  # dp4a; tensor cores: m16 (5, 16), m32 (23), m64 (33, 64)
 EXACT_TOL = 1e-6  # the kernels vs their own math in fp64: fp32 rounding only
 INT8_TOL = 1e-2  # vs the plain fp64 x @ W^T: the int8 activations' rounding, ~5e-3 of y for Gaussian x
 
