@@ -572,13 +572,13 @@ class TileConfig:
     unroll: int = 1  # units per loop step: their loads are in flight together
 
 
-# Keys: "m1" (M = 1, dp4a) and "m16"/"m32"/"m64" (M padded to that many tensor-core columns). Chosen
-# from sm_90 SASS compiled offline (fewest instructions per weight value without spills), until
-# bench/gpu_kernels.py's sweep measures them on an H200.
+# Keys: "m1" (M = 1, dp4a) and "m16"/"m32"/"m64" (M padded to that many tensor-core columns). Chosen by
+# bench/gpu_kernels.py's sweep on an H200 (bench/results/h200-graphs-2026-12-02/kernels.log): two
+# pipelining stages cut the tensor-core path's time by a third at 16-32 rows; M = 1 tiles all tie.
 DEFAULT_TILES = {
     "m1": TileConfig(64, 2, 1, 2),
-    "m16": TileConfig(128, 4, 1, 1),
-    "m32": TileConfig(64, 4, 1, 1),
+    "m16": TileConfig(128, 4, 2, 1),
+    "m32": TileConfig(64, 4, 2, 1),
     "m64": TileConfig(64, 4, 1, 1),
 }
 
