@@ -88,9 +88,10 @@ def default_device() -> torch.device:
 
 
 def default_quantized(device: torch.device, gguf: GGUFFile) -> bool:
-    """Keep weights packed (Triton kernels) only where dense bf16 weights would not fit: the packed
-    kernels are not tuned yet and measured 1.6x slower than cuBLAS bf16 per 27B AR step on an H200
-    (bench/results/issue6-2026-12-02). FLASHTREE_QUANT_KERNELS=1/0 forces either path."""
+    """Keep weights packed (Triton kernels) only where dense bf16 weights would not fit. On an H200 at
+    27B the packed AR step is faster (18.3 vs 20.8 ms, half the memory), but a 23-token verify is 1.7x
+    slower (41.3 vs 24.5 ms) and prefill 1.6x slower, so a speculative step costs more packed
+    (bench/results/h200-graphs-2026-12-02). FLASHTREE_QUANT_KERNELS=1/0 forces either path."""
     if device.type != "cuda":
         return False
     forced = os.environ.get("FLASHTREE_QUANT_KERNELS")
