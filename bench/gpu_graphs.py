@@ -47,18 +47,23 @@ def decode(engine: Engine, prompt: list[int], sampling: SamplingParams) -> tuple
     return tokens, (time.perf_counter() - t0) / max(n, 1)
 
 
-def main(out_dir: Path) -> int:
-    out_dir.mkdir(parents=True, exist_ok=True)
+def tiny_pair(shape: str, qtype: str):
+    """A random `shape` target of `qtype` on CUDA and a random 1-layer draft for it, synthesized once."""
     work = Path("/tmp/gpu_graphs")
     work.mkdir(exist_ok=True)
+    gguf, draft_dir = work / f"{shape}-{qtype}.gguf", work / f"{shape}-{qtype}-draft"
+    if not gguf.exists():
+        synth_model(shape, qtype, gguf, seed=1)
+        synth_draft(gguf, 1, draft_dir, seed=1)
+    target, _ = load_target(gguf, device="cuda")
+    return target, load_draft(draft_dir, target)
+
+
+def main(out_dir: Path) -> int:
+    out_dir.mkdir(parents=True, exist_ok=True)
     rows, failures = [], 0
     for shape, qtype in (("tiny-llama", "f32"), ("tiny-qwen3", "q4_k_m"), ("tiny-qwen35", "q4_k_m")):
-        gguf = work / f"{shape}-{qtype}.gguf"
-        if not gguf.exists():
-            synth_model(shape, qtype, gguf, seed=1)
-            synth_draft(gguf, 1, work / f"{shape}-{qtype}-draft", seed=1)
-        target, _ = load_target(gguf, device="cuda")
-        draft = load_draft(work / f"{shape}-{qtype}-draft", target)
+        target, draft = tiny_pair(shape, qtype)
         gen = torch.Generator().manual_seed(0)
         prompts = [torch.randint(0, target.config.vocab, (n,), generator=gen).tolist() for n in (5, 37, 300)]
         for sampling in SAMPLINGS:

@@ -14,26 +14,17 @@ import time
 from pathlib import Path
 
 import torch
+from gpu_graphs import tiny_pair  # the same synthesized pair (bench/ is on sys.path as the script's dir)
 from torch.profiler import ProfilerActivity, profile
 
 from flashtree.config import SpecConfig
-from flashtree.convert.synth import synth_draft, synth_model
 from flashtree.generate import Engine
-from flashtree.models.dflash import load_draft
-from flashtree.models.loader import load_target
 
 STEPS = 20
 
 
 def main(out_dir: Path) -> None:
-    work = Path("/tmp/gpu_graphs")
-    work.mkdir(exist_ok=True)
-    gguf, draft_dir = work / "tiny-llama-f32.gguf", work / "tiny-llama-f32-draft"
-    if not gguf.exists():
-        synth_model("tiny-llama", "f32", gguf, seed=1)
-        synth_draft(gguf, 1, draft_dir, seed=1)
-    target, _ = load_target(gguf, device="cuda")
-    draft = load_draft(draft_dir, target)
+    target, draft = tiny_pair("tiny-llama", "f32")
     prompt = list(range(3, 40))
     report = {}
     for config in (

@@ -242,7 +242,8 @@ class Engine:
         work runs eagerly or from a CUDA graph (StepRunner); then one read-back and the host's books."""
         # fill kernels; torch.tensor would copy from the host and wait for the GPU
         self.root.fill_(root)
-        self.seed.fill_(sampling.seed & SEED_MASK)
+        if not sampling.greedy:  # greedy steps never read the seed
+            self.seed.fill_(sampling.seed & SEED_MASK)
         block = self.decoder.max_block if self.decoder else 1
         self.state.check_room(block)
         n_keys = self.runner.n_keys(self.state.seq_len + block)

@@ -100,7 +100,8 @@ def test_commit_path_state_equals_ar_state(family, tiny_root):
     ours(ids, state, logits="none")
     ours(tokens, state, BlockLayout.from_parents(parents), commit=False, logits="none")
     path = torch.tensor([0, 3, 4, 5])
-    state.commit_path(path)
+    state.commit_path(path, torch.tensor(4))
+    state.advance_host(4)
 
     ref = ours.new_state(64)
     ours(ids, ref, logits="none")

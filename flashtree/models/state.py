@@ -2,7 +2,7 @@
 
 A forward writes its block's K/V at slots [seq_len, seq_len + T). With commit=True (prefill, AR)
 everything is committed at once. With commit=False (verify) the recurrent layers keep the state
-after *every* block token as pending, and `commit_path(path)` later keeps exactly the accepted
+after *every* block token as pending, and `commit_path(path, n)` later keeps exactly the accepted
 tokens: their K/V are compacted into contiguous slots and each DeltaNet layer takes the fp32
 state (and conv window) after the last accepted token. Rejected K/V slots are simply overwritten.
 """
@@ -96,18 +96,14 @@ class ModelState:
         self.seq_len += n
         self.pending = 0
 
-    def commit_path(self, path: torch.Tensor, n: torch.Tensor | None = None) -> None:
+    def commit_path(self, path: torch.Tensor, n: torch.Tensor) -> None:
         """Keep block tokens path[:n] (increasing indices, root first) of the last commit=False forward.
 
-        path: (T,) on the device, every block index once, the n accepted ones first (so its shape is
-        fixed); n: 0-d device tensor. Device work only, with fixed shapes (CUDA-graph safe); the caller
-        then calls advance_host(n) once it has read n. Without n, path is exactly the accepted nodes
-        and the host side is updated here too."""
+        path: (T',) on the device, the n accepted block indices first (a decode step passes every block
+        index, so its shape is fixed); n: 0-d device tensor. Device work only (CUDA-graph safe): the
+        caller calls advance_host(n) once it has read n back."""
         if self.pending == 0:
             raise RuntimeError("commit_path without a pending verify forward")
-        n_host = None
-        if n is None:
-            n_host, n = path.shape[0], torch.full((), path.shape[0], device=path.device)
         idx = torch.arange(path.shape[0], device=path.device)
         # Slot i takes accepted node path[i] for i < n; later slots are copied onto themselves (their
         # content is garbage either way), which keeps the shape fixed. src >= dst, so a gather is safe.
@@ -120,8 +116,6 @@ class ModelState:
             else:
                 layer.commit(last)
         self.position += n
-        if n_host is not None:
-            self.advance_host(n_host)
 
     def truncate(self, length: int) -> None:
         if length == self.seq_len:
