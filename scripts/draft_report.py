@@ -2,10 +2,11 @@
 
     python scripts/draft_report.py RESULTS_DIR --commit SHA --bench-dir bench/results/NAME
 
-RESULTS_DIR holds the run's $OUT: model.safetensors.part.* and results.tar.gz unpacked (log,
-run/{config,train_config}.json, run/train_log.jsonl, bench/). Writes flashtree/drafts/smollm2-135m-instruct/,
-bench/results/draft-training/{report.json, training_curve.png} (README.md is written by hand) and copies
-the `flashtree bench` run of the new draft to --bench-dir.
+RESULTS_DIR holds the run's $OUT: draft-q8_0.gguf.part.* and results.tar.gz unpacked (log,
+run/{config,train_config}.json, run/train_log.jsonl, bench/). Writes the shipped draft
+(flashtree/drafts/smollm2-135m-instruct.gguf), bench/results/draft-training/{report.json,
+training_curve.png} (README.md is written by hand) and copies the `flashtree bench` run of the new
+draft to --bench-dir.
 """
 
 from __future__ import annotations
@@ -22,15 +23,13 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-DRAFT_DIR = ROOT / "flashtree" / "drafts" / "smollm2-135m-instruct"
+DRAFT = ROOT / "flashtree" / "drafts" / "smollm2-135m-instruct.gguf"
 REPORT_DIR = ROOT / "bench" / "results" / "draft-training"
 
 
 def install_draft(results: Path) -> None:
-    DRAFT_DIR.mkdir(parents=True, exist_ok=True)
-    shutil.copy(results / "run" / "config.json", DRAFT_DIR / "config.json")
-    with open(DRAFT_DIR / "model.safetensors", "wb") as out:
-        for part in sorted(results.glob("model.safetensors.part.*")):
+    with open(DRAFT, "wb") as out:
+        for part in sorted(results.glob("draft-q8_0.gguf.part.*")):
             out.write(part.read_bytes())
 
 
@@ -97,7 +96,7 @@ def main() -> None:
         "commit": a.commit,
         "device": next((line for line in log.splitlines() if line.startswith("GPU 0")), None),
         "draft": json.loads((run / "config.json").read_text()),
-        "draft_bytes": (DRAFT_DIR / "model.safetensors").stat().st_size,
+        "draft_bytes": DRAFT.stat().st_size,
         "train_config": json.loads((run / "train_config.json").read_text()),
         "data": data_stats(log),
         "training": {"final": rows[-1], "first": rows[0], "log_rows": len(rows)},

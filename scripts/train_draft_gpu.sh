@@ -12,14 +12,16 @@
 #   call 2: `launch`  (carry .stage/draft minus part aa): joins the GGUF, starts `pipeline` in its own
 #                     process session (it outlives the call while the machine stays held), then waits;
 #   calls 3+: `wait`  (carry nothing): waits, then returns the artifacts when the pipeline is done.
-# `pipeline`: generate responses, train (GEN_MINUTES, TRAIN_MINUTES), write the draft, then
-# `flashtree bench` on the default pair with it (AR, chain, tree, HF baseline; 10 prompts per set).
+# `pipeline`: generate responses, train (GEN_MINUTES, TRAIN_MINUTES), write the draft, convert it to the
+# Q8_0 GGUF that ships, then `flashtree bench` on the default pair with that GGUF (AR, chain, tree, HF
+# baseline; 10 prompts per set).
 set -uo pipefail
 S=.stage/draft
 STASH=/root/stash
 GGUF=$STASH/SmolLM2-135M-Instruct.Q4_1.gguf
 GGUF_MD5=a1231443440b107ff29f02bdb38c9d0a
 RUN=$STASH/run
+DRAFT_GGUF=$STASH/draft-q8_0.gguf
 BENCH=$STASH/bench
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD FLASHTREE_CACHE=$STASH/cache
 
@@ -30,7 +32,7 @@ install() {
 collect() {  # the artifacts, at most 8 files of 16 MiB for $OUT
   tar -czf $OUT/results.tar.gz -C $STASH log run/config.json run/train_log.jsonl run/train_config.json \
     bench 2>/dev/null
-  [ -f $RUN/model.safetensors ] && split -b 15M $RUN/model.safetensors $OUT/model.safetensors.part.
+  [ -f $DRAFT_GGUF ] && split -b 15M $DRAFT_GGUF $OUT/draft-q8_0.gguf.part.
   ls -la $OUT
 }
 
@@ -42,7 +44,8 @@ smoke)
   python3 -m flashtree train-draft --target $S/tiny.gguf --out /tmp/smoke --layers 2 \
     --prompts $S/smoke_prompts.jsonl.gz --max-new-tokens 40 --gen-batch 8 --gen-minutes 0.3 \
     --train-minutes 0.1 --batch 4 --anchors 8 --device cuda || exit 1
-  python3 -m flashtree bench --target $S/tiny.gguf --draft /tmp/smoke --n 1 --max-tokens 24 \
+  python3 -m flashtree convert /tmp/smoke /tmp/smoke.gguf --type q8_0 || exit 1
+  python3 -m flashtree bench --target $S/tiny.gguf --draft /tmp/smoke.gguf --n 1 --max-tokens 24 \
     --baseline hf --out /tmp/smoke-bench --device cuda
   ;;
 launch)
@@ -59,10 +62,11 @@ launch)
 pipeline)  # run from $STASH/src
   export PYTHONPATH=/tmp/site:$PWD
   nvidia-smi -L
-  python3 -m flashtree train-draft --target $GGUF --out $RUN --layers 3 --prompts draft/prompts.jsonl.gz \
-    --gen-batch 2048 --gen-minutes "${GEN_MINUTES:-3.5}" --train-minutes "${TRAIN_MINUTES:-12}" \
-    --batch 32 --anchors 64 --lr "${LR:-6e-4}" --device cuda || exit 1
-  python3 -m flashtree bench --target $GGUF --draft $RUN --n 10 --max-tokens 256 --modes ar,chain,tree \
+  python3 -m flashtree train-draft --target $GGUF --out $RUN --layers 5 --prompts draft/prompts.jsonl.gz \
+    --gen-batch 2048 --sampled-every 4 --gen-minutes "${GEN_MINUTES:-7}" \
+    --train-minutes "${TRAIN_MINUTES:-12}" --batch 32 --anchors 64 --lr "${LR:-6e-4}" --device cuda || exit 1
+  python3 -m flashtree convert $RUN $DRAFT_GGUF --type q8_0 || exit 1
+  python3 -m flashtree bench --target $GGUF --draft $DRAFT_GGUF --n 10 --max-tokens 256 --modes ar,chain,tree \
     --budget 22 --baseline hf --seed 0 --out $BENCH --device cuda
   touch $STASH/done
   ;;
