@@ -247,7 +247,8 @@ def test_loader_switch_builds_quant_linears_with_the_same_logits(tmp_path):
     dense, _ = load_target(path, device="cpu", quantized=False)
     packed, _ = load_target(path, device="cpu", quantized=True)
     assert not any(isinstance(m, QuantLinear) for m in dense.modules())
-    assert sum(isinstance(m, QuantLinear) for m in packed.modules()) >= 6 * dense.config.n_layers
+    # per layer at least: the merged input projections, the output projection, gate+up, down
+    assert sum(isinstance(m, QuantLinear) for m in packed.modules()) >= 4 * dense.config.n_layers
     ids = torch.randint(0, dense.config.vocab, (12,), generator=torch.Generator().manual_seed(0))
     expected = dense(ids, dense.new_state(16)).logits
     torch.testing.assert_close(packed(ids, packed.new_state(16)).logits, expected, rtol=0, atol=0)

@@ -29,10 +29,11 @@ class QuantLinear(nn.Module):
     def fields(self) -> list[torch.Tensor]:
         return [getattr(self, f"field{i}") for i in range(self.n_fields)]
 
-    def dense_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The (out, in) weight, decoded by the reference dequantizer from the exact GGUF bytes."""
-        raw = unpack(self.fields, self.qtype, self.in_features)
-        return dequantize(raw, self.qtype, (self.out_features, self.in_features), dtype)
+    def dense_weight(self, dtype: torch.dtype = torch.float32, rows: slice = slice(None)) -> torch.Tensor:
+        """The (out, in) weight, or its `rows`, decoded by the reference dequantizer from the exact GGUF
+        bytes."""
+        raw = unpack([field[rows] for field in self.fields], self.qtype, self.in_features)
+        return dequantize(raw, self.qtype, (raw.shape[0], self.in_features), dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)  # (M, in)

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flashtree.models.layers import Linear, apply_rotary, rms_norm
+from flashtree.models.layers import Linear, MergedLinear, apply_rotary, rms_norm
 from flashtree.models.pass_ import ForwardPass
 from flashtree.models.state import KVCache
 
@@ -14,9 +14,7 @@ from flashtree.models.state import KVCache
 class Attention(nn.Module):
     def __init__(
         self,
-        q: Linear,
-        k: Linear,
-        v: Linear,
+        qkv: MergedLinear,  # q, k, v: they all read x
         o: Linear,
         n_heads: int,
         n_kv_heads: int,
@@ -27,7 +25,8 @@ class Attention(nn.Module):
         output_gate: bool = False,
     ):
         super().__init__()
-        self.q, self.k, self.v, self.o = q, k, v, o
+        self.qkv, self.o = qkv, o
+        self.q, self.k, self.v = qkv.parts
         self.n_heads, self.n_kv_heads, self.head_dim, self.eps = n_heads, n_kv_heads, head_dim, eps
         self.q_norm = nn.Parameter(q_norm, requires_grad=False) if q_norm is not None else None
         self.k_norm = nn.Parameter(k_norm, requires_grad=False) if k_norm is not None else None
@@ -35,14 +34,14 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, kv: KVCache, fp: ForwardPass) -> torch.Tensor:
         t, hd = x.shape[0], self.head_dim
-        q = self.q(x)
+        q, k, v = self.qkv(x)  # (T, q rows), (T, n_kv * hd) x 2
         gate = None
         if self.output_gate:  # q_proj rows are packed per head as [q_h | gate_h]
             q, gate = q.view(t, self.n_heads, 2 * hd).split(hd, dim=-1)
             gate = gate.reshape(t, self.n_heads * hd)
         q = q.reshape(t, self.n_heads, hd)
-        k = self.k(x).view(t, self.n_kv_heads, hd)
-        v = self.v(x).view(t, self.n_kv_heads, hd)
+        k = k.view(t, self.n_kv_heads, hd)
+        v = v.view(t, self.n_kv_heads, hd)
         if self.q_norm is not None:
             q = rms_norm(q, self.q_norm, self.eps)
             k = rms_norm(k, self.k_norm, self.eps)

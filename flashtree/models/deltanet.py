@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flashtree.models.layers import Linear, rms_norm
+from flashtree.models.layers import Linear, MergedLinear, rms_norm
 from flashtree.models.pass_ import ForwardPass
 from flashtree.models.state import DeltaNetState
 
@@ -83,10 +83,7 @@ def chunked_delta_rule(q, k, v, g, beta, state, chunk: int = CHUNK):
 class GatedDeltaNet(nn.Module):
     def __init__(
         self,
-        qkv: Linear,
-        z: Linear,
-        beta: Linear,
-        alpha: Linear,
+        in_proj: MergedLinear,  # qkv (the conv's input), z, beta, alpha: they all read x
         out: Linear,
         conv_weight: torch.Tensor,  # (channels, kernel)
         dt_bias: torch.Tensor,  # (v_heads,)
@@ -99,7 +96,8 @@ class GatedDeltaNet(nn.Module):
         eps: float,
     ):
         super().__init__()
-        self.qkv, self.z, self.beta, self.alpha, self.out = qkv, z, beta, alpha, out
+        self.in_proj, self.out = in_proj, out
+        self.qkv, self.z, self.beta, self.alpha = in_proj.parts
         self.conv_weight = nn.Parameter(conv_weight, requires_grad=False)
         self.dt_bias = nn.Parameter(dt_bias.float(), requires_grad=False)
         self.ssm_a = nn.Parameter(ssm_a.float(), requires_grad=False)
@@ -137,15 +135,16 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x: torch.Tensor, st: DeltaNetState, fp: ForwardPass) -> torch.Tensor:
         t = x.shape[0]
-        conv_out, windows = self.causal_conv(self.qkv(x), st, fp)
+        mixed, z, beta, alpha = self.in_proj(x)  # (T, conv channels), (T, nv * vd), (T, nv) x 2
+        conv_out, windows = self.causal_conv(mixed, st, fp)
         kd, vd, nk, nv = self.k_dim, self.v_dim, self.n_k_heads, self.n_v_heads
         q, k, v = conv_out.float().split([nk * kd, nk * kd, nv * vd], dim=-1)
         # GGUF tiles value heads over key heads: value head j reads key head j % n_k_heads.
         q = l2_normalize(q.view(t, nk, kd)).repeat(1, nv // nk, 1) * kd**-0.5
         k = l2_normalize(k.view(t, nk, kd)).repeat(1, nv // nk, 1)
         v = v.view(t, nv, vd)
-        beta = torch.sigmoid(self.beta(x).float())  # (T, nv)
-        g = self.ssm_a * F.softplus(self.alpha(x).float() + self.dt_bias)  # (T, nv) log decay
+        beta = torch.sigmoid(beta.float())  # (T, nv)
+        g = self.ssm_a * F.softplus(alpha.float() + self.dt_bias)  # (T, nv) log decay
 
         if fp.commit and t > 1:  # prefill: chunked form, only the final state is kept
             o, final = chunked_delta_rule(q, k, v, g, beta, st.recurrent)
@@ -159,6 +158,6 @@ class GatedDeltaNet(nn.Module):
             else:
                 st.set_pending(states, windows)
 
-        z = self.z(x).view(t, nv, vd)
+        z = z.view(t, nv, vd)
         o = rms_norm(o, self.norm_weight, self.eps) * F.silu(z.float())
         return self.out(o.to(x.dtype).reshape(t, nv * vd))

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from flashtree.errors import FlashtreeError
-from flashtree.models.layers import Linear, RMSNorm, Rotary, SwiGLU, apply_rotary, rms_norm
+from flashtree.models.layers import Linear, MergedLinear, RMSNorm, Rotary, SwiGLU, apply_rotary, rms_norm
 from flashtree.models.model import DecoderModel
 
 FULL, SLIDING = "full_attention", "sliding_attention"
@@ -122,14 +122,16 @@ class DraftLayer(nn.Module):
     def __init__(self, cfg: DraftConfig, t: dict[str, torch.Tensor], i: int):
         super().__init__()
         p = f"blk.{i}"
-        self.q, self.k, self.v, self.o = (
-            Linear(t[f"{p}.attn_{n}.weight"]) for n in ("q", "k", "v", "output")
-        )
+        self.q, self.o = Linear(t[f"{p}.attn_q.weight"]), Linear(t[f"{p}.attn_output.weight"])
+        # K and V in one matmul; Q apart: the context features need no queries
+        self.kv = MergedLinear.dense([t[f"{p}.attn_k.weight"], t[f"{p}.attn_v.weight"]])
+        self.k, self.v = self.kv.parts
         self.q_norm = nn.Parameter(t[f"{p}.attn_q_norm.weight"].float(), requires_grad=False)
         self.k_norm = nn.Parameter(t[f"{p}.attn_k_norm.weight"].float(), requires_grad=False)
         self.attn_norm = RMSNorm(t[f"{p}.attn_norm.weight"].float(), cfg.rms_eps)
         self.mlp_norm = RMSNorm(t[f"{p}.ffn_norm.weight"].float(), cfg.rms_eps)
-        self.mlp = SwiGLU(*(Linear(t[f"{p}.ffn_{n}.weight"]) for n in ("gate", "up", "down")))
+        gate_up = MergedLinear.dense([t[f"{p}.ffn_gate.weight"], t[f"{p}.ffn_up.weight"]])
+        self.mlp = SwiGLU(gate_up, Linear(t[f"{p}.ffn_down.weight"]))
         self.window = cfg.sliding_window if cfg.layer_types[i] == SLIDING else None
         self.n_heads, self.n_kv_heads, self.head_dim, self.eps = (
             cfg.n_heads,
@@ -142,8 +144,8 @@ class DraftLayer(nn.Module):
         """K (normed, rotated) and V of inputs x (T, H): (T, n_kv, hd) each. Same weights for the
         fused target context and the block tokens."""
         t = x.shape[0]
-        k = rms_norm(self.k(x).view(t, self.n_kv_heads, self.head_dim), self.k_norm, self.eps)
-        return apply_rotary(k, cos, sin), self.v(x).view(t, self.n_kv_heads, self.head_dim)
+        k, v = (y.view(t, self.n_kv_heads, self.head_dim) for y in self.kv(x))
+        return apply_rotary(rms_norm(k, self.k_norm, self.eps), cos, sin), v
 
     def forward(self, x, cos, sin, ctx_k, ctx_v, ctx_mask):
         """x: (B, H) block; ctx_k/ctx_v: (n_kv, S, hd) cached context; ctx_mask: (B, S) bool or None."""

@@ -1,6 +1,9 @@
-"""Building blocks shared by every model family: linear layers, RMSNorm, rotary embedding, SwiGLU."""
+"""Building blocks shared by every model family: linear layers (merged ones too), RMSNorm, rotary embedding,
+SwiGLU."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -19,12 +22,82 @@ class Linear(nn.Module):
     def out_features(self) -> int:
         return self.weight.shape[0]
 
-    def dense_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The (out, in) weight in `dtype` (no copy when it already is), as QuantLinear decodes it."""
-        return self.weight.to(dtype)
+    def dense_weight(self, dtype: torch.dtype = torch.float32, rows: slice = slice(None)) -> torch.Tensor:
+        """The (out, in) weight, or its `rows`, in `dtype` (no copy when it already is), as QuantLinear
+        decodes it."""
+        return self.weight[rows].to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight)
+
+
+class LinearPart:
+    """One matrix of a MergedLinear: rows `rows` of one of its groups. For code that reads weights (HF
+    export, draft initialisation), it offers what a Linear of its own would."""
+
+    def __init__(self, group: Linear, rows: slice):
+        self.group, self.rows = group, rows
+
+    @property
+    def out_features(self) -> int:
+        return self.rows.stop - self.rows.start
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """A view of the group's dense weight (dense groups only, like `Linear.weight`)."""
+        return self.group.weight[self.rows]
+
+    def dense_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return self.group.dense_weight(dtype, self.rows)
+
+
+class MergedLinear(nn.Module):
+    """Matrices that read the same input, y_i = x @ W_i^T, in as few matmuls as their storage allows: the
+    rows of all dense ones form one matrix, packed ones one per GGUF type (blocks never straddle rows).
+    Why: a decode step is bound by kernel launches, and a packed matmul also quantizes x on every call.
+    Outputs come back one per matrix, in order; `parts` are the matrices one by one.
+
+    Each output row is computed as before, except that a merged packed matrix may get fewer K-splits than
+    a part alone (qmatmul.k_splits counts rows), so its fp32 sums can round differently; batch invariance
+    holds as before."""
+
+    def __init__(self, groups: list[Linear], part_groups: list[int], part_sizes: list[int]):
+        """groups: the merged matrices; part i is the next part_sizes[i] rows of groups[part_groups[i]]."""
+        super().__init__()
+        self.groups = nn.ModuleList(groups)
+        self.part_groups = part_groups
+        filled = [0] * len(groups)
+        self.parts = []
+        for g, n in zip(part_groups, part_sizes, strict=True):
+            self.parts.append(LinearPart(self.groups[g], slice(filled[g], filled[g] + n)))
+            filled[g] += n
+        assert filled == [group.out_features for group in groups]
+
+    @staticmethod
+    def from_rows(
+        rows: list[torch.Tensor], kinds: list[int | None], build: Callable[[torch.Tensor, int | None], Linear]
+    ) -> MergedLinear:
+        """The matrices from their rows (dense weights, or GGUF rows (out, row_bytes) uint8), each with its
+        kind (its GGUF type when packed, None when dense): the rows of one kind are concatenated in order,
+        and build(rows, kind) makes their module."""
+        order = list(dict.fromkeys(kinds))  # the kinds, in order of first appearance
+        groups = []
+        for kind in order:
+            same = [r for r, k in zip(rows, kinds, strict=True) if k == kind]
+            groups.append(build(same[0] if len(same) == 1 else torch.cat(same), kind))
+        return MergedLinear(groups, [order.index(k) for k in kinds], [r.shape[0] for r in rows])
+
+    @staticmethod
+    def dense(weights: list[torch.Tensor]) -> MergedLinear:
+        """Dense weights (out_i, in), all in one matmul."""
+        return MergedLinear.from_rows(weights, [None] * len(weights), lambda rows, _: Linear(rows))
+
+    def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
+        ys = [group(x) for group in self.groups]  # (..., group rows) each
+        return [ys[g][..., part.rows] for g, part in zip(self.part_groups, self.parts, strict=True)]
+
+    def extra_repr(self) -> str:
+        return f"parts={[part.out_features for part in self.parts]}"
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -71,9 +144,11 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class SwiGLU(nn.Module):
-    def __init__(self, gate: Linear, up: Linear, down: Linear):
+    def __init__(self, gate_up: MergedLinear, down: Linear):
         super().__init__()
-        self.gate, self.up, self.down = gate, up, down
+        self.gate_up, self.down = gate_up, down
+        self.gate, self.up = gate_up.parts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(F.silu(self.gate(x)) * self.up(x))
+        gate, up = self.gate_up(x)
+        return self.down(F.silu(gate) * up)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib
 import math
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -13,7 +14,7 @@ import torch
 from flashtree.errors import FlashtreeError
 from flashtree.gguf.reader import GGUFFile, open_gguf
 from flashtree.models.config import ModelConfig
-from flashtree.models.layers import Linear, RMSNorm, Rotary, SwiGLU
+from flashtree.models.layers import Linear, MergedLinear, RMSNorm, Rotary, SwiGLU
 from flashtree.models.model import DecoderLayer, DecoderModel
 
 ARCHITECTURES = {"llama": "llama", "qwen3": "qwen3", "qwen35": "qwen35"}  # GGUF arch -> family module
@@ -24,7 +25,8 @@ class Weights:
 
     With `quantized` (on CUDA when dense weights would not fit: see default_quantized), quantized
     matrices stay packed in `QuantLinear`s that run the Triton kernels; otherwise, and always for
-    float tensors, `linear` gives a dense `Linear`."""
+    float tensors, a matrix becomes a dense `Linear`. `merged` puts matrices that read the same input
+    into as few matmuls as their storage allows."""
 
     def __init__(
         self, gguf: GGUFFile, device: torch.device | str, dtype: torch.dtype, quantized: bool | None = None
@@ -35,16 +37,41 @@ class Weights:
     def dense(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         return self.gguf.tensor(name, dtype=dtype or self.dtype, device=self.device)
 
-    def linear(self, name: str) -> Linear:
+    def matrix(self, name: str) -> tuple[torch.Tensor, int | None]:
+        """A matrix's rows as its layer will hold them: (GGUF rows (out, row_bytes) uint8, GGUF type) when
+        it stays packed, else (dense (out, in) weight, None)."""
         info = self.gguf.info(name)
         if self.quantized and len(info.shape) == 2:
-            from flashtree.kernels.qlinear import QuantLinear
             from flashtree.kernels.qmatmul import KERNEL_TYPES
 
             if info.qtype in KERNEL_TYPES:  # float tensors and types without a kernel stay dense
-                raw = torch.from_numpy(self.gguf.raw(name)).to(self.device)  # (out, row_bytes) uint8
-                return QuantLinear(raw, info.qtype, info.shape)
-        return Linear(self.dense(name))
+                return torch.from_numpy(self.gguf.raw(name)).to(self.device), info.qtype
+        return self.dense(name), None
+
+    @staticmethod
+    def linear_from(rows: torch.Tensor, qtype: int | None, in_features: int) -> Linear:
+        """The layer holding rows in `matrix`'s form (or several matrices' rows concatenated)."""
+        if qtype is None:
+            return Linear(rows)
+        from flashtree.kernels.qlinear import QuantLinear
+
+        return QuantLinear(rows, qtype, (rows.shape[0], in_features))
+
+    def linear(self, name: str) -> Linear:
+        return self.linear_from(*self.matrix(name), self.gguf.info(name).shape[-1])
+
+    def merged(self, names: list[str], reorder: dict[str, Callable] | None = None) -> MergedLinear:
+        """The matrices `names`, which read the same input, as one MergedLinear: one matmul for the dense
+        ones, one per GGUF type for the packed ones. `reorder`: a function permuting a matrix's rows, per
+        name; it gets dense or GGUF rows alike."""
+        reorder = reorder or {}
+        rows, kinds = [], []
+        for name in names:
+            r, qtype = self.matrix(name)
+            rows.append(reorder[name](r) if name in reorder else r)
+            kinds.append(qtype)
+        in_features = self.gguf.info(names[0]).shape[-1]
+        return MergedLinear.from_rows(rows, kinds, lambda r, qtype: self.linear_from(r, qtype, in_features))
 
     def vector(self, name: str) -> torch.Tensor:
         """1-D parameters (norm weights, DeltaNet decay terms) stay fp32."""
@@ -55,8 +82,7 @@ class Weights:
 
     def swiglu(self, prefix: str) -> SwiGLU:
         return SwiGLU(
-            self.linear(f"{prefix}.ffn_gate.weight"),
-            self.linear(f"{prefix}.ffn_up.weight"),
+            self.merged([f"{prefix}.ffn_gate.weight", f"{prefix}.ffn_up.weight"]),
             self.linear(f"{prefix}.ffn_down.weight"),
         )
 

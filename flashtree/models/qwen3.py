@@ -12,9 +12,7 @@ from flashtree.models.model import DecoderModel
 def attention(w: Weights, c: ModelConfig, prefix: str, output_gate: bool = False) -> Attention:
     """Attention with q/k norms, shared with qwen35's gated full-attention layers."""
     return Attention(
-        q=w.linear(f"{prefix}.attn_q.weight"),
-        k=w.linear(f"{prefix}.attn_k.weight"),
-        v=w.linear(f"{prefix}.attn_v.weight"),
+        qkv=w.merged([f"{prefix}.attn_{n}.weight" for n in ("q", "k", "v")]),
         o=w.linear(f"{prefix}.attn_output.weight"),
         n_heads=c.n_heads,
         n_kv_heads=c.n_kv_heads,

@@ -13,10 +13,7 @@ from flashtree.models.qwen3 import attention
 
 def deltanet(w: Weights, c: ModelConfig, p: str) -> GatedDeltaNet:
     return GatedDeltaNet(
-        qkv=w.linear(f"{p}.attn_qkv.weight"),
-        z=w.linear(f"{p}.attn_gate.weight"),
-        beta=w.linear(f"{p}.ssm_beta.weight"),
-        alpha=w.linear(f"{p}.ssm_alpha.weight"),
+        in_proj=w.merged([f"{p}.{n}.weight" for n in ("attn_qkv", "attn_gate", "ssm_beta", "ssm_alpha")]),
         out=w.linear(f"{p}.ssm_out.weight"),
         conv_weight=w.dense(f"{p}.ssm_conv1d.weight"),
         dt_bias=w.vector(f"{p}.ssm_dt.bias"),
