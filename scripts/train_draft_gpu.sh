@@ -12,6 +12,10 @@
 #   call 2: `launch`  (carry .stage/draft minus part aa): joins the GGUF, starts `pipeline` in its own
 #                     process session (it outlives the call while the machine stays held), then waits;
 #   calls 3+: `wait`  (carry nothing): waits, then returns the artifacts when the pipeline is done.
+# The machine goes back 30 s after a call ends, taking the stash with it. So the first call that ends
+# after generation also returns the generated data (data.tgz.part.*). If the machine is lost after
+# that, put those parts in .stage/draft/data/ and redo: `smoke`, `stage-data` (carry .stage/draft/data),
+# then `launch` with GEN_MINUTES=0: the pipeline finds every shard and starts training at once.
 # `pipeline`: generate responses, train (GEN_MINUTES, TRAIN_MINUTES), write the draft, convert it to the
 # Q8_0 GGUF that ships, then `flashtree bench` on the default pair with that GGUF (AR, chain, tree, HF
 # baseline; 10 prompts per set).
@@ -36,6 +40,11 @@ collect() {  # the artifacts, at most 8 files of 16 MiB for $OUT
   ls -la $OUT
 }
 
+save_data() {  # once generation is over (the trainer has written its config), the data for $OUT
+  [ -f $RUN/train_config.json ] && [ ! -f $STASH/data.sent ] || return 0
+  tar -czf - -C $RUN data | split -b 15M - $OUT/data.tgz.part. && touch $STASH/data.sent
+}
+
 case "${1:-}" in
 smoke)
   mkdir -p $STASH && cp $S/smollm2.part.aa $STASH/ && cp -r $S/cache $STASH/
@@ -58,6 +67,10 @@ launch)
   setsid nohup bash scripts/train_draft_gpu.sh pipeline > $STASH/log 2>&1 < /dev/null &
   sleep "${WAIT_SECONDS:-540}"
   tail -n 25 $STASH/log
+  save_data
+  ;;
+stage-data)  # the data returned by a lost machine's run
+  mkdir -p $RUN && cat $S/data/data.tgz.part.* | tar -xzf - -C $RUN && ls $RUN/data | wc -l
   ;;
 pipeline)  # run from $STASH/src
   export PYTHONPATH=/tmp/site:$PWD
@@ -73,10 +86,11 @@ pipeline)  # run from $STASH/src
 wait)  # until the pipeline is done or WAIT_SECONDS pass; then the artifacts
   for _ in $(seq "${WAIT_SECONDS:-540}"); do [ -f $STASH/done ] && break; sleep 1; done
   tail -n 40 $STASH/log
+  save_data
   [ -f $STASH/done ] && collect
   ;;
 *)
-  echo "usage: $0 smoke|launch|pipeline|wait" >&2
+  echo "usage: $0 smoke|stage-data|launch|pipeline|wait" >&2
   exit 2
   ;;
 esac
