@@ -12,10 +12,14 @@
 #   call 2: `launch`  (carry .stage/draft minus part aa): joins the GGUF, starts `pipeline` in its own
 #                     process session (it outlives the call while the machine stays held), then waits;
 #   calls 3+: `wait`  (carry nothing): waits, then returns the artifacts when the pipeline is done.
-# The machine goes back 30 s after a call ends, taking the stash with it. So the first call that ends
-# after generation also returns the generated data (data.tgz.part.*). If the machine is lost after
-# that, put those parts in .stage/draft/data/ and redo: `smoke`, `stage-data` (carry .stage/draft/data),
-# then `launch` with GEN_MINUTES=0: the pipeline finds every shard and starts training at once.
+# The machine goes back 30 s after a call ends, taking the stash with it (it happened in sessions 4
+# and 5, each time during a gap of the caller, not of the machine). So every call that ends returns what
+# a lost machine would take: the generated data once generation is over (data.tgz.part.*), and the
+# draft of the trainer's latest checkpoint (snapshot-stepN-q8_0.gguf.part.*, Q8_0 GGUF, usable as is).
+# A `wait` that lands on a fresh machine exits at once (code 3) instead of waiting for nothing.
+# To continue after a loss: put the data parts in .stage/draft/data/ (scripts/stage_draft.sh builds the
+# rest of .stage/draft), then `smoke`, `stage-data` (carry .stage/draft/data), and `launch` with
+# GEN_MINUTES=0: the pipeline finds every shard and spends the whole lease on training.
 # `pipeline`: generate responses, train (GEN_MINUTES, TRAIN_MINUTES), write the draft, convert it to the
 # Q8_0 GGUF that ships, then `flashtree bench` on the default pair with that GGUF (AR, chain, tree, HF
 # baseline; 10 prompts per set).
@@ -40,6 +44,15 @@ collect() {  # what exists of the artifacts, at most 8 files of 16 MiB for $OUT;
     split -b 15M $DRAFT_GGUF $OUT/draft-q8_0.gguf.part. && touch $STASH/draft.sent
   fi
   ls -la $OUT
+}
+
+snapshot() {  # the draft of the trainer's last checkpoint (run/snapshot), as Q8_0 GGUF, if new
+  local step
+  step=$(cat $RUN/snapshot/step 2>/dev/null) || return 0
+  [ "$step" != "$(cat $STASH/snapshot.sent 2>/dev/null)" ] || return 0
+  python3 -m flashtree convert $RUN/snapshot $STASH/snapshot.gguf --type q8_0 >/dev/null || return 0
+  split -b 15M $STASH/snapshot.gguf $OUT/snapshot-step$step-q8_0.gguf.part. && echo "$step" > $STASH/snapshot.sent
+  tar -czf $OUT/results.tar.gz -C $STASH log run/train_log.jsonl run/train_config.json 2>/dev/null || true
 }
 
 save_data() {  # once generation is over (the trainer has written its config), the data for $OUT
@@ -70,6 +83,7 @@ launch)
   sleep "${WAIT_SECONDS:-540}"
   tail -n 25 $STASH/log
   save_data
+  snapshot
   ;;
 stage-data)  # the data returned by a lost machine's run
   mkdir -p $RUN && cat $S/data/data.tgz.part.* | tar -xzf - -C $RUN && ls $RUN/data | wc -l
@@ -87,13 +101,16 @@ pipeline)  # run from $STASH/src
   ;;
 wait)  # until the pipeline is done, the draft is written (returned at once: the bench may not
        # finish in the lease) or WAIT_SECONDS pass; then what exists of the artifacts
+  # A fresh machine (the held one was given back while no call ran) has no run: say so at once
+  # instead of spending the wait on it.
+  [ -f $STASH/log ] || { echo "no run on this machine: the machine was lost; see the header" >&2; exit 3; }
   for _ in $(seq "${WAIT_SECONDS:-540}"); do
     [ -f $STASH/done ] || { [ -f $DRAFT_GGUF ] && [ ! -f $STASH/draft.sent ]; } && break
     sleep 1
   done
   tail -n 40 $STASH/log
   save_data
-  { [ -f $STASH/done ] || [ -f $DRAFT_GGUF ]; } && collect
+  { [ -f $STASH/done ] || [ -f $DRAFT_GGUF ]; } && collect || snapshot
   ;;
 *)
   echo "usage: $0 smoke|stage-data|launch|pipeline|wait" >&2

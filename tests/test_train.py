@@ -215,6 +215,28 @@ def test_target_init_learns_faster_than_random(tiny, tiny_data, tmp_path):
     assert losses[True] < losses[False]
 
 
+def test_checkpoints_leave_a_loadable_snapshot_of_the_draft(tiny, tiny_data, tmp_path):
+    """A run cut short (the GPU machine taken back) still leaves the draft of its last checkpoint."""
+    _, model, gguf = tiny
+    shape = _shape(gguf)
+    cfg = TrainConfig(block_size=BLOCK, anchors=4, batch=4, lr=1e-3, warmup_steps=2, steps=6)
+    draft = new_draft(shape, model, seed=0)
+    trainer = Trainer(
+        draft, hf_model_from(model), tiny_data, cfg, tmp_path, log=lambda m: None,
+        export=lambda d: save_draft(draft, shape, d),
+    )  # fmt: skip
+    batches = D.iterate_batches(tiny_data, cfg.batch, cfg.seed, 0)
+    for step in (1, 3):
+        while trainer.step < step:
+            trainer.train_step(next(batches))
+        trainer.save_checkpoint()
+        assert (tmp_path / "snapshot" / "step").read_text() == f"{step}\n"
+        assert not (tmp_path / "snapshot.tmp").exists()
+        loaded = load_draft(tmp_path / "snapshot", model)
+        for a, b in zip(draft.state_dict().values(), loaded.state_dict().values(), strict=True):
+            torch.testing.assert_close(b, a.to(torch.bfloat16).float() if a.ndim == 2 else a)
+
+
 def test_saved_draft_loads_with_load_draft(tiny, tmp_path):
     _, model, gguf = tiny
     shape = _shape(gguf)

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import site
 import sysconfig
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -58,12 +60,21 @@ def lr_at(step: int, progress: float, cfg: TrainConfig) -> float:
 
 class Trainer:
     def __init__(
-        self, draft: DFlashDraft, hf_model, seqs: D.Sequences, cfg: TrainConfig, out_dir: Path, log=print
+        self,
+        draft: DFlashDraft,
+        hf_model,
+        seqs: D.Sequences,
+        cfg: TrainConfig,
+        out_dir: Path,
+        log=print,
+        export: Callable[[Path], None] | None = None,
     ):
+        """`export(dir)`, if given, writes the draft as it stands; it runs at every checkpoint into
+        out_dir/snapshot, replaced whole, so a run cut short still leaves a usable draft."""
         if (cfg.steps is None) == (cfg.time_limit is None):
             raise FlashtreeError("training needs exactly one of --steps and --train-minutes")
         self.draft, self.hf, self.seqs, self.cfg = draft, hf_model, seqs, cfg
-        self.out_dir, self.log = out_dir, log
+        self.out_dir, self.log, self.export = out_dir, log, export
         self.gamma = cfg.gamma or gamma_for(cfg.block_size)
         self.optimizer = torch.optim.AdamW(draft.parameters(), lr=cfg.lr, weight_decay=0.0)
         self.step, self.train_seconds = 0, 0.0
@@ -98,6 +109,16 @@ class Trainer:
         tmp = self.checkpoint_path.with_suffix(".tmp")
         torch.save(state, tmp)
         tmp.replace(self.checkpoint_path)
+        if self.export is not None:
+            self._write_snapshot()
+
+    def _write_snapshot(self) -> None:
+        tmp, snapshot = self.out_dir / "snapshot.tmp", self.out_dir / "snapshot"
+        shutil.rmtree(tmp, ignore_errors=True)
+        self.export(tmp)
+        (tmp / "step").write_text(f"{self.step}\n")
+        shutil.rmtree(snapshot, ignore_errors=True)
+        tmp.rename(snapshot)
 
     def train_step(self, indices: list[int]) -> dict:
         cfg = self.cfg
@@ -229,7 +250,7 @@ def train_draft_command(
     )  # fmt: skip
     (out / "train_config.json").write_text(json.dumps({"layers": layers, **asdict(cfg)}, indent=2))
     draft = new_draft(shape, model, seed)
-    Trainer(draft, hf, seqs, cfg, out).run()
+    Trainer(draft, hf, seqs, cfg, out, export=lambda d: save_draft(draft, shape, d)).run()
     save_draft(draft, shape, out)
     print(f"draft written to {out}")
 
