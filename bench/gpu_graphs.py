@@ -59,10 +59,15 @@ def tiny_pair(shape: str, qtype: str):
     return target, load_draft(draft_dir, target)
 
 
-def main(out_dir: Path) -> int:
+TARGETS = (("tiny-llama", "f32"), ("tiny-qwen3", "q4_k_m"), ("tiny-qwen35", "q4_k_m"))
+
+
+def main(out_dir: Path, only: list[str]) -> int:
+    """Every target of TARGETS, or those named in `only`; the JSON is rewritten after every row, so a
+    run cut short still reports what it checked."""
     out_dir.mkdir(parents=True, exist_ok=True)
     rows, failures = [], 0
-    for shape, qtype in (("tiny-llama", "f32"), ("tiny-qwen3", "q4_k_m"), ("tiny-qwen35", "q4_k_m")):
+    for shape, qtype in (t for t in TARGETS if not only or t[0] in only):
         target, draft = tiny_pair(shape, qtype)
         gen = torch.Generator().manual_seed(0)
         prompts = [torch.randint(0, target.config.vocab, (n,), generator=gen).tolist() for n in (5, 37, 300)]
@@ -89,14 +94,14 @@ def main(out_dir: Path) -> int:
                     "graph_step_ms": 1e3 * sum(g[1] for g in got) / len(got),
                 }  # fmt: skip
                 rows.append(row)
+                (out_dir / "gpu_graphs.json").write_text(json.dumps(rows, indent=2) + "\n")
                 print(
                     f"{row['target']:<20} {row['sampling']:<8} {json.dumps(config):<52} identical {same}"
                     f"  ms/step: eager AR {row['eager_ar_step_ms']:6.2f}, graphed {row['graph_step_ms']:6.2f}"
                 )
-    (out_dir / "gpu_graphs.json").write_text(json.dumps(rows, indent=2) + "\n")
     print("FAILURES" if failures else "all identical", failures)
     return 1 if failures else 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(Path(sys.argv[1])))
+    sys.exit(main(Path(sys.argv[1]), sys.argv[2:]))

@@ -73,3 +73,14 @@ def test_conv_window_index_follows_ancestry():
     ]
     chain = BlockLayout.chain(5).conv_window_index(4)
     assert chain.tolist() == [[i, i + 1, i + 2, i + 3] for i in range(5)]
+
+
+def test_l2_normalize_is_the_formula_and_row_independent():
+    """Written as RMSNorm for its row-invariant kernel; it must still be x / sqrt(sum(x^2) + eps), and
+    a row's result must not depend on how many rows come with it (verify rows vs the AR step)."""
+    x = torch.randn(23, 4, 16, generator=torch.Generator().manual_seed(0)) * 3
+    x[0, 0] = 0.0  # eps matters here
+    formula = x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + 1e-6)
+    y = l2_normalize(x)
+    torch.testing.assert_close(y, formula, atol=0, rtol=3e-7)  # within an ulp or two
+    assert torch.equal(torch.cat([l2_normalize(x[i : i + 1]) for i in range(len(x))]), y)

@@ -14,7 +14,9 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+# T is not specialized: Triton would compile T == 1 (the AR step) apart from the verify shapes, and the
+# AR step must compute a token bit for bit as verify does (see deltanet.l2_normalize).
+@triton.jit(do_not_specialize=["T"])
 def _tree_delta_rule_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, parents_ptr, s0_ptr, out_ptr, states_ptr,
     T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,

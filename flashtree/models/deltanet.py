@@ -20,7 +20,13 @@ CHUNK = 64
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
+    """x / sqrt(sum(x^2) + eps) over the last dim, written as RMSNorm: x / sqrt(mean(x^2) + eps/d)
+    / sqrt(d) is the same function, and torch's RMSNorm kernel reduces each row the same way whatever
+    the number of rows, where a `.sum(-1)` picks its reduction order by shape on CUDA. The verify pass
+    must compute every token bit for bit as the AR step does: with int8-quantized activations (the
+    packed kernels) a last-bit difference can round to a different int8 and flip a greedy near-tie."""
+    d = x.shape[-1]
+    return F.rms_norm(x, (d,), eps=eps / d) * d**-0.5
 
 
 def recurrent_delta_rule(q, k, v, g, beta, state, parents: list[int]):
@@ -120,7 +126,11 @@ class GatedDeltaNet(nn.Module):
         src = torch.cat([st.conv, mixed], dim=0)  # (kernel-1 + T, C)
         idx = fp.conv_index(self.kernel)  # (T, kernel)
         windows = src[idx]  # (T, kernel, C)
-        y = (windows * self.conv_weight.t()[None]).sum(1)
+        # Tap by tap in a fixed order (not a .sum(1), whose order may change with T: see l2_normalize).
+        taps = self.conv_weight.t()  # (kernel, C)
+        y = windows[:, 0] * taps[0]
+        for j in range(1, self.kernel):
+            y = y + windows[:, j] * taps[j]
         return F.silu(y), windows[:, 1:]
 
     @staticmethod
