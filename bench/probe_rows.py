@@ -1,0 +1,154 @@
+"""Which op first computes a token differently in a verify pass than in the AR step (issue #6).
+
+    python bench/probe_rows.py [--shape tiny-qwen35] [--type q4_k_m] [--device cuda] [--n 16]
+
+Lossless greedy decoding with the packed kernels needs every verify row to be bit-identical to the AR
+step of the same token: int8-quantized activations turn a last-bit difference into a different int8
+now and then, and a random tiny model has near-ties that such a change flips. This probe runs n AR
+steps (eager, exact KV length: the reference engine's steps) and one chain verify of the same n tokens
+from the same prefilled state (KV read in a power-of-two bucket with the tail masked, as the CUDA-graph
+engine reads it), records the output of every torch function and module on the way, and lists, in call
+order, the ops whose verify row i differs from AR step i. The first one listed is the culprit; what
+follows it inherits the difference. Set FLASHTREE_QUANT_KERNELS=1 to force the packed kernels.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from flashtree.convert.synth import synth_model
+from flashtree.models.block import BlockLayout
+from flashtree.models.loader import load_target
+
+
+class Recorder(TorchFunctionMode):
+    """Every tensor output whose first dim is the pass's token count, keyed by (module, op, k-th call
+    of that op inside that module call) so that a 1-token step and an n-token pass line up."""
+
+    def __init__(self, model: torch.nn.Module, n_tokens: int):
+        super().__init__()
+        self.n_tokens, self.stack, self.records = n_tokens, ["-"], {}
+        self.order: list[tuple] = []
+        self.counts: dict[tuple, int] = defaultdict(int)
+        self.busy = False  # our own copies are not the model's ops
+        self.hooks = []
+        for name, module in model.named_modules():
+            self.hooks.append(module.register_forward_pre_hook(self._enter(name)))
+            self.hooks.append(module.register_forward_hook(self._leave(name)))
+
+    def _enter(self, name):
+        def hook(module, args):
+            self.stack.append(f"{name}#{self.counts[('call', name)]}")
+            self.counts[("call", name)] += 1
+
+        return hook
+
+    def _leave(self, name):
+        def hook(module, args, out):
+            self.stack.pop()
+            self._keep((name or "model", "<module output>"), out)
+
+        return hook
+
+    def _keep(self, key: tuple, out) -> None:
+        out = out[0] if isinstance(out, tuple) and out and isinstance(out[0], torch.Tensor) else out
+        if not isinstance(out, torch.Tensor) or not out.is_floating_point():
+            return
+        if out.dim() == 0 or out.shape[0] != self.n_tokens:
+            return
+        k = self.counts[key]
+        self.counts[key] += 1
+        full = (*key, k)
+        self.order.append(full)
+        self.busy = True
+        self.records[full] = out.detach().clone()
+        self.busy = False
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if self.busy:
+            return out
+        scope = self.stack[-1].split("#")[0]
+        self._keep((scope, getattr(func, "__name__", str(func))), out)
+        return out
+
+    def close(self) -> None:
+        for h in self.hooks:
+            h.remove()
+
+
+def record(model, tokens: torch.Tensor, state, **forward_args) -> tuple[Recorder, torch.Tensor]:
+    """The pass's recorded ops and its logits."""
+    rec = Recorder(model, tokens.shape[0])
+    try:
+        with rec:
+            out = model.forward(tokens, state, logits="all", **forward_args)
+    finally:
+        rec.close()
+    return rec, out.logits
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shape", default="tiny-qwen35")
+    ap.add_argument("--type", default="q4_k_m")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--n", type=int, default=16, help="tokens in the verify chain")
+    ap.add_argument("--prompt", type=int, default=37, help="prompt tokens")
+    args = ap.parse_args()
+
+    gguf = Path(tempfile.gettempdir()) / f"probe-{args.shape}-{args.type}.gguf"
+    if not gguf.exists():
+        synth_model(args.shape, args.type, gguf, seed=1)
+    model, _ = load_target(gguf, device=args.device)
+    gen = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, model.config.vocab, (args.prompt,), generator=gen).to(args.device)
+
+    ar_state, verify_state = model.new_state(1024), model.new_state(1024)
+    first = model.forward(prompt, ar_state, logits="last").logits.argmax(-1)
+    model.forward(prompt, verify_state, logits="none")
+    tokens, steps = [first], []
+    for _ in range(args.n):  # AR: greedy, one token at a time, exact KV length
+        rec, logits = record(model, tokens[-1], ar_state)
+        steps.append(rec)
+        tokens.append(logits[-1:].argmax(-1))
+    chain = torch.cat(tokens[: args.n])
+    n_keys = 1 << (args.prompt + args.n - 1).bit_length()  # the CUDA-graph engine's bucket
+    verify, _ = record(
+        model, chain, verify_state, layout=BlockLayout.chain(args.n, args.device), commit=False,
+        n_keys=n_keys,
+    )  # fmt: skip
+
+    print(f"{args.shape} {args.type} on {args.device}: {args.n}-token chain verify vs {args.n} AR steps")
+    shown = 0
+    for key in verify.order:
+        rows = [s.records.get(key) for s in steps]
+        if any(r is None for r in rows):
+            continue
+        ar = torch.cat(rows)
+        got = verify.records[key]
+        if ar.shape != got.shape or torch.equal(ar, got):
+            continue
+        rows = (ar != got).reshape(len(ar), -1).any(-1).nonzero().flatten().tolist()
+        diff = (ar.float() - got.float()).abs().max().item()
+        print(f"  differs: {key[0]:<28} {key[1]:<22} call {key[2]}: rows {rows} max |diff| {diff:.3g}")
+        shown += 1
+        if shown == 12:
+            print("  ...")
+            break
+    same = sum(
+        all(key in s.records for s in steps)
+        and torch.equal(torch.cat([s.records[key] for s in steps]), verify.records[key])
+        for key in verify.order
+    )
+    print(f"{same} of {len(verify.order)} recorded ops identical row for row")
+
+
+if __name__ == "__main__":
+    main()
