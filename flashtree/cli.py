@@ -204,6 +204,9 @@ def train_draft(
     target: Path | None = TargetOpt,
     layers: int = typer.Option(5, "--layers", help="Draft layers."),
     block_size: int = typer.Option(16, "--block-size"),
+    init: Path | None = typer.Option(
+        None, "--init", help="Go on training this draft (z-lab dir or GGUF; same shape) instead of a new one."
+    ),
     prompts: list[Path] | None = typer.Option(
         None, "--prompts", help="JSONL(.gz) prompt files, 'text' per line (default: the built-in mix)."
     ),

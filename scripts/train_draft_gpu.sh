@@ -20,6 +20,9 @@
 # To continue after a loss: put the data parts in .stage/draft/data/ (scripts/stage_draft.sh builds the
 # rest of .stage/draft), then `smoke`, `stage-data` (carry .stage/draft/data), and `launch` with
 # GEN_MINUTES=0: the pipeline finds every shard and spends the whole lease on training.
+# Training can go on from an earlier draft (a snapshot returned by a lost run, or the last session's):
+# `stash` it in an extra call, then launch with INIT=/root/stash/<its name>; give another SEED so that a
+# time-limited generation writes responses to other prompts than the last run's.
 # `pipeline`: generate responses, train (GEN_MINUTES, TRAIN_MINUTES), write the draft, convert it to the
 # Q8_0 GGUF that ships, then `flashtree bench` on the default pair with that GGUF (AR, chain, tree, HF
 # baseline; 10 prompts per set).
@@ -85,6 +88,9 @@ launch)
   save_data
   snapshot
   ;;
+stash)  # copy the carried paths given after `stash` into $STASH (e.g. a draft to go on from: INIT)
+  shift && mkdir -p $STASH && cp -r "$@" $STASH/ && ls -la $STASH
+  ;;
 stage-data)  # the data returned by a lost machine's run
   mkdir -p $RUN && cat $S/data/data.tgz.part.* | tar -xzf - -C $RUN && ls $RUN/data | wc -l
   ;;
@@ -92,7 +98,7 @@ pipeline)  # run from $STASH/src
   export PYTHONPATH=/tmp/site:$PWD
   nvidia-smi -L
   python3 -m flashtree train-draft --target $GGUF --out $RUN --layers 5 --prompts draft/prompts.jsonl.gz \
-    --gen-batch 2048 --sampled-every 4 --gen-minutes "${GEN_MINUTES:-7}" \
+    ${INIT:+--init "$INIT"} --seed "${SEED:-0}" --gen-batch 2048 --sampled-every 4 --gen-minutes "${GEN_MINUTES:-7}" \
     --train-minutes "${TRAIN_MINUTES:-12}" --batch 32 --anchors 64 --lr "${LR:-6e-4}" --device cuda || exit 1
   python3 -m flashtree convert $RUN $DRAFT_GGUF --type q8_0 || exit 1
   python3 -m flashtree bench --target $GGUF --draft $DRAFT_GGUF --n 10 --max-tokens 256 --modes ar,chain,tree \
@@ -113,7 +119,7 @@ wait)  # until the pipeline is done, the draft is written (returned at once: the
   { [ -f $STASH/done ] || [ -f $DRAFT_GGUF ]; } && collect || snapshot
   ;;
 *)
-  echo "usage: $0 smoke|stage-data|launch|pipeline|wait" >&2
+  echo "usage: $0 smoke|stash PATH...|stage-data|launch|pipeline|wait" >&2
   exit 2
   ;;
 esac

@@ -353,6 +353,30 @@ def test_train_draft_command_writes_a_loadable_draft(tiny, tmp_path):
     assert (out / "checkpoint.pt").is_file() and len(list((out / "data").glob("shard-*.pt"))) == 1
 
 
+def test_train_draft_goes_on_from_a_draft_given_with_init(tiny, tmp_path):
+    """--init: training continues from a trained draft (a later session's run starts where the last
+    one stopped); a draft of another shape is refused before any generation."""
+    path, model, gguf = tiny
+    shape = _shape(gguf)
+    trained = new_draft(shape, model, seed=3, from_target=False)
+    save_draft(trained, shape, tmp_path / "trained")
+    loaded = load_draft(tmp_path / "trained", model)
+    again = new_draft(shape, model, seed=4, init=loaded)
+    for a, b in zip(trained.state_dict().values(), again.state_dict().values(), strict=True):
+        torch.testing.assert_close(b, a.to(torch.bfloat16).float() if a.ndim == 2 else a)  # bf16 matrices
+    assert all(p.requires_grad for p in again.parameters())
+
+    write_prompts([{"text": "Say hi."}], tmp_path / "p.jsonl.gz")
+    out = tmp_path / "run"
+    args = ["train-draft", "--target", str(path), "--out", str(out), "--layers", "1", "--block-size",
+            str(BLOCK), "--init", str(tmp_path / "trained"), "--prompts", str(tmp_path / "p.jsonl.gz"),
+            "--steps", "1", "--device", "cpu"]  # fmt: skip
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert "n_layers 2 (want 1)" in result.output, result.output
+    assert not (out / "data").exists()
+
+
 # --- the shipped draft ---------------------------------------------------------------------------------
 
 

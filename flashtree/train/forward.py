@@ -10,6 +10,7 @@ weights, norms and rotary tables are DFlashDraft's, so training and inference co
 from __future__ import annotations
 
 import json
+from dataclasses import fields
 from pathlib import Path
 
 import torch
@@ -19,6 +20,7 @@ from safetensors.torch import save_file
 from flashtree.convert.hf import hf_name
 from flashtree.convert.shapes import ModelShape
 from flashtree.convert.synth import draft_config
+from flashtree.errors import FlashtreeError
 from flashtree.models.attention import Attention
 from flashtree.models.dflash import DFlashDraft, DraftConfig, DraftLayer
 from flashtree.models.layers import apply_rotary, rms_norm
@@ -27,12 +29,31 @@ from flashtree.models.model import DecoderModel
 INIT_STD = 0.02  # random init of every matrix, as SpecForge's drafts (dflash.md §5)
 
 
-def new_draft(shape: ModelShape, target: DecoderModel, seed: int, from_target: bool = True) -> DFlashDraft:
-    """An fp32 draft of `shape` next to `target`, with trainable parameters. With `from_target`, every
+def new_draft(
+    shape: ModelShape,
+    target: DecoderModel,
+    seed: int,
+    from_target: bool = True,
+    init: DFlashDraft | None = None,
+) -> DFlashDraft:
+    """An fp32 draft of `shape` next to `target`, with trainable parameters. From `init`, a trained
+    draft of the same shape, when given (training goes on from it); else, with `from_target`, every
     tensor whose shape agrees starts as the target's (target_init_tensors); the rest, and all of them
-    without it, start random (matrices) or as the identity (norms)."""
+    without either, start random (matrices) or as the identity (norms)."""
     generator = torch.Generator().manual_seed(seed)
-    start = target_init_tensors(target, shape.n_layers, shape.dflash.target_layer_ids) if from_target else {}
+    cfg = DraftConfig.from_json(draft_config(shape), Path("<new draft>"))
+    if init is not None:
+        differ = [f"{f.name} {getattr(init.config, f.name)} (want {getattr(cfg, f.name)})"
+                  for f in fields(cfg) if getattr(init.config, f.name) != getattr(cfg, f.name)]  # fmt: skip
+        if differ:
+            raise FlashtreeError(
+                f"the draft to start from does not have the shape asked for: {', '.join(differ)}"
+            )
+        start = {name: t for name, t in draft_tensors(init).items() if t is not None}
+    elif from_target:
+        start = target_init_tensors(target, shape.n_layers, shape.dflash.target_layer_ids)
+    else:
+        start = {}
     tensors = {}
     for spec in shape.gguf_tensors():
         if spec.name in start and tuple(start[spec.name].shape) == tuple(spec.shape):
@@ -41,7 +62,6 @@ def new_draft(shape: ModelShape, target: DecoderModel, seed: int, from_target: b
             tensors[spec.name] = torch.ones(spec.shape)
         else:
             tensors[spec.name] = INIT_STD * torch.randn(spec.shape, generator=generator)
-    cfg = DraftConfig.from_json(draft_config(shape), Path("<new draft>"))
     tensors = {k: v.to(target.device) for k, v in tensors.items()}
     return DFlashDraft(cfg, tensors, target).requires_grad_(True)
 

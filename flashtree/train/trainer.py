@@ -26,7 +26,7 @@ import torch
 from flashtree.bench.hf_baseline import hf_model_from
 from flashtree.convert.synth import draft_shape_for
 from flashtree.errors import FlashtreeError
-from flashtree.models.dflash import DFlashDraft
+from flashtree.models.dflash import DFlashDraft, load_draft
 from flashtree.train import data as D
 from flashtree.train.forward import draft_hidden, new_draft, save_draft
 from flashtree.train.hf_target import hf_features
@@ -190,6 +190,7 @@ def train_draft_command(
     out: Path,
     layers: int,
     block_size: int,
+    init: Path | None,
     prompts: list[Path] | None,
     max_prompts: int | None,
     max_prompt_tokens: int,
@@ -225,6 +226,8 @@ def train_draft_command(
     tokenizer = Tokenizer.from_gguf_metadata(gguf.metadata)
     shape = draft_shape_for(gguf, layers)
     shape = replace(shape, dflash=replace(shape.dflash, block_size=block_size))
+    # Before generating: a wrong --init fails at once.
+    draft = new_draft(shape, model, seed, init=None if init is None else load_draft(init, model))
     hf = hf_model_from(model).requires_grad_(False)
 
     records = _prompt_records(out / "prompts.jsonl.gz", prompts, seed)[:max_prompts]
@@ -249,7 +252,6 @@ def train_draft_command(
         time_limit=None if train_minutes is None else train_minutes * 60, seed=seed,
     )  # fmt: skip
     (out / "train_config.json").write_text(json.dumps({"layers": layers, **asdict(cfg)}, indent=2))
-    draft = new_draft(shape, model, seed)
     Trainer(draft, hf, seqs, cfg, out, export=lambda d: save_draft(draft, shape, d)).run()
     save_draft(draft, shape, out)
     print(f"draft written to {out}")
