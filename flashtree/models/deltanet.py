@@ -121,11 +121,16 @@ class GatedDeltaNet(nn.Module):
         return self.conv_weight.shape[1]
 
     def causal_conv(self, mixed: torch.Tensor, st: DeltaNetState, fp: ForwardPass):
-        """Depthwise conv + SiLU along each token's ancestry. Returns the output and every token's
-        trailing window (the conv state it would leave behind), (T, kernel-1, C)."""
+        """Depthwise conv + SiLU along each token's ancestry. Returns the output (fp32 on the GPU: one
+        Triton launch) and every token's trailing window (the conv state it would leave behind),
+        (T, kernel-1, C)."""
         src = torch.cat([st.conv, mixed], dim=0)  # (kernel-1 + T, C)
         idx = fp.conv_index(self.kernel)  # (T, kernel)
         windows = src[idx]  # (T, kernel, C)
+        if src.is_cuda:
+            from flashtree.kernels.tree_conv import tree_conv_silu
+
+            return tree_conv_silu(src, idx, self.conv_weight), windows[:, 1:]
         # Tap by tap in a fixed order (not a .sum(1), whose order may change with T: see l2_normalize).
         taps = self.conv_weight.t()  # (kernel, C)
         y = windows[:, 0] * taps[0]
