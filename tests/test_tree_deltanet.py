@@ -7,29 +7,90 @@ os.environ["TRITON_INTERPRET"] = "1"  # before the kernel is compiled: run it on
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from flashtree.kernels.tree_deltanet import tree_delta_rule  # noqa: E402
-from flashtree.models.deltanet import l2_normalize, recurrent_delta_rule  # noqa: E402
+from flashtree.kernels.tree_deltanet import tree_gated_delta_rule  # noqa: E402
+from flashtree.models.deltanet import delta_rule_inputs, recurrent_delta_rule  # noqa: E402
 
 TREES = {
+    "single": [-1],  # the AR step
     "chain": [-1, 0, 1, 2, 3],
     "tree": [-1, 0, 1, 0, 3, 1, 5, 2, -1],  # siblings, a branch back up, a second root child
 }
+# (key heads, value heads, k_dim, v_dim)
+SHAPES = {"pow2": (1, 3, 16, 8), "ragged": (2, 4, 12, 40)}
 
 
-@pytest.mark.parametrize("shape", [(3, 16, 8), (2, 12, 40)], ids=["pow2", "ragged"])
+def raw_inputs(t, nk, nv, kd, vd, seed):
+    """What the layer hands the recurrence: conv output, the alpha / beta projections as column slices
+    of one wider projection (as MergedLinear returns them), dt_bias, ssm_a and a state."""
+    gen = torch.Generator().manual_seed(seed)
+    conv_out = torch.randn(t, 2 * nk * kd + nv * vd, generator=gen)
+    conv_out[0, :kd] = 0.0  # an all-zero q head: eps decides
+    projection = torch.randn(t, 5 + 2 * nv, generator=gen) * 3  # includes softplus's linear range
+    projection[:, 5] = 25.0
+    alpha, beta = projection[:, 5 : 5 + nv], projection[:, 5 + nv :]
+    dt_bias = torch.randn(nv, generator=gen)
+    ssm_a = -torch.rand(nv, generator=gen) * 2
+    s0 = torch.randn(nv, kd, vd, generator=gen) * 0.3
+    return conv_out, alpha, beta, dt_bias, ssm_a, s0
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=list(SHAPES))
 @pytest.mark.parametrize("tree", TREES, ids=list(TREES))
 def test_tree_kernel_matches_torch_recurrence(shape, tree):
-    h, kd, vd = shape
+    nk, nv, kd, vd = SHAPES[shape]
     parents = torch.tensor(TREES[tree])
     t = parents.shape[0]
-    gen = torch.Generator().manual_seed(t + kd)
-    q = l2_normalize(torch.randn(t, h, kd, generator=gen)) * kd**-0.5
-    k = l2_normalize(torch.randn(t, h, kd, generator=gen))
-    v = torch.randn(t, h, vd, generator=gen)
-    g = -torch.rand(t, h, generator=gen)
-    beta = torch.rand(t, h, generator=gen)
-    s0 = torch.randn(h, kd, vd, generator=gen) * 0.3
-    ref_o, ref_states = recurrent_delta_rule(q, k, v, g, beta, s0, parents.tolist())
-    o, states = tree_delta_rule(q, k, v, g, beta, s0, parents, block_v=16)
+    conv_out, alpha, beta, dt_bias, ssm_a, s0 = raw_inputs(t, nk, nv, kd, vd, seed=t + kd)
+    inputs = delta_rule_inputs(conv_out, alpha, beta, dt_bias, ssm_a, nk, kd, vd)
+    ref_o, ref_states = recurrent_delta_rule(*inputs, s0, parents.tolist())
+    o, states = tree_gated_delta_rule(conv_out, alpha, beta, dt_bias, ssm_a, s0, parents, nk, block_v=16)
     torch.testing.assert_close(o, ref_o, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(states, ref_states, atol=1e-5, rtol=1e-5)
+
+
+def test_tree_kernel_token_does_not_depend_on_the_launch():
+    """A chain in one launch equals the same tokens one launch each, every state carried over: the
+    AR step and the verify pass compute each token bit for bit alike."""
+    nk, nv, kd, vd = SHAPES["ragged"]
+    t = 5
+    conv_out, alpha, beta, dt_bias, ssm_a, s0 = raw_inputs(t, nk, nv, kd, vd, seed=1)
+    chain = torch.arange(-1, t - 1)
+    o, states = tree_gated_delta_rule(conv_out, alpha, beta, dt_bias, ssm_a, s0, chain, nk)
+    state = s0
+    for i in range(t):
+        step = slice(i, i + 1)
+        o_i, s_i = tree_gated_delta_rule(
+            conv_out[step], alpha[step], beta[step], dt_bias, ssm_a, state, torch.tensor([-1]), nk
+        )
+        assert torch.equal(o_i[0], o[i]) and torch.equal(s_i[0], states[i])
+        state = s_i[0]
+
+
+def test_qwen35_decode_and_verify_with_the_kernels_match_the_torch_path(tiny_root, monkeypatch):
+    """The kernels inside the model (as on the GPU): AR steps and a tree verify after a prefill give the
+    torch path's logits, and the verify's chain rows give the AR steps' logits."""
+    from flashtree.models import deltanet
+    from flashtree.models.block import BlockLayout
+    from flashtree.models.loader import load_target
+    from tests.tiny import tiny_gguf
+
+    model, _ = load_target(tiny_gguf("qwen35", 0, tiny_root), device="cpu", dtype=torch.float32)
+    ids = torch.randint(0, 320, (30,), generator=torch.Generator().manual_seed(0))
+    parents = torch.tensor([-1, 0, 1, 0, 3, 4])
+    chain = [20, 21, 22]  # = nodes 0, 1, 2 of the tree
+
+    def run():
+        state = model.new_state(64)
+        model(ids[:20], state, logits="none")
+        tree = model(ids[20:26], state, BlockLayout.from_parents(parents), commit=False).logits
+        state = model.new_state(64)
+        model(ids[:20], state, logits="none")
+        steps = torch.cat([model(ids[i : i + 1], state).logits for i in chain])
+        return tree, steps
+
+    torch_tree, torch_steps = run()
+    monkeypatch.setattr(deltanet, "triton_kernels_for", lambda x: True)
+    kernel_tree, kernel_steps = run()
+    torch.testing.assert_close(kernel_tree, torch_tree, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(kernel_steps, torch_steps, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(kernel_tree[:3], kernel_steps, atol=1e-5, rtol=1e-5)

@@ -1,10 +1,16 @@
-"""Gated DeltaNet along a draft tree, one Triton launch per layer (the verify hot path).
+"""Gated DeltaNet along a draft tree, one Triton launch per layer (the decode and verify hot path).
 
 Each program owns one value head and a BV-wide slice of its (K x V) fp32 state, keeps it in
 registers and walks the block's tokens in order. A token whose parent is not the previous token
 (a sibling branch) reloads its parent's state slice from the per-token states it wrote before, so
-every node starts from its parent's exact fp32 state. The torch reference is
-`flashtree.models.deltanet.recurrent_delta_rule`; tests compare the two under TRITON_INTERPRET=1.
+every node starts from its parent's exact fp32 state.
+
+The kernel reads the layer's raw inputs (the conv output holding q | k | v, and the alpha / beta
+projections) and forms the gates and the L2-normalized q / k itself: the ops torch would run as a
+dozen launches, and computed per token in a fixed order, so a token's result does not depend on how
+many tokens share the launch (the AR step and the verify rows agree bit for bit; see
+deltanet.l2_normalize for why that matters). The torch reference is `deltanet.delta_rule_inputs` +
+`deltanet.recurrent_delta_rule`; tests compare the two under TRITON_INTERPRET=1.
 """
 
 from __future__ import annotations
@@ -14,12 +20,12 @@ import triton
 import triton.language as tl
 
 
-# T is not specialized: Triton would compile T == 1 (the AR step) apart from the verify shapes, and the
-# AR step must compute a token bit for bit as verify does (see deltanet.l2_normalize).
+# T is not specialized: Triton would compile T == 1 (the AR step) apart from the verify shapes.
 @triton.jit(do_not_specialize=["T"])
-def _tree_delta_rule_kernel(
-    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, parents_ptr, s0_ptr, out_ptr, states_ptr,
-    T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+def _tree_gated_delta_rule_kernel(
+    x_ptr, alpha_ptr, beta_ptr, stride_ab, dt_bias_ptr, a_ptr, parents_ptr, s0_ptr, out_ptr, states_ptr,
+    T, eps, H: tl.constexpr, NK: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr,
 ):  # fmt: skip
     h = tl.program_id(0)
     offs_k = tl.arange(0, BK)
@@ -27,6 +33,12 @@ def _tree_delta_rule_kernel(
     mask_k, mask_v = offs_k < K, offs_v < V
     mask_kv = mask_k[:, None] & mask_v[None, :]
     kv_offs = offs_k[:, None] * V + offs_v[None, :]  # offsets inside one head's (K, V) state
+    width = 2 * NK * K + H * V  # a conv-output row: q (NK heads) | k (NK heads) | v (H heads)
+    q_col = (h % NK) * K  # GGUF tiles value heads over key heads: head h reads key head h % NK
+    k_col = NK * K + q_col
+    v_col = 2 * NK * K + h * V
+    dt_bias = tl.load(dt_bias_ptr + h)
+    a = tl.load(a_ptr + h)
     s = tl.load(s0_ptr + h * K * V + kv_offs, mask=mask_kv, other=0.0)
     prev = -1
     for t in range(T):
@@ -36,34 +48,51 @@ def _tree_delta_rule_kernel(
                 s = tl.load(s0_ptr + h * K * V + kv_offs, mask=mask_kv, other=0.0)
             else:
                 s = tl.load(states_ptr + (parent * H + h) * K * V + kv_offs, mask=mask_kv, other=0.0)
-        row = t * H + h
-        k = tl.load(k_ptr + row * K + offs_k, mask=mask_k, other=0.0)
-        q = tl.load(q_ptr + row * K + offs_k, mask=mask_k, other=0.0)
-        v = tl.load(v_ptr + row * V + offs_v, mask=mask_v, other=0.0)
-        decay = tl.exp(tl.load(g_ptr + row))
-        beta = tl.load(beta_ptr + row)
+        x_row = x_ptr + t * width
+        q = tl.load(x_row + q_col + offs_k, mask=mask_k, other=0.0)
+        k = tl.load(x_row + k_col + offs_k, mask=mask_k, other=0.0)
+        v = tl.load(x_row + v_col + offs_v, mask=mask_v, other=0.0)
+        # l2_normalize as RMSNorm with eps / K, times K^-0.5 (and q's attention scale K^-0.5)
+        q = q * (tl.rsqrt(tl.sum(q * q, axis=0) / K + eps / K) * (1.0 / K))
+        k = k * (tl.rsqrt(tl.sum(k * k, axis=0) / K + eps / K) * tl.rsqrt(K * 1.0))
+        z = tl.load(alpha_ptr + t * stride_ab + h) + dt_bias
+        softplus = tl.where(z > 20.0, z, tl.log(1.0 + tl.exp(z)))  # torch's threshold
+        decay = tl.exp(a * softplus)
+        beta = tl.sigmoid(tl.load(beta_ptr + t * stride_ab + h))
         s = s * decay
         delta = (v - tl.sum(s * k[:, None], axis=0)) * beta
         s = s + k[:, None] * delta[None, :]
+        row = t * H + h
         tl.store(out_ptr + row * V + offs_v, tl.sum(s * q[:, None], axis=0), mask=mask_v)
         tl.store(states_ptr + row * K * V + kv_offs, s, mask=mask_kv)
         prev = t
 
 
-def tree_delta_rule(q, k, v, g, beta, state, parents: torch.Tensor, block_v: int = 32):
-    """Same contract as `recurrent_delta_rule`, with `parents` a (T,) tensor on the device.
-
-    q, k: (T, H, K) fp32 (q pre-scaled); v: (T, H, V); g, beta: (T, H); state: (H, K, V).
-    Returns o (T, H, V) and the state after every token (T, H, K, V)."""
-    t, h, kd = q.shape
-    vd = v.shape[-1]
-    q, k, v, g, beta, state = (x.float().contiguous() for x in (q, k, v, g, beta, state))
-    out = torch.empty(t, h, vd, dtype=torch.float32, device=q.device)
-    states = torch.empty(t, h, kd, vd, dtype=torch.float32, device=q.device)
+def tree_gated_delta_rule(
+    conv_out: torch.Tensor,  # (T, 2 * nk * kd + nv * vd): q | k | v after the causal conv
+    alpha: torch.Tensor,  # (T, nv) raw projection (a column slice is fine)
+    beta: torch.Tensor,  # (T, nv) raw projection, same row stride as alpha
+    dt_bias: torch.Tensor,  # (nv,)
+    ssm_a: torch.Tensor,  # (nv,) = -exp(A_log)
+    state: torch.Tensor,  # (nv, kd, vd) fp32
+    parents: torch.Tensor,  # (T,) int32 on the device, -1 = from `state`
+    n_k_heads: int,
+    eps: float = 1e-6,
+    block_v: int = 32,
+):
+    """Every token from its parent's state, gates and norms included. Returns o (T, nv, vd) fp32 and
+    the state after every token (T, nv, kd, vd)."""
+    t = conv_out.shape[0]
+    h, kd, vd = state.shape
+    alpha, beta = alpha.float(), beta.float()
+    if alpha.stride() != beta.stride() or alpha.stride(1) != 1:
+        alpha, beta = alpha.contiguous(), beta.contiguous()
+    out = torch.empty(t, h, vd, dtype=torch.float32, device=conv_out.device)
+    states = torch.empty(t, h, kd, vd, dtype=torch.float32, device=conv_out.device)
     bv = min(block_v, triton.next_power_of_2(vd))
-    grid = (h, triton.cdiv(vd, bv))
-    _tree_delta_rule_kernel[grid](
-        q, k, v, g, beta, parents.to(torch.int32).contiguous(), state, out, states,
-        t, H=h, K=kd, V=vd, BK=triton.next_power_of_2(kd), BV=bv,
+    _tree_gated_delta_rule_kernel[(h, triton.cdiv(vd, bv))](
+        conv_out.float().contiguous(), alpha, beta, alpha.stride(0), dt_bias.float().contiguous(),
+        ssm_a.float().contiguous(), parents.to(torch.int32), state.contiguous(), out, states,
+        t, eps, H=h, NK=n_k_heads, K=kd, V=vd, BK=triton.next_power_of_2(kd), BV=bv,
     )  # fmt: skip
     return out, states

@@ -19,6 +19,12 @@ from flashtree.models.state import DeltaNetState
 CHUNK = 64
 
 
+def triton_kernels_for(x: torch.Tensor) -> bool:
+    """Whether the decode/verify path runs our Triton kernels (on CUDA) or the torch reference.
+    Tests set it to always, to run the kernels inside the model under TRITON_INTERPRET=1."""
+    return x.is_cuda
+
+
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """x / sqrt(sum(x^2) + eps) over the last dim, written as RMSNorm: x / sqrt(mean(x^2) + eps/d)
     / sqrt(d) is the same function, and torch's RMSNorm kernel reduces each row the same way whatever
@@ -27,6 +33,19 @@ def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     packed kernels) a last-bit difference can round to a different int8 and flip a greedy near-tie."""
     d = x.shape[-1]
     return F.rms_norm(x, (d,), eps=eps / d) * d**-0.5
+
+
+def delta_rule_inputs(conv_out, alpha, beta, dt_bias, ssm_a, n_k_heads: int, k_dim: int, v_dim: int):
+    """q, k, v, g, beta of the recurrence from the layer's raw inputs: the conv output (T, q | k | v),
+    the alpha and beta projections (T, nv). q and k are L2-normalized (q also scaled by k_dim^-0.5)
+    and tiled over the value heads: value head j reads key head j % n_k_heads, as GGUF lays them out."""
+    t = conv_out.shape[0]
+    nk, kd, nv = n_k_heads, k_dim, dt_bias.shape[0]
+    q, k, v = conv_out.float().split([nk * kd, nk * kd, nv * v_dim], dim=-1)
+    q = l2_normalize(q.view(t, nk, kd)).repeat(1, nv // nk, 1) * kd**-0.5
+    k = l2_normalize(k.view(t, nk, kd)).repeat(1, nv // nk, 1)
+    g = ssm_a * F.softplus(alpha.float() + dt_bias)  # (T, nv) log decay
+    return q, k, v.view(t, nv, v_dim), g, torch.sigmoid(beta.float())
 
 
 def recurrent_delta_rule(q, k, v, g, beta, state, parents: list[int]):
@@ -127,7 +146,7 @@ class GatedDeltaNet(nn.Module):
         src = torch.cat([st.conv, mixed], dim=0)  # (kernel-1 + T, C)
         idx = fp.conv_index(self.kernel)  # (T, kernel)
         windows = src[idx]  # (T, kernel, C)
-        if src.is_cuda:
+        if triton_kernels_for(src):
             from flashtree.kernels.tree_conv import tree_conv_silu
 
             return tree_conv_silu(src, idx, self.conv_weight), windows[:, 1:]
@@ -138,41 +157,39 @@ class GatedDeltaNet(nn.Module):
             y = y + windows[:, j] * taps[j]
         return F.silu(y), windows[:, 1:]
 
-    @staticmethod
-    def tree_recurrence(q, k, v, g, beta, state, fp: ForwardPass):
-        """Every block token from its parent's state: one Triton launch on the GPU, the torch
-        reference elsewhere."""
-        if q.is_cuda:
-            from flashtree.kernels.tree_deltanet import tree_delta_rule
+    def tree_recurrence(self, conv_out, alpha, beta, state, fp: ForwardPass):
+        """Every block token from its parent's state: one Triton launch on the GPU (gates and norms
+        included), the torch reference elsewhere."""
+        if triton_kernels_for(conv_out):
+            from flashtree.kernels.tree_deltanet import tree_gated_delta_rule
 
-            return tree_delta_rule(q, k, v, g, beta, state, fp.layout.parents)
-        return recurrent_delta_rule(q, k, v, g, beta, state, fp.parents_list)
+            return tree_gated_delta_rule(
+                conv_out, alpha, beta, self.dt_bias, self.ssm_a, state, fp.parents_int32, self.n_k_heads
+            )
+        inputs = delta_rule_inputs(conv_out, alpha, beta, *self._head_args)
+        return recurrent_delta_rule(*inputs, state, fp.parents_list)
+
+    @property
+    def _head_args(self) -> tuple:
+        return self.dt_bias, self.ssm_a, self.n_k_heads, self.k_dim, self.v_dim
 
     def forward(self, x: torch.Tensor, st: DeltaNetState, fp: ForwardPass) -> torch.Tensor:
         t = x.shape[0]
         mixed, z, beta, alpha = self.in_proj(x)  # (T, conv channels), (T, nv * vd), (T, nv) x 2
         conv_out, windows = self.causal_conv(mixed, st, fp)
-        kd, vd, nk, nv = self.k_dim, self.v_dim, self.n_k_heads, self.n_v_heads
-        q, k, v = conv_out.float().split([nk * kd, nk * kd, nv * vd], dim=-1)
-        # GGUF tiles value heads over key heads: value head j reads key head j % n_k_heads.
-        q = l2_normalize(q.view(t, nk, kd)).repeat(1, nv // nk, 1) * kd**-0.5
-        k = l2_normalize(k.view(t, nk, kd)).repeat(1, nv // nk, 1)
-        v = v.view(t, nv, vd)
-        beta = torch.sigmoid(beta.float())  # (T, nv)
-        g = self.ssm_a * F.softplus(alpha.float() + self.dt_bias)  # (T, nv) log decay
-
         if fp.commit and t > 1:  # prefill: chunked form, only the final state is kept
-            o, final = chunked_delta_rule(q, k, v, g, beta, st.recurrent)
+            inputs = delta_rule_inputs(conv_out, alpha, beta, *self._head_args)
+            o, final = chunked_delta_rule(*inputs, st.recurrent)
             st.recurrent.copy_(final)
             st.conv.copy_(windows[-1])
         else:  # decode or verify: token recurrence, same kernel for both
-            o, states = self.tree_recurrence(q, k, v, g, beta, st.recurrent, fp)
+            o, states = self.tree_recurrence(conv_out, alpha, beta, st.recurrent, fp)
             if fp.commit:
                 st.recurrent.copy_(states[-1])
                 st.conv.copy_(windows[-1])
             else:
                 st.set_pending(states, windows)
 
-        z = z.view(t, nv, vd)
-        o = rms_norm(o, self.norm_weight, self.eps) * F.silu(z.float())
+        nv, vd = self.n_v_heads, self.v_dim
+        o = rms_norm(o, self.norm_weight, self.eps) * F.silu(z.float().view(t, nv, vd))
         return self.out(o.to(x.dtype).reshape(t, nv * vd))

@@ -57,6 +57,13 @@ class ForwardPass:
             self._cache["parents"] = self.layout.parents.tolist()
         return self._cache["parents"]
 
+    @property
+    def parents_int32(self) -> torch.Tensor:
+        """Parent indices as the Triton kernels read them, converted once per pass (not once per layer)."""
+        if "parents32" not in self._cache:
+            self._cache["parents32"] = self.layout.parents.to(torch.int32)
+        return self._cache["parents32"]
+
     def rope(self) -> tuple[torch.Tensor, torch.Tensor]:
         if "rope" not in self._cache:
             self._cache["rope"] = self.rotary.cos_sin(self.positions, self.dtype)
