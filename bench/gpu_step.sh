@@ -6,6 +6,8 @@
 #            (carry .wheels/issue6, .cache/issue6 = Qwen3 tokenizer files, .stage/draft/cache)
 #   kernels  bench/gpu_kernels.py: every type checked, a tile sweep, the 27B layer shapes timed
 #   graphs   bench/gpu_graphs.py: CUDA-graph decode steps emit the eager steps' tokens (tiny targets)
+#   probe    bench/probe_rows.py on tiny qwen35 and qwen3 with the packed kernels forced: the first op
+#            whose verify row differs from the AR step (the packed-path exactness gap)
 #   step     flashtree bench-step on the 27B: quantized kernels, then dense bf16
 #   stage-a  stash the SmolLM2 GGUF's first half (carry .stage/draft/smollm2.part.aa; the shipped draft
 #            must be out of the working tree for this call: 64 MiB per call)
@@ -61,9 +63,14 @@ for stage in "$@"; do
     prep) prep ;;
     kernels) python3 bench/gpu_kernels.py "$OUT" 2>&1 | tee "$OUT/kernels.log" ;;
     graphs) python3 bench/gpu_graphs.py "$OUT" 2>&1 | tee "$OUT/graphs.log" ;;
+    probe)
+        for shape in tiny-qwen35 tiny-qwen3; do
+            FLASHTREE_QUANT_KERNELS=1 python3 bench/probe_rows.py --shape $shape 2>&1 | grep -v USDT \
+                | tee -a "$OUT/probe.log"
+        done ;;
     step) step ;;
     stage-a) cp .stage/draft/smollm2.part.aa "$STASH/" ;;
     pair) pair ;;
-    *) echo "unknown stage $stage (prep|kernels|graphs|step|stage-a|pair)" >&2; exit 2 ;;
+    *) echo "unknown stage $stage (prep|kernels|graphs|probe|step|stage-a|pair)" >&2; exit 2 ;;
     esac
 done
