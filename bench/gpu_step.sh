@@ -31,7 +31,7 @@ synth() {
 
 prep() {
     nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv
-    cp -r flashtree/drafts/smollm2-135m-instruct "$STASH/draft" && cp -r .stage/draft/cache "$STASH/" || exit 1
+    cp flashtree/drafts/smollm2-135m-instruct.gguf "$STASH/draft.gguf" && cp -r .stage/draft/cache "$STASH/" || exit 1
     mkdir -p "$STASH/cache" && cp -r .cache/issue6/* "$STASH/cache/"
     if [ ! -f "$STASH/synth.done" ]; then  # own session: outlives this call; nice: compiles come first
         export -f synth; export FT STASH
@@ -53,7 +53,7 @@ step() {
 pair() {
     cat "$STASH/smollm2.part.aa" .stage/draft/smollm2.part.ab >"$GGUF"
     echo "$GGUF_MD5  $GGUF" | md5sum -c || exit 1
-    $FT bench --target "$GGUF" --draft "$STASH/draft" --n 10 --max-tokens 256 --modes ar,chain,tree \
+    $FT bench --target "$GGUF" --draft "$STASH/draft.gguf" --n 10 --max-tokens 256 --modes ar,chain,tree \
         --budget 22 --baseline hf --seed 0 --out "$OUT/pair" --device cuda 2>&1 | grep -v USDT | tail -40
 }
 

@@ -58,9 +58,9 @@ def default_target_path(progress: bool = True) -> Path:
 
 
 def default_draft_path() -> Path | None:
-    """The DFlash draft shipped for the default target, or None until one has been trained."""
-    path = Path(flashtree.__file__).parent / "drafts" / "smollm2-135m-instruct"
-    return path if (path / "config.json").is_file() else None
+    """The DFlash draft shipped for the default target (a Q8_0 GGUF), or None if it is missing."""
+    path = Path(flashtree.__file__).parent / "drafts" / "smollm2-135m-instruct.gguf"
+    return path if path.is_file() else None
 
 
 def _stamp_path(path: Path) -> Path:

@@ -119,8 +119,9 @@ def test_index_lookup_finds_the_wheel():
 def test_default_draft_path(tmp_path, monkeypatch):
     monkeypatch.setattr(flashtree, "__file__", str(tmp_path / "__init__.py"))
     assert defaults.default_draft_path() is None
-    draft = tmp_path / "drafts" / "smollm2-135m-instruct"
+    draft = tmp_path / "drafts" / "smollm2-135m-instruct.gguf"
     draft.mkdir(parents=True)
-    assert defaults.default_draft_path() is None  # a directory without config.json is not a draft
-    (draft / "config.json").write_text("{}")
+    assert defaults.default_draft_path() is None  # a directory of that name is not the draft
+    draft.rmdir()
+    draft.write_bytes(b"GGUF")
     assert defaults.default_draft_path() == draft

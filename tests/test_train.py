@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
 from tiny import tiny_gguf
 from typer.testing import CliRunner
 
@@ -21,14 +20,14 @@ import flashtree
 from flashtree.bench.hf_baseline import hf_model_from
 from flashtree.cli import app
 from flashtree.config import SamplingParams
-from flashtree.convert.hf import hf_name
 from flashtree.convert.synth import draft_config, draft_shape_for
 from flashtree.defaults import default_draft_path, default_target_path
 from flashtree.generate import Engine
 from flashtree.gguf.reader import GGUFFile
 from flashtree.gguf.tokenizer import Tokenizer
-from flashtree.models.dflash import load_draft
+from flashtree.models.dflash import DraftConfig, load_draft
 from flashtree.models.loader import load_target
+from flashtree.quant.formats import type_name
 from flashtree.train import data as D
 from flashtree.train.forward import draft_hidden, new_draft, save_draft
 from flashtree.train.hf_target import hf_features
@@ -381,12 +380,19 @@ def test_train_draft_goes_on_from_a_draft_given_with_init(tiny, tmp_path):
 
 
 def test_shipped_draft_is_the_default_and_matches_what_train_draft_writes_for_smollm2():
+    """The shipped draft: a Q8_0 GGUF (<= 24 MB) of exactly the shape train-draft gives SmolLM2 for its
+    layer count, loadable next to the default target."""
     path = default_draft_path()
     assert path is not None and path.parent.parent == Path(flashtree.__file__).parent
-    assert (path / "model.safetensors").stat().st_size <= 24_000_000
-    with GGUFFile(default_target_path(progress=False)) as target:
-        shape = draft_shape_for(target, 3)
-    assert json.loads((path / "config.json").read_text()) == draft_config(shape)
-    with safe_open(str(path / "model.safetensors"), "pt") as f:
-        shapes = {name: list(f.get_slice(name).get_shape()) for name in f.keys()}  # noqa: SIM118
-    assert shapes == {hf_name(spec, ""): list(spec.shape) for spec in shape.gguf_tensors()}
+    assert path.stat().st_size <= 24_000_000
+    with GGUFFile(path) as draft, GGUFFile(default_target_path(progress=False)) as target:
+        n_layers = int(draft.get("dflash-draft.block_count"))
+        shape = draft_shape_for(target, n_layers)
+        assert {name: info.shape for name, info in draft.tensors.items()} == {
+            spec.name: tuple(spec.shape) for spec in shape.gguf_tensors()
+        }
+        matrices = {type_name(info.qtype) for info in draft.tensors.values() if len(info.shape) == 2}
+        assert matrices == {"Q8_0"}
+    model, _ = load_target(default_target_path(progress=False), device="cpu")
+    loaded = load_draft(path, model)
+    assert loaded.config == DraftConfig.from_json(draft_config(shape), path)
