@@ -5,7 +5,7 @@
 # Staged here first, in the git-ignored .stage/draft/: the gguf wheel (whl/), the prompt file
 # (prompts.jsonl.gz, from flashtree.train.prompts.build_prompts), the benchmark prompt cache
 # (cache/datasets/), a tiny target (tiny.gguf) and the SmolLM2 GGUF in pieces (smollm2.part.aa, ab...):
-# the working tree travels with at most 64 MiB a call, so also move the shipped 23 MB draft
+# the working tree travels with at most 64 MiB a call, so also move the shipped 12 MB draft
 # (flashtree/drafts/) out of the checkout during calls 1 and 2 (the pipeline does not use it).
 #   call 1: `smoke`   (carry .stage/draft minus part ab): stashes the pieces carried, runs the pipeline on the
 #                     tiny target (catches CUDA-only failures cheaply);
