@@ -24,7 +24,7 @@ import triton.language as tl
 @triton.jit(do_not_specialize=["T"])
 def _tree_gated_delta_rule_kernel(
     x_ptr, alpha_ptr, beta_ptr, stride_ab, dt_bias_ptr, a_ptr, parents_ptr, s0_ptr, out_ptr, states_ptr,
-    T, eps, H: tl.constexpr, NK: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    T, eps, q_scale, k_scale, H: tl.constexpr, NK: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr,
 ):  # fmt: skip
     h = tl.program_id(0)
@@ -52,9 +52,9 @@ def _tree_gated_delta_rule_kernel(
         q = tl.load(x_row + q_col + offs_k, mask=mask_k, other=0.0)
         k = tl.load(x_row + k_col + offs_k, mask=mask_k, other=0.0)
         v = tl.load(x_row + v_col + offs_v, mask=mask_v, other=0.0)
-        # l2_normalize as RMSNorm with eps / K, times K^-0.5 (and q's attention scale K^-0.5)
-        q = q * (tl.rsqrt(tl.sum(q * q, axis=0) / K + eps / K) * (1.0 / K))
-        k = k * (tl.rsqrt(tl.sum(k * k, axis=0) / K + eps / K) * tl.rsqrt(K * 1.0))
+        # l2_normalize as RMSNorm with eps / K, times K^-0.5 (q also times its attention scale K^-0.5)
+        q = q * (tl.rsqrt(tl.sum(q * q, axis=0) / K + eps / K) * q_scale)
+        k = k * (tl.rsqrt(tl.sum(k * k, axis=0) / K + eps / K) * k_scale)
         z = tl.load(alpha_ptr + t * stride_ab + h) + dt_bias
         softplus = tl.where(z > 20.0, z, tl.log(1.0 + tl.exp(z)))  # torch's threshold
         decay = tl.exp(a * softplus)
@@ -93,6 +93,6 @@ def tree_gated_delta_rule(
     _tree_gated_delta_rule_kernel[(h, triton.cdiv(vd, bv))](
         conv_out.float().contiguous(), alpha, beta, alpha.stride(0), dt_bias.float().contiguous(),
         ssm_a.float().contiguous(), parents.to(torch.int32), state.contiguous(), out, states,
-        t, eps, H=h, NK=n_k_heads, K=kd, V=vd, BK=triton.next_power_of_2(kd), BV=bv,
+        t, eps, 1.0 / kd, kd**-0.5, H=h, NK=n_k_heads, K=kd, V=vd, BK=triton.next_power_of_2(kd), BV=bv,
     )  # fmt: skip
     return out, states
