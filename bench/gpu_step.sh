@@ -9,8 +9,8 @@
 #   probe    bench/probe_rows.py on tiny qwen35 and qwen3 with the packed kernels forced: the first op
 #            whose verify row differs from the AR step (the packed-path exactness gap)
 #   step     flashtree bench-step on the 27B: quantized kernels, then dense bf16
-#   stage-a  stash the SmolLM2 GGUF's first half (carry .stage/draft/smollm2.part.aa; the shipped draft
-#            must be out of the working tree for this call: 64 MiB per call)
+#   stage-a  stash the SmolLM2 GGUF's first half (carry .stage/draft/smollm2.part.aa; with the 12 MB
+#            shipped draft in the working tree the call stays just under its 64 MiB)
 #   pair     join the second half (carry .stage/draft/smollm2.part.ab), then `flashtree bench` on the
 #            default pair: AR / chain / tree / HF baseline, 10 prompts per set, 256 new tokens
 set -u

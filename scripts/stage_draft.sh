@@ -16,7 +16,6 @@ mkdir -p $S/whl $S/cache
 pip download -q --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 \
   -d $S/whl 'gguf>=0.19'
 python - <<'EOF'
-import json, gzip
 from pathlib import Path
 from flashtree.train.prompts import build_prompts, write_prompts
 from flashtree.train.trainer import default_code_roots

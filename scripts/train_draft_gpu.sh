@@ -43,9 +43,17 @@ install() {
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site $S/whl/*.whl || exit 1
 }
 
-collect() {  # what exists of the artifacts, at most 8 files of 16 MiB for $OUT; the draft only once
+stash_pieces() {  # the target GGUF pieces this call carries
+  mkdir -p $STASH && cp $S/smollm2.part.* $STASH/ 2>/dev/null
+}
+
+results() {  # what exists of the log, the run's configs and training log, the bench
   tar -czf $OUT/results.tar.gz -C $STASH log run/config.json run/train_log.jsonl run/train_config.json \
-    bench 2>/dev/null
+    bench 2>/dev/null || true
+}
+
+collect() {  # the artifacts, at most 8 files of 16 MiB for $OUT; the draft only once
+  results
   if [ -f $DRAFT_GGUF ] && [ ! -f $STASH/draft.sent ]; then
     split -b 15M $DRAFT_GGUF $OUT/draft-q8_0.gguf.part. && touch $STASH/draft.sent
   fi
@@ -58,7 +66,7 @@ snapshot() {  # the draft of the trainer's last checkpoint (run/snapshot), as Q8
   [ "$step" != "$(cat $STASH/snapshot.sent 2>/dev/null)" ] || return 0
   python3 -m flashtree convert $RUN/snapshot $STASH/snapshot.gguf --type q8_0 >/dev/null || return 0
   split -b 15M $STASH/snapshot.gguf $OUT/snapshot-step$step-q8_0.gguf.part. && echo "$step" > $STASH/snapshot.sent
-  tar -czf $OUT/results.tar.gz -C $STASH log run/train_log.jsonl run/train_config.json 2>/dev/null || true
+  results
 }
 
 save_data() {  # once generation is over (the trainer has written its config), the data for $OUT
@@ -68,7 +76,7 @@ save_data() {  # once generation is over (the trainer has written its config), t
 
 case "${1:-}" in
 smoke)
-  mkdir -p $STASH && cp $S/smollm2.part.* $STASH/ && cp -r $S/cache $STASH/
+  stash_pieces && cp -r $S/cache $STASH/
   install
   nvidia-smi -L
   python3 -m flashtree train-draft --target $S/tiny.gguf --out /tmp/smoke --layers 2 \
@@ -80,7 +88,7 @@ smoke)
   ;;
 launch)
   install
-  cp $S/smollm2.part.* $STASH/ 2>/dev/null
+  stash_pieces
   cat $STASH/smollm2.part.* > $GGUF  # every piece carried so far, in name order
   echo "$GGUF_MD5  $GGUF" | md5sum -c || exit 1
   # The pipeline runs from its own copy: later calls re-sync the working tree under it.
@@ -93,7 +101,7 @@ launch)
   snapshot
   ;;
 stash)  # copy the carried GGUF pieces and the paths given after `stash` into $STASH (e.g. INIT's draft)
-  shift && mkdir -p $STASH && { cp $S/smollm2.part.* $STASH/ 2>/dev/null; cp -r "$@" $STASH/; } && ls -la $STASH
+  shift && stash_pieces; cp -r "$@" $STASH/ && ls -la $STASH
   ;;
 stage-data)  # the data returned by a lost machine's run
   mkdir -p $RUN && cat $S/data/data.tgz.part.* | tar -xzf - -C $RUN && ls $RUN/data | wc -l
