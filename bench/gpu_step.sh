@@ -2,7 +2,7 @@
 # Issue-6 measurements on the device machine, in back-to-back calls that share the warm machine's $STASH.
 # Stages run in the order given: `bash bench/gpu_step.sh prep kernels graphs`.
 #   prep     install the gguf wheel; stash the shipped draft and the benchmark prompt cache; start the
-#            synthetic Qwen3.6-27B Q4_K_M + 5-layer draft in the background
+#            synthetic Qwen3.6-27B Q4_K_M + 5-layer draft in the background (not with SYNTH=0)
 #            (carry .wheels/issue6, .cache/issue6 = Qwen3 tokenizer files, .stage/draft/cache)
 #   kernels  bench/gpu_kernels.py: every type checked, a tile sweep, the 27B layer shapes timed
 #   graphs   bench/gpu_graphs.py: CUDA-graph decode steps emit the eager steps' tokens (tiny targets)
@@ -33,7 +33,7 @@ prep() {
     nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv
     cp flashtree/drafts/smollm2-135m-instruct.gguf "$STASH/draft.gguf" && cp -r .stage/draft/cache "$STASH/" || exit 1
     mkdir -p "$STASH/cache" && cp -r .cache/issue6/* "$STASH/cache/"
-    if [ ! -f "$STASH/synth.done" ]; then  # own session: outlives this call; nice: compiles come first
+    if [ "${SYNTH:-1}" = 1 ] && [ ! -f "$STASH/synth.done" ]; then  # own session: outlives this call; nice: compiles come first
         export -f synth; export FT STASH
         setsid nohup nice -n 19 bash -c 'time synth' >"$STASH/synth.log" 2>&1 </dev/null &
     fi

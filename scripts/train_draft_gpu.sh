@@ -47,6 +47,10 @@ stash_pieces() {  # the target GGUF pieces this call carries
   mkdir -p $STASH && cp $S/smollm2.part.* $STASH/ 2>/dev/null
 }
 
+pipeline_running() {  # a failed pipeline ends the wait at once instead of after WAIT_SECONDS
+  pgrep -f "train_draft_gpu.sh pipeline" >/dev/null
+}
+
 results() {  # what exists of the log, the run's configs and training log, the bench
   tar -czf $OUT/results.tar.gz -C $STASH log run/config.json run/train_log.jsonl run/train_config.json \
     bench 2>/dev/null || true
@@ -95,7 +99,7 @@ launch)
   rm -rf $STASH/src && mkdir -p $STASH/src && cp -r flashtree scripts $S $STASH/src/ && cp -r $S/cache $STASH/
   cd $STASH/src
   setsid nohup bash scripts/train_draft_gpu.sh pipeline > $STASH/log 2>&1 < /dev/null &
-  sleep "${WAIT_SECONDS:-540}"
+  for _ in $(seq "${WAIT_SECONDS:-540}"); do sleep 1; pipeline_running || break; done
   tail -n 25 $STASH/log
   save_data
   snapshot
@@ -123,7 +127,7 @@ wait)  # until the pipeline is done, the draft is written (returned at once: the
   # instead of spending the wait on it.
   [ -f $STASH/log ] || { echo "no run on this machine: the machine was lost; see the header" >&2; exit 3; }
   for _ in $(seq "${WAIT_SECONDS:-540}"); do
-    [ -f $STASH/done ] || { [ -f $DRAFT_GGUF ] && [ ! -f $STASH/draft.sent ]; } && break
+    [ -f $STASH/done ] || { [ -f $DRAFT_GGUF ] && [ ! -f $STASH/draft.sent ]; } || ! pipeline_running && break
     sleep 1
   done
   tail -n 40 $STASH/log
