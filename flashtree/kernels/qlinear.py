@@ -32,7 +32,7 @@ class QuantLinear(nn.Module):
     def dense_weight(self, dtype: torch.dtype = torch.float32, rows: slice = slice(None)) -> torch.Tensor:
         """The (out, in) weight, or its `rows`, decoded by the reference dequantizer from the exact GGUF
         bytes."""
-        raw = unpack([field[rows] for field in self.fields], self.qtype, self.in_features)
+        raw = unpack(self.fields, self.qtype, self.in_features, rows)
         return dequantize(raw, self.qtype, (raw.shape[0], self.in_features), dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

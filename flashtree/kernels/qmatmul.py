@@ -1,11 +1,13 @@
 """y = x @ W^T straight from GGUF-packed weights (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K), in Triton.
 
-Weights. `repack` (once, at load) splits every GGUF block into its byte ranges and stores each range of
-all blocks as one aligned array ("field"), bytes in their GGUF order: the 4-bit codes of Q4_K become int32
-words (n_rows, n_blocks, 32), its header (d, dmin, 6-bit scales) words (n_rows, n_blocks, 4), and so on
-(`_FIELDS`). Lossless and not a byte more: `unpack` concatenates the ranges back. In native order one
-word holds 4 consecutive values of a 32-value group: `w & 0x0F0F0F0F` (or `(w >> 4) & ...`) gives their
-codes as 4 bytes, ready for an integer dot product with 4 int8 activations.
+Weights. `repack` (once, at load) splits every GGUF block into its byte ranges ("fields", `_FIELDS`: the
+4-bit codes of Q4_K, its header of d, dmin and 6-bit scales, and so on) and interleaves the rows: a field
+is stored in 16-byte chunks, chunk c of block b of every row side by side, (n_blocks, chunks, n_rows, 4)
+int32 words (fp16 fields: (n_blocks, n_rows)), bytes in their GGUF order. The kernels give each thread
+its own rows, so a warp's 32 threads read one contiguous 512-byte run per load. Lossless and not a byte
+more: `unpack` puts the rows back together. One word holds 4 consecutive values of a 32-value group:
+`w & 0x0F0F0F0F` (or `(w >> 4) & ...`) gives their codes as 4 bytes, ready for an integer dot product
+with 4 int8 activations.
 
 Activations. Like llama.cpp's MMVQ, each call first quantizes x per 32-value block to int8 (one small
 kernel): xq = round(x * 127 / amax) (ties to even; llama.cpp rounds ties away), dx = amax / 127, and the
@@ -121,18 +123,40 @@ def layout(qtype: int, n_cols: int) -> Layout:
     return Layout(int(qtype), group, fields)
 
 
+CHUNK = 16  # bytes: one vector load per thread, the unit in which rows are interleaved
+
+
 def repack(raw: torch.Tensor, qtype: int, n_cols: int) -> list[torch.Tensor]:
-    """GGUF rows (n_rows, row_bytes) uint8 -> the layout's fields, each (n_rows, n_blocks, k)."""
+    """GGUF rows (n_rows, row_bytes) uint8 -> the layout's fields, rows interleaved: a field of 16k bytes
+    per block becomes (n_blocks, k, n_rows, 4) int32 words (chunk c of block b of all rows side by side),
+    a 2-byte one (n_blocks, n_rows) fp16. Threads that own consecutive rows then read consecutive
+    16-byte chunks: one coalesced 512-byte transaction per warp instead of 32 scattered ones."""
     lay = layout(qtype, n_cols)
-    blocks = raw.reshape(raw.shape[0], -1, block_bytes(qtype))  # (rows, n_blocks, block_bytes)
-    return [blocks[..., f.start : f.start + f.size].contiguous().view(f.dtype) for f in lay.fields]
+    n_rows = raw.shape[0]
+    blocks = raw.reshape(n_rows, -1, block_bytes(qtype))  # (rows, n_blocks, block_bytes)
+    out = []
+    for f in lay.fields:
+        part = blocks[..., f.start : f.start + f.size]
+        if f.size % CHUNK == 0:  # (n_blocks, chunks, rows, 16 bytes)
+            part = part.reshape(n_rows, -1, f.size // CHUNK, CHUNK).permute(1, 2, 0, 3)
+        else:  # one fp16 per block: (n_blocks, rows, 2 bytes)
+            part = part.permute(1, 0, 2)
+        out.append(part.contiguous().view(f.dtype).squeeze(-1))
+    return out
 
 
-def unpack(fields: list[torch.Tensor], qtype: int, n_cols: int) -> torch.Tensor:
-    """Inverse of `repack`: the original GGUF rows (n_rows, row_bytes) uint8, bit for bit."""
+def unpack(fields: list[torch.Tensor], qtype: int, n_cols: int, rows: slice = slice(None)) -> torch.Tensor:
+    """Inverse of `repack`: the original GGUF rows (n_rows, row_bytes) uint8 (or those of `rows`), bit
+    for bit."""
     lay = layout(qtype, n_cols)
-    in_order = sorted(zip(lay.fields, fields, strict=True), key=lambda pair: pair[0].start)
-    blocks = torch.cat([t.view(torch.uint8) for _, t in in_order], dim=-1)  # (rows, n_blocks, block_bytes)
+    parts = []
+    for f, t in sorted(zip(lay.fields, fields, strict=True), key=lambda pair: pair[0].start):
+        if f.size % CHUNK == 0:  # (n_blocks, chunks, rows, 4) -> (rows, n_blocks, chunks * 16)
+            part = t[:, :, rows].contiguous().view(torch.uint8).permute(2, 0, 1, 3)
+        else:  # (n_blocks, rows) -> (rows, n_blocks, 2)
+            part = t[:, rows].contiguous().view(torch.uint8).reshape(t.shape[0], -1, f.size).permute(1, 0, 2)
+        parts.append(part.reshape(part.shape[0], part.shape[1], f.size))
+    blocks = torch.cat(parts, dim=-1)  # (rows, n_blocks, block_bytes)
     return blocks.reshape(blocks.shape[0], -1)
 
 
@@ -198,24 +222,32 @@ def _signed_byte(word, i: tl.constexpr):
 
 
 @triton.jit
-def _unit_header(QTYPE: tl.constexpr, hdr_ptr, d_ptr, blk, row_ok):
+def _at(rows, N, blk, CHUNKS: tl.constexpr, chunk, WIDTH: tl.constexpr):
+    """Where `rows` (int64) read chunk `chunk` of their block `blk` in a field of CHUNKS 16-byte chunks
+    per block (see `repack`), in elements of 16 / WIDTH bytes: WIDTH = 4 words, 16 bytes, 1 fp16."""
+    return ((blk * CHUNKS + chunk) * N + rows) * WIDTH
+
+
+@triton.jit
+def _unit_header(QTYPE: tl.constexpr, hdr_ptr, d_ptr, rows, N, blk, row_ok):
     """What a unit's groups share: (d, dmin, s0, s1, s2, s3), (BN,) each. Q4_K/Q5_K: d, dmin and the
     scale words s0-s2; Q6_K: d and the four words of int8 scales; legacy types: placeholders (their
     scales are per block, loaded by `_group_scales`)."""
-    zero = tl.full(blk.shape, 0, tl.float32)
+    zero = tl.full(rows.shape, 0, tl.float32)
     if QTYPE == _Q4_K or QTYPE == _Q5_K or QTYPE == _Q6_K:  # noqa: SIM109 - Triton's compiler has no `in`
         # word by word: (BN,) loads land in whatever layout the consumers use, no conversion
-        w0 = tl.load(hdr_ptr + blk * 4, mask=row_ok, other=0)
-        w1 = tl.load(hdr_ptr + blk * 4 + 1, mask=row_ok, other=0)
-        w2 = tl.load(hdr_ptr + blk * 4 + 2, mask=row_ok, other=0)
-        w3 = tl.load(hdr_ptr + blk * 4 + 3, mask=row_ok, other=0)
+        at = _at(rows, N, blk, 1, 0, 4)
+        w0 = tl.load(hdr_ptr + at, mask=row_ok, other=0)
+        w1 = tl.load(hdr_ptr + at + 1, mask=row_ok, other=0)
+        w2 = tl.load(hdr_ptr + at + 2, mask=row_ok, other=0)
+        w3 = tl.load(hdr_ptr + at + 3, mask=row_ok, other=0)
         if QTYPE == _Q6_K:
-            d = tl.load(d_ptr + blk, mask=row_ok, other=0.0).to(tl.float32)
+            d = tl.load(d_ptr + _at(rows, N, blk, 1, 0, 1), mask=row_ok, other=0.0).to(tl.float32)
             out = d, zero, w0, w1, w2, w3
         else:
             out = _f16(w0), _f16(w0 >> 16), w1, w2, w3, w3
     else:
-        out = zero, zero, blk.to(tl.int32), blk.to(tl.int32), blk.to(tl.int32), blk.to(tl.int32)
+        out = zero, zero, rows.to(tl.int32), rows.to(tl.int32), rows.to(tl.int32), rows.to(tl.int32)
     return out
 
 
@@ -234,7 +266,9 @@ def _k_scale_min(w1, w2, w3, j: tl.constexpr):
 
 
 @triton.jit
-def _group_scales(QTYPE: tl.constexpr, d, dmin, s0, s1, s2, s3, d_ptr, m_ptr, blk, row_ok, g: tl.constexpr):
+def _group_scales(
+    QTYPE: tl.constexpr, d, dmin, s0, s1, s2, s3, d_ptr, m_ptr, rows, N, blk, row_ok, g: tl.constexpr
+):
     """Scales of 32-value group g of a unit, (BN,) fp32 each: value = w_scale * code - w_off, with
     w_scale_a for the group's first 16 values and w_scale_b for the last 16 (they differ for Q6_K only)."""
     if QTYPE == _Q4_K or QTYPE == _Q5_K:  # noqa: SIM109
@@ -255,10 +289,11 @@ def _group_scales(QTYPE: tl.constexpr, d, dmin, s0, s1, s2, s3, d_ptr, m_ptr, bl
         ws_b = d * _signed_byte(word, 2 * (g % 2) + 1).to(tl.float32)
         wo = ws_a  # unused
     else:  # legacy: group g is block blk + g
-        ws_a = tl.load(d_ptr + blk + g, mask=row_ok, other=0.0).to(tl.float32)
+        at = _at(rows, N, blk + g, 1, 0, 1)
+        ws_a = tl.load(d_ptr + at, mask=row_ok, other=0.0).to(tl.float32)
         ws_b = ws_a
         # Q4_1: value = d * q + m; the others have no min (wo unused)
-        wo = -tl.load(m_ptr + blk + g, mask=row_ok, other=0.0).to(tl.float32) if QTYPE == _Q4_1 else ws_a
+        wo = -tl.load(m_ptr + at, mask=row_ok, other=0.0).to(tl.float32) if QTYPE == _Q4_1 else ws_a
     return ws_a, ws_b, wo
 
 
@@ -272,32 +307,40 @@ def _six_bit(low, high, r: tl.constexpr):
 
 
 @triton.jit
-def _group_words(QTYPE: tl.constexpr, q_ptr, qh_ptr, blk, row_ok, g: tl.constexpr):
+def _group_words(QTYPE: tl.constexpr, q_ptr, qh_ptr, rows, N, blk, row_ok, g: tl.constexpr):
     """Codes of 32-value group g as two (BN, 4) int32 tiles of 4 codes per word (bytes), values 0-15 and
-    16-31: unsigned, but Q8_0's are signed; the types' fixed offsets not yet subtracted."""
+    16-31: unsigned, but Q8_0's are signed; the types' fixed offsets not yet subtracted. Each tile is one
+    16-byte chunk of the row (`_at`)."""
     i = tl.arange(0, 4)[None, :]
-    b = blk[:, None]
+    r = rows[:, None]
     ok = row_ok[:, None]
-    if QTYPE == _Q4_K or QTYPE == _Q5_K:  # noqa: SIM109 - chunk g // 2: low nibbles group 2c, high 2c + 1
-        at = b * 32 + 8 * (g // 2) + i
-        ca = (tl.load(q_ptr + at, mask=ok, other=0) >> (4 * (g % 2))) & 0x0F0F0F0F
-        cb = (tl.load(q_ptr + at + 4, mask=ok, other=0) >> (4 * (g % 2))) & 0x0F0F0F0F
+    if QTYPE == _Q4_K or QTYPE == _Q5_K:  # noqa: SIM109 - bytes 32c..32c+31: low nibbles group 2c, high 2c + 1
+        c = 2 * (g // 2)
+        ca = (tl.load(q_ptr + _at(r, N, blk, 8, c, 4) + i, mask=ok, other=0) >> (4 * (g % 2))) & 0x0F0F0F0F
+        cb = (
+            tl.load(q_ptr + _at(r, N, blk, 8, c + 1, 4) + i, mask=ok, other=0) >> (4 * (g % 2))
+        ) & 0x0F0F0F0F
         if QTYPE == _Q5_K:  # bit g of qh byte j is the 5th bit of value j
-            ca = ca | (((tl.load(qh_ptr + b * 8 + i, mask=ok, other=0) >> g) & 0x01010101) << 4)
-            cb = cb | (((tl.load(qh_ptr + b * 8 + 4 + i, mask=ok, other=0) >> g) & 0x01010101) << 4)
+            ca = ca | (
+                ((tl.load(qh_ptr + _at(r, N, blk, 2, 0, 4) + i, mask=ok, other=0) >> g) & 0x01010101) << 4
+            )
+            cb = cb | (
+                ((tl.load(qh_ptr + _at(r, N, blk, 2, 1, 4) + i, mask=ok, other=0) >> g) & 0x01010101) << 4
+            )
     elif QTYPE == _Q6_K:  # values 128h + 32r + j: ql byte 64h + 32(r % 2) + j, qh byte 32h + j
-        at = b * 32 + 16 * (g // 4) + 8 * (g % 4 % 2) + i
-        h_at = b * 16 + 8 * (g // 4) + i
-        ca = _six_bit(tl.load(q_ptr + at, mask=ok, other=0), tl.load(qh_ptr + h_at, mask=ok, other=0), g % 4)
-        cb = _six_bit(
-            tl.load(q_ptr + at + 4, mask=ok, other=0), tl.load(qh_ptr + h_at + 4, mask=ok, other=0), g % 4
-        )
+        c = 4 * (g // 4) + 2 * (g % 4 % 2)
+        h = 2 * (g // 4)
+        low_a = tl.load(q_ptr + _at(r, N, blk, 8, c, 4) + i, mask=ok, other=0)
+        low_b = tl.load(q_ptr + _at(r, N, blk, 8, c + 1, 4) + i, mask=ok, other=0)
+        high_a = tl.load(qh_ptr + _at(r, N, blk, 4, h, 4) + i, mask=ok, other=0)
+        high_b = tl.load(qh_ptr + _at(r, N, blk, 4, h + 1, 4) + i, mask=ok, other=0)
+        ca = _six_bit(low_a, high_a, g % 4)
+        cb = _six_bit(low_b, high_b, g % 4)
     elif QTYPE == _Q8_0:
-        at = (b + g) * 8 + i
-        ca = tl.load(q_ptr + at, mask=ok, other=0)
-        cb = tl.load(q_ptr + at + 4, mask=ok, other=0)
+        ca = tl.load(q_ptr + _at(r, N, blk + g, 2, 0, 4) + i, mask=ok, other=0)
+        cb = tl.load(q_ptr + _at(r, N, blk + g, 2, 1, 4) + i, mask=ok, other=0)
     else:  # Q4_0 / Q4_1: byte j holds value j (low nibble) and value j + 16 (high)
-        words = tl.load(q_ptr + (b + g) * 4 + i, mask=ok, other=0)
+        words = tl.load(q_ptr + _at(r, N, blk + g, 1, 0, 4) + i, mask=ok, other=0)
         ca = words & 0x0F0F0F0F
         cb = (words >> 4) & 0x0F0F0F0F
     return ca, cb
@@ -305,20 +348,20 @@ def _group_words(QTYPE: tl.constexpr, q_ptr, qh_ptr, blk, row_ok, g: tl.constexp
 
 @triton.jit
 def _matvec_unit(
-    acc, unit, row_blk, row_ok, xq_ptr, scale_ptr, xqs_ptr, q_ptr, hdr_ptr, qh_ptr, d_ptr, m_ptr,
+    acc, unit, rows, N, row_ok, xq_ptr, scale_ptr, xqs_ptr, q_ptr, hdr_ptr, qh_ptr, d_ptr, m_ptr,
     QTYPE: tl.constexpr, G: tl.constexpr, V: tl.constexpr, HAS_OFFSET: tl.constexpr, ASM: tl.constexpr,
 ):  # fmt: skip
     """acc (BN,) plus the unit's terms, group after group."""
-    blk = row_blk + unit * G
-    d, dmin, s0, s1, s2, s3 = _unit_header(QTYPE, hdr_ptr, d_ptr, blk, row_ok)
+    blk = unit * G
+    d, dmin, s0, s1, s2, s3 = _unit_header(QTYPE, hdr_ptr, d_ptr, rows, N, blk, row_ok)
     for g in tl.static_range(V // 32):
-        ca, cb = _group_words(QTYPE, q_ptr, qh_ptr, blk, row_ok, g)  # (BN, 4) each
+        ca, cb = _group_words(QTYPE, q_ptr, qh_ptr, rows, N, blk, row_ok, g)  # (BN, 4) each
         k32 = unit * (V // 32) + g  # the group's 32-value block of x
         xa = tl.load(xq_ptr + k32 * 8 + tl.arange(0, 4))[None, :]  # (1, 4): xq of values 0-15
         xb = tl.load(xq_ptr + k32 * 8 + 4 + tl.arange(0, 4))[None, :]  # values 16-31
         dx = tl.load(scale_ptr + k32)
         sum_a, sum_b = tl.load(xqs_ptr + 2 * k32), tl.load(xqs_ptr + 2 * k32 + 1)  # of xa's, xb's codes
-        ws_a, ws_b, wo = _group_scales(QTYPE, d, dmin, s0, s1, s2, s3, d_ptr, m_ptr, blk, row_ok, g)
+        ws_a, ws_b, wo = _group_scales(QTYPE, d, dmin, s0, s1, s2, s3, d_ptr, m_ptr, rows, N, blk, row_ok, g)
         zero = tl.zeros_like(ca)
         if QTYPE == _Q6_K:  # two 16-value sub-blocks, codes offset by 32
             za = tl.sum(_dp4a(ca, xa, zero, False, ASM), axis=1) - 32 * sum_a
@@ -348,18 +391,18 @@ def _matvec_kernel(
     split = tl.program_id(1)
     first = split * units_per_split
     last = tl.minimum(first + units_per_split, n_blocks // G)
-    row_blk = rows.to(tl.int64) * n_blocks  # (BN,): each row's first block
+    rows64 = rows.to(tl.int64)
     acc = tl.zeros((BN,), tl.float32)
     unrolled_end = first + (last - first) // UNROLL * UNROLL
     for start in range(first, unrolled_end, UNROLL):
         for u in tl.static_range(UNROLL):
             acc = _matvec_unit(
-                acc, start + u, row_blk, row_ok, xq_ptr, scale_ptr, xqs_ptr, q_ptr, hdr_ptr, qh_ptr, d_ptr,
+                acc, start + u, rows64, N, row_ok, xq_ptr, scale_ptr, xqs_ptr, q_ptr, hdr_ptr, qh_ptr, d_ptr,
                 m_ptr, QTYPE, G, V, HAS_OFFSET, ASM,
             )  # fmt: skip
     for unit in range(unrolled_end, last):  # the rest, one by one: the same adds in the same order
         acc = _matvec_unit(
-            acc, unit, row_blk, row_ok, xq_ptr, scale_ptr, xqs_ptr, q_ptr, hdr_ptr, qh_ptr, d_ptr, m_ptr,
+            acc, unit, rows64, N, row_ok, xq_ptr, scale_ptr, xqs_ptr, q_ptr, hdr_ptr, qh_ptr, d_ptr, m_ptr,
             QTYPE, G, V, HAS_OFFSET, ASM,
         )  # fmt: skip
     tl.store(out_ptr + split * N + rows, acc.to(out_ptr.dtype.element_ty), mask=row_ok)
@@ -405,45 +448,52 @@ def _centered(c, BITS: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
-def _group_codes(QTYPE: tl.constexpr, q_ptr, qh_ptr, blk, row_ok, g: tl.constexpr, ASM: tl.constexpr):
+def _group_codes(
+    QTYPE: tl.constexpr, q_ptr, qh_ptr, rows, N, blk, row_ok, g: tl.constexpr, ASM: tl.constexpr
+):
     """Signed codes of 32-value group g, (BN, 32) int8, Q4_0's 8 and Q6_K's 32 subtracted:
-    value = w_scale * code - w_off. q_ptr / qh_ptr address bytes (int8 for Q8_0, else uint8)."""
+    value = w_scale * code - w_off. q_ptr / qh_ptr address bytes (int8 for Q8_0, else uint8); byte j of
+    a 32-byte run is byte j % 16 of its chunk j // 16 (`_at`)."""
     j = tl.arange(0, 32)[None, :]
-    b = blk[:, None]
+    half, byte = j // 16, j % 16
+    r = rows[:, None]
     ok = row_ok[:, None]
     if QTYPE == _Q8_0:
-        codes = tl.load(q_ptr + (b + g) * 32 + j, mask=ok, other=0)
+        codes = tl.load(q_ptr + _at(r, N, blk + g, 2, half, 16) + byte, mask=ok, other=0)
     elif QTYPE == _Q6_K:
-        low = tl.load(q_ptr + b * 128 + 64 * (g // 4) + 32 * (g % 4 % 2) + j, mask=ok, other=0)
-        high = tl.load(qh_ptr + b * 64 + 32 * (g // 4) + j, mask=ok, other=0)
+        low = tl.load(
+            q_ptr + _at(r, N, blk, 8, 4 * (g // 4) + 2 * (g % 4 % 2) + half, 16) + byte, mask=ok, other=0
+        )
+        high = tl.load(qh_ptr + _at(r, N, blk, 4, 2 * (g // 4) + half, 16) + byte, mask=ok, other=0)
         six = _field(low, 4 * (g % 4 // 2), 4, 0, ASM) | _field(high, 2 * (g % 4), 2, 4, ASM)
         codes = _centered(six, 6, ASM)
     elif QTYPE == _Q4_0 or QTYPE == _Q4_1:  # noqa: SIM109 - bytes 0-15: values j and j + 16
-        byte = tl.load(q_ptr + (b + g) * 16 + j % 16, mask=ok, other=0)
+        byte = tl.load(q_ptr + _at(r, N, blk + g, 1, 0, 16) + byte, mask=ok, other=0)
         nibble = tl.where(j < 16, _field(byte, 0, 4, 0, ASM), _field(byte, 4, 4, 0, ASM))
         codes = _centered(nibble, 4, ASM) if QTYPE == _Q4_0 else nibble.to(tl.int8, bitcast=True)
     else:  # Q4_K / Q5_K
-        byte = tl.load(q_ptr + b * 128 + 32 * (g // 2) + j, mask=ok, other=0)
+        byte = tl.load(q_ptr + _at(r, N, blk, 8, 2 * (g // 2) + half, 16) + byte, mask=ok, other=0)
         codes = _field(byte, 4 * (g % 2), 4, 0, ASM)
         if QTYPE == _Q5_K:
-            codes = codes | _field(tl.load(qh_ptr + b * 32 + j, mask=ok, other=0), g, 1, 4, ASM)
+            high = tl.load(qh_ptr + _at(r, N, blk, 2, half, 16) + j % 16, mask=ok, other=0)
+            codes = codes | _field(high, g, 1, 4, ASM)
         codes = codes.to(tl.int8, bitcast=True)
     return codes
 
 
 @triton.jit
 def _matmul_unit(
-    acc, unit, row_blk, row_ok, xq_ptr, scale_ptr, xqs_ptr, q_ptr, hdr_ptr, qh_ptr, d_ptr, m_ptr, K,
+    acc, unit, rows, N, row_ok, xq_ptr, scale_ptr, xqs_ptr, q_ptr, hdr_ptr, qh_ptr, d_ptr, m_ptr, K,
     QTYPE: tl.constexpr, G: tl.constexpr, V: tl.constexpr, HAS_OFFSET: tl.constexpr, BM: tl.constexpr,
     ASM: tl.constexpr,
 ):  # fmt: skip
     """acc (BN, BM) plus the unit's terms, group after group, one int8 dot each (two for Q6_K)."""
     ms = tl.arange(0, BM)
     j = tl.arange(0, 32)[:, None]
-    blk = row_blk + unit * G
-    d, dmin, s0, s1, s2, s3 = _unit_header(QTYPE, hdr_ptr, d_ptr, blk, row_ok)
+    blk = unit * G
+    d, dmin, s0, s1, s2, s3 = _unit_header(QTYPE, hdr_ptr, d_ptr, rows, N, blk, row_ok)
     for g in tl.static_range(V // 32):
-        codes = _group_codes(QTYPE, q_ptr, qh_ptr, blk, row_ok, g, ASM)  # (BN, 32) int8
+        codes = _group_codes(QTYPE, q_ptr, qh_ptr, rows, N, blk, row_ok, g, ASM)  # (BN, 32) int8
         k32 = unit * (V // 32) + g
         xt_ptrs = xq_ptr + ms[None, :] * K + k32 * 32 + j  # (32, BM): x's codes, K-major
         dx = tl.load(scale_ptr + k32 * BM + ms)[None, :]  # (1, BM)
@@ -452,7 +502,7 @@ def _matmul_unit(
             code_sum = tl.sum(halves, axis=1)[None, :]
         else:
             code_sum = dx  # unused
-        ws_a, ws_b, wo = _group_scales(QTYPE, d, dmin, s0, s1, s2, s3, d_ptr, m_ptr, blk, row_ok, g)
+        ws_a, ws_b, wo = _group_scales(QTYPE, d, dmin, s0, s1, s2, s3, d_ptr, m_ptr, rows, N, blk, row_ok, g)
         if QTYPE == _Q6_K:  # one dot per 16-value sub-block: the other half of x loaded as zeros
             za = tl.dot(codes, tl.load(xt_ptrs, mask=j < 16, other=0))  # (BN, BM) int32
             zb = tl.dot(codes, tl.load(xt_ptrs, mask=j >= 16, other=0))
@@ -478,18 +528,18 @@ def _matmul_kernel(
     split = tl.program_id(1)
     first = split * units_per_split
     last = tl.minimum(first + units_per_split, n_blocks // G)
-    row_blk = rows.to(tl.int64) * n_blocks
+    rows64 = rows.to(tl.int64)
     acc = tl.zeros((BN, BM), tl.float32)
     unrolled_end = first + (last - first) // UNROLL * UNROLL
     for start in range(first, unrolled_end, UNROLL):
         for u in tl.static_range(UNROLL):
             acc = _matmul_unit(
-                acc, start + u, row_blk, row_ok, xq_ptr, scale_ptr, xqs_ptr, q_ptr, hdr_ptr, qh_ptr, d_ptr,
+                acc, start + u, rows64, N, row_ok, xq_ptr, scale_ptr, xqs_ptr, q_ptr, hdr_ptr, qh_ptr, d_ptr,
                 m_ptr, K, QTYPE, G, V, HAS_OFFSET, BM, ASM,
             )  # fmt: skip
     for unit in range(unrolled_end, last):  # the rest, one by one: the same adds in the same order
         acc = _matmul_unit(
-            acc, unit, row_blk, row_ok, xq_ptr, scale_ptr, xqs_ptr, q_ptr, hdr_ptr, qh_ptr, d_ptr, m_ptr, K,
+            acc, unit, rows64, N, row_ok, xq_ptr, scale_ptr, xqs_ptr, q_ptr, hdr_ptr, qh_ptr, d_ptr, m_ptr, K,
             QTYPE, G, V, HAS_OFFSET, BM, ASM,
         )  # fmt: skip
     ms = tl.arange(0, BM)
@@ -510,7 +560,7 @@ def _sum_splits_kernel(y_ptr, part_ptr, n, n_splits, BLOCK: tl.constexpr):
 
 @triton.jit(do_not_specialize=_SHAPE_ARGS)
 def _dequant_kernel(
-    out_ptr, q_ptr, hdr_ptr, qh_ptr, d_ptr, m_ptr, N, K, n_blocks,
+    out_ptr, q_ptr, hdr_ptr, qh_ptr, d_ptr, m_ptr, N, K,
     QTYPE: tl.constexpr, G: tl.constexpr, V: tl.constexpr, HAS_OFFSET: tl.constexpr, BN: tl.constexpr,
     ASM: tl.constexpr,
 ):  # fmt: skip
@@ -518,12 +568,15 @@ def _dequant_kernel(
     rows = tl.program_id(0) * BN + tl.arange(0, BN)
     row_ok = rows < N
     unit = tl.program_id(1)
-    blk = rows.to(tl.int64) * n_blocks + unit * G
-    d, dmin, s0, s1, s2, s3 = _unit_header(QTYPE, hdr_ptr, d_ptr, blk, row_ok)
+    rows64 = rows.to(tl.int64)
+    blk = unit * G
+    d, dmin, s0, s1, s2, s3 = _unit_header(QTYPE, hdr_ptr, d_ptr, rows64, N, blk, row_ok)
     j = tl.arange(0, 32)[None, :]
     for g in tl.static_range(V // 32):
-        codes = _group_codes(QTYPE, q_ptr, qh_ptr, blk, row_ok, g, ASM).to(tl.float32)  # (BN, 32)
-        ws_a, ws_b, wo = _group_scales(QTYPE, d, dmin, s0, s1, s2, s3, d_ptr, m_ptr, blk, row_ok, g)
+        codes = _group_codes(QTYPE, q_ptr, qh_ptr, rows64, N, blk, row_ok, g, ASM).to(tl.float32)  # (BN, 32)
+        ws_a, ws_b, wo = _group_scales(
+            QTYPE, d, dmin, s0, s1, s2, s3, d_ptr, m_ptr, rows64, N, blk, row_ok, g
+        )
         w = tl.where(j < 16, ws_a[:, None], ws_b[:, None]) * codes
         if HAS_OFFSET:
             w = w - wo[:, None]
@@ -708,7 +761,7 @@ def dequantize_packed(
     out = torch.empty(n_rows, n_cols, dtype=dtype, device=fields[0].device)
     rows = 32
     _dequant_kernel[(triton.cdiv(n_rows, rows), n_blocks // lay.group)](
-        out, *_pointers(fields, lay, True), n_rows, n_cols, n_blocks,
+        out, *_pointers(fields, lay, True), n_rows, n_cols,
         BN=rows, num_warps=4, enable_fp_fusion=False, **_static_args(lay, out.device),
     )  # fmt: skip
     return out
