@@ -1,6 +1,6 @@
 """Turn what scripts/train_draft_gpu.sh brought back into the committed draft and its reports.
 
-    python scripts/draft_report.py RESULTS_DIR --commit SHA --bench-dir bench/results/NAME
+    python scripts/draft_report.py RESULTS_DIR --commit SHA --bench-dir bench/results/NAME --command TEXT
 
 RESULTS_DIR holds the run's $OUT: draft-q8_0.gguf.part.* and results.tar.gz unpacked (log,
 run/{config,train_config}.json, run/train_log.jsonl, bench/). Writes the shipped draft
@@ -77,6 +77,7 @@ def main() -> None:
     p.add_argument("results", type=Path)
     p.add_argument("--commit", required=True, help="The git commit the GPU run used.")
     p.add_argument("--bench-dir", type=Path, required=True, help="Where the bench run is committed.")
+    p.add_argument("--command", required=True, help="The GPU calls that ran, e.g. 'launch, then wait'.")
     a = p.parse_args()
     install_draft(a.results)
     REPORT_DIR.mkdir(parents=True, exist_ok=True)
@@ -91,8 +92,7 @@ def main() -> None:
     md.write_text(md.read_text().replace("- commit: unknown", f"- commit: {a.commit}"))
     log = (a.results / "log").read_text()
     report = {
-        "command": "scripts/train_draft_gpu.sh smoke, launch, then wait (one H200 lease), "
-        "then scripts/draft_report.py",
+        "command": f"{a.command}, then scripts/draft_report.py",
         "commit": a.commit,
         "device": next((line for line in log.splitlines() if line.startswith("GPU 0")), None),
         "draft": json.loads((run / "config.json").read_text()),
