@@ -1,37 +1,35 @@
 #!/usr/bin/env bash
 # Train the shipped SmolLM2-135M-Instruct draft on the lent GPU machine and benchmark it, in one lease
-# (docs: gpu-machine.md; the device tool's limits: 10 min per call, 30 s warm between calls).
+# (docs: gpu-machine.md; the device tool's limits: 10 min per call, 64 MiB carried per call, 30 s warm
+# between calls).
 #
-# Staged here first, in the git-ignored .stage/draft/: the gguf wheel (whl/), the prompt file
-# (prompts.jsonl.gz, from flashtree.train.prompts.build_prompts), the benchmark prompt cache
-# (cache/datasets/), a tiny target (tiny.gguf) and the SmolLM2 GGUF in pieces (smollm2.part.aa, ab...):
-# the working tree travels with at most 64 MiB a call, so also move the shipped 12 MB draft
-# (flashtree/drafts/) out of the checkout during calls 1 and 2 (the pipeline does not use it).
-#   call 1: `smoke`   (carry .stage/draft minus part ab): stashes the pieces carried, runs the pipeline on the
-#                     tiny target (catches CUDA-only failures cheaply);
-#   call 2: `launch`  (carry .stage/draft minus part aa): joins the pieces, starts `pipeline` in its own
-#                     process session (it outlives the call while the machine stays held), then waits;
-#   calls 3+: `wait`  (carry nothing): waits, then returns the artifacts when the pipeline is done.
-# The machine goes back 30 s after a call ends, taking the stash with it (it happened in sessions 4
-# and 5, each time during a gap of the caller, not of the machine). So every call that ends returns what
-# a lost machine would take: the generated data once generation is over (data.tgz.part.*), and the
-# draft of the trainer's latest checkpoint (snapshot-stepN-q8_0.gguf.part.*, Q8_0 GGUF, usable as is).
-# A `wait` that lands on a fresh machine exits at once (code 3) instead of waiting for nothing.
-# To continue after a loss: put the data parts in .stage/draft/data/ (scripts/stage_draft.sh builds the
-# rest of .stage/draft), then `smoke`, `stage-data` (carry .stage/draft/data), and `launch` with
-# GEN_MINUTES=0: the pipeline finds every shard and spends the whole lease on training.
-# Training can go on from an earlier draft (a snapshot returned by a lost run, or the shipped one):
-# stage the GGUF in three pieces (PART_SIZE=33M bash scripts/stage_draft.sh), then `smoke` (carry
-# piece aa, the tiny target...), `stash flashtree/drafts/<draft>` (carry piece ab; the draft travels
-# in the working tree, back in place for this call only) and `launch` with INIT=/root/stash/<draft>
-# (carry piece ac, the prompts...);
-# give another SEED so that a time-limited generation answers other prompts than the last run's.
-# `pipeline`: generate responses, train (GEN_MINUTES, TRAIN_MINUTES), write the draft, convert it to the
-# Q8_0 GGUF that ships, then `flashtree bench` on the default pair with that GGUF (AR, chain, tree, HF
-# baseline; 10 prompts per set).
+# Staged here first, in the git-ignored .stage/draft/ (scripts/stage_draft.sh builds it): the gguf
+# wheel (whl/), the prompt file (prompts.jsonl.gz), the benchmark prompt cache (cache/datasets/), a tiny
+# target (tiny.gguf, smoke_prompts.jsonl.gz) and the SmolLM2 GGUF in pieces (smollm2.part.aa, ab...);
+# optionally data/ (the data.tgz.part.* a run returned: generation resumes where it stopped) and
+# init.gguf (a draft to go on training, e.g. `cp flashtree/drafts/*.gguf .stage/draft/init.gguf`).
+# That is more than one call carries, so every call adds the part of .stage/draft it carries to the
+# machine's $STAGE, and the pipeline takes everything from there. Move the shipped draft
+# (flashtree/drafts/) out of the checkout during the calls: it would travel with the working tree.
+#   calls 1..n-1: `stash` (carry any part of .stage/draft), or `smoke` (the same, then a run of the
+#                 pipeline on the tiny target: catches CUDA-only failures cheaply);
+#   call n:       `launch` (carry the rest): joins the pieces, starts `pipeline` in its own process
+#                 session (it outlives the call while the machine stays held), then waits;
+#   then:         `wait` (carry nothing), call after call, until the draft and the bench are back.
+# The machine goes back 30 s after a call ends, taking $STASH with it (sessions 4 and 5 lost runs that
+# way, each time during a gap of the caller). So every call that ends returns what a lost machine would
+# take: the generated data once generation is over (data.tgz.part.*: put them in .stage/draft/data/
+# for the next lease), and the draft of the trainer's latest checkpoint (snapshot-stepN-q8_0.gguf.part.*,
+# Q8_0 GGUF, usable as is, e.g. as init.gguf). A `wait` that lands on a fresh machine exits at once
+# (code 3); a pipeline that fails ends `launch` / `wait` at once.
+# `pipeline`: generate responses (GEN_MINUTES; shards already in data/ are kept), train (TRAIN_MINUTES,
+# from init.gguf if staged), write the draft, convert it to the Q8_0 GGUF that ships, then
+# `flashtree bench` on the default pair with it (AR, chain, tree, HF baseline; 10 prompts per set).
+# SEED (default 0) orders the prompt batches: keep it while data/ holds an earlier run's shards.
 set -uo pipefail
 S=.stage/draft
 STASH=/root/stash
+STAGE=$STASH/stage
 GGUF=$STASH/SmolLM2-135M-Instruct.Q4_1.gguf
 GGUF_MD5=a1231443440b107ff29f02bdb38c9d0a
 RUN=$STASH/run
@@ -39,12 +37,14 @@ DRAFT_GGUF=$STASH/draft-q8_0.gguf
 BENCH=$STASH/bench
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD FLASHTREE_CACHE=$STASH/cache
 
-install() {
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site $S/whl/*.whl || exit 1
+stash() {  # what this call carries of .stage/draft, added to $STAGE
+  mkdir -p $STAGE $STASH/cache && { [ ! -d $S ] || cp -r $S/. $STAGE/; } && ls $STAGE
+  [ ! -d $S/cache ] || cp -r $S/cache/. $STASH/cache/
 }
 
-stash_pieces() {  # the target GGUF pieces this call carries
-  mkdir -p $STASH && cp $S/smollm2.part.* $STASH/ 2>/dev/null
+install() {
+  [ -d /tmp/site/gguf ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
+    $STAGE/whl/*.whl || exit 1
 }
 
 pipeline_running() {  # a failed pipeline ends the wait at once instead of after WAIT_SECONDS
@@ -79,24 +79,28 @@ save_data() {  # once generation is over (the trainer has written its config), t
 }
 
 case "${1:-}" in
+stash)
+  stash
+  ;;
 smoke)
-  stash_pieces && cp -r $S/cache $STASH/
-  install
+  stash && install
   nvidia-smi -L
-  python3 -m flashtree train-draft --target $S/tiny.gguf --out /tmp/smoke --layers 2 \
-    --prompts $S/smoke_prompts.jsonl.gz --max-new-tokens 40 --gen-batch 8 --gen-minutes 0.3 \
+  python3 -m flashtree train-draft --target $STAGE/tiny.gguf --out /tmp/smoke --layers 2 \
+    --prompts $STAGE/smoke_prompts.jsonl.gz --max-new-tokens 40 --gen-batch 8 --gen-minutes 0.3 \
     --train-minutes 0.1 --batch 4 --anchors 8 --device cuda || exit 1
   python3 -m flashtree convert /tmp/smoke /tmp/smoke.gguf --type q8_0 || exit 1
-  python3 -m flashtree bench --target $S/tiny.gguf --draft /tmp/smoke.gguf --n 1 --max-tokens 24 \
+  python3 -m flashtree bench --target $STAGE/tiny.gguf --draft /tmp/smoke.gguf --n 1 --max-tokens 24 \
     --baseline hf --out /tmp/smoke-bench --device cuda
   ;;
 launch)
-  install
-  stash_pieces
-  cat $STASH/smollm2.part.* > $GGUF  # every piece carried so far, in name order
+  stash && install
+  cat $STAGE/smollm2.part.* > $GGUF  # every piece carried so far, in name order
   echo "$GGUF_MD5  $GGUF" | md5sum -c || exit 1
+  if [ -d $STAGE/data ] && [ ! -d $RUN/data ]; then  # a returned run's shards: generation resumes
+    mkdir -p $RUN && cat $STAGE/data/data.tgz.part.* | tar -xzf - -C $RUN && ls $RUN/data | wc -l
+  fi
   # The pipeline runs from its own copy: later calls re-sync the working tree under it.
-  rm -rf $STASH/src && mkdir -p $STASH/src && cp -r flashtree scripts $S $STASH/src/ && cp -r $S/cache $STASH/
+  rm -rf $STASH/src && mkdir -p $STASH/src && cp -r flashtree scripts $STASH/src/
   cd $STASH/src
   setsid nohup bash scripts/train_draft_gpu.sh pipeline > $STASH/log 2>&1 < /dev/null &
   for _ in $(seq "${WAIT_SECONDS:-540}"); do sleep 1; pipeline_running || break; done
@@ -104,17 +108,12 @@ launch)
   save_data
   snapshot
   ;;
-stash)  # copy the carried GGUF pieces and the paths given after `stash` into $STASH (e.g. INIT's draft)
-  shift && stash_pieces; cp -r "$@" $STASH/ && ls -la $STASH
-  ;;
-stage-data)  # the data returned by a lost machine's run
-  mkdir -p $RUN && cat $S/data/data.tgz.part.* | tar -xzf - -C $RUN && ls $RUN/data | wc -l
-  ;;
 pipeline)  # run from $STASH/src
   export PYTHONPATH=/tmp/site:$PWD
   nvidia-smi -L
-  python3 -m flashtree train-draft --target $GGUF --out $RUN --layers 5 --prompts draft/prompts.jsonl.gz \
-    ${INIT:+--init "$INIT"} --seed "${SEED:-0}" --gen-batch 2048 --sampled-every 4 --gen-minutes "${GEN_MINUTES:-7}" \
+  init=() && [ ! -f $STAGE/init.gguf ] || init=(--init $STAGE/init.gguf)
+  python3 -m flashtree train-draft --target $GGUF --out $RUN --layers 5 --prompts $STAGE/prompts.jsonl.gz \
+    "${init[@]}" --seed "${SEED:-0}" --gen-batch 2048 --sampled-every 4 --gen-minutes "${GEN_MINUTES:-7}" \
     --train-minutes "${TRAIN_MINUTES:-12}" --batch 32 --anchors 64 --lr "${LR:-6e-4}" --device cuda || exit 1
   python3 -m flashtree convert $RUN $DRAFT_GGUF --type q8_0 || exit 1
   python3 -m flashtree bench --target $GGUF --draft $DRAFT_GGUF --n 10 --max-tokens 256 --modes ar,chain,tree \
@@ -135,7 +134,7 @@ wait)  # until the pipeline is done, the draft is written (returned at once: the
   { [ -f $STASH/done ] || [ -f $DRAFT_GGUF ]; } && collect || snapshot
   ;;
 *)
-  echo "usage: $0 smoke|stash PATH...|stage-data|launch|pipeline|wait" >&2
+  echo "usage: $0 stash|smoke|launch|pipeline|wait" >&2
   exit 2
   ;;
 esac

@@ -1,5 +1,5 @@
 """Broken GGUF files: each gives one FlashtreeError naming the file, and `flashtree inspect` exits non-zero
-with a one-line `error:` message and no traceback."""
+with a one-line `error:` message and no traceback. The same for a device the machine does not have."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import struct
 
 import numpy as np
 import pytest
+import torch
 from gguf import GGMLQuantizationType as QT
 from gguf import GGUFWriter
 from typer.testing import CliRunner
@@ -15,6 +16,7 @@ from flashtree.cli import app
 from flashtree.errors import FlashtreeError
 from flashtree.gguf.reader import open_gguf
 from flashtree.gguf.writer import write_gguf
+from flashtree.models.loader import resolve_device
 
 
 @pytest.fixture(scope="module")
@@ -146,3 +148,16 @@ def test_the_good_file_opens(good, tmp_path):
     (tmp_path / "good.gguf").write_bytes(good)
     g = open_gguf(tmp_path / "good.gguf")
     assert g.tensor("token_embd.weight").shape == (3, 64) and g.get("llama.block_count") == 1
+
+
+def test_a_device_the_machine_lacks_is_a_one_line_error(monkeypatch, tmp_path):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_device(None) == resolve_device("cpu") == torch.device("cpu")
+    with pytest.raises(FlashtreeError, match="'cuda:1': this machine has no CUDA GPU"):
+        resolve_device("cuda:1")
+    with pytest.raises(FlashtreeError, match="unknown device 'gpu'"):
+        resolve_device("gpu")
+    args = ["train-draft", "--target", str(tmp_path / "t.gguf"), "--out", str(tmp_path), "--steps", "1"]
+    result = CliRunner().invoke(app, [*args, "--device", "cuda"])
+    assert result.exit_code == 1 and "error: device 'cuda': this machine has no CUDA GPU" in result.output
+    assert "Traceback" not in result.output

@@ -209,7 +209,7 @@ def train_draft_command(
     device: str | None,
 ) -> None:
     from flashtree.gguf.tokenizer import Tokenizer
-    from flashtree.models.loader import default_device, load_target
+    from flashtree.models.loader import load_target, resolve_device
 
     if target is None:
         from flashtree.defaults import default_target_path
@@ -219,7 +219,7 @@ def train_draft_command(
         raise FlashtreeError("give one of --steps and --train-minutes")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    dev = torch.device(device) if device else default_device()
+    dev = resolve_device(device)
     # bf16 target on the GPU (generation and features at bf16 speed; the draft trains under bf16
     # autocast anyway), fp32 on the CPU.
     model, gguf = load_target(target, device=dev, dtype=torch.bfloat16 if dev.type == "cuda" else None)
