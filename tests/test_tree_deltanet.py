@@ -67,9 +67,10 @@ def test_tree_kernel_token_does_not_depend_on_the_launch():
 
 
 def test_qwen35_decode_and_verify_with_the_kernels_match_the_torch_path(tiny_root, monkeypatch):
-    """The kernels inside the model (as on the GPU): AR steps and a tree verify after a prefill give the
-    torch path's logits, and the verify's chain rows give the AR steps' logits."""
-    from flashtree.models import deltanet
+    """The kernels inside the model (as on the GPU; the rotary kernel of its attention layers too): AR
+    steps and a tree verify after a prefill give the torch path's logits, and the verify's chain rows
+    give the AR steps' logits."""
+    from flashtree import kernels
     from flashtree.models.block import BlockLayout
     from flashtree.models.loader import load_target
     from tests.tiny import tiny_gguf
@@ -89,7 +90,7 @@ def test_qwen35_decode_and_verify_with_the_kernels_match_the_torch_path(tiny_roo
         return tree, steps
 
     torch_tree, torch_steps = run()
-    monkeypatch.setattr(deltanet, "triton_kernels_for", lambda x: True)
+    monkeypatch.setattr(kernels, "triton_kernels_for", lambda x: True)
     kernel_tree, kernel_steps = run()
     torch.testing.assert_close(kernel_tree, torch_tree, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(kernel_steps, torch_steps, atol=1e-5, rtol=1e-5)

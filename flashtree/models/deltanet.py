@@ -12,17 +12,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from flashtree import kernels
 from flashtree.models.layers import Linear, MergedLinear, rms_norm
 from flashtree.models.pass_ import ForwardPass
 from flashtree.models.state import DeltaNetState
 
 CHUNK = 64
-
-
-def triton_kernels_for(x: torch.Tensor) -> bool:
-    """Whether the decode/verify path runs our Triton kernels (on CUDA) or the torch reference.
-    Tests set it to always, to run the kernels inside the model under TRITON_INTERPRET=1."""
-    return x.is_cuda
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -146,7 +141,7 @@ class GatedDeltaNet(nn.Module):
         src = torch.cat([st.conv, mixed], dim=0)  # (kernel-1 + T, C)
         idx = fp.conv_index(self.kernel)  # (T, kernel)
         windows = src[idx]  # (T, kernel, C)
-        if triton_kernels_for(src):
+        if kernels.triton_kernels_for(src):
             from flashtree.kernels.tree_conv import tree_conv_silu
 
             return tree_conv_silu(src, idx, self.conv_weight), windows[:, 1:]
@@ -160,7 +155,7 @@ class GatedDeltaNet(nn.Module):
     def tree_recurrence(self, conv_out, alpha, beta, state, fp: ForwardPass):
         """Every block token from its parent's state: one Triton launch on the GPU (gates and norms
         included), the torch reference elsewhere."""
-        if triton_kernels_for(conv_out):
+        if kernels.triton_kernels_for(conv_out):
             from flashtree.kernels.tree_deltanet import tree_gated_delta_rule
 
             return tree_gated_delta_rule(

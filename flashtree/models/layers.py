@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from flashtree import kernels
+
 
 class Linear(nn.Module):
     """y = x @ W^T with a dense weight [out, in]. Quantized variants keep the same interface,
@@ -134,7 +136,13 @@ class Rotary(nn.Module):
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: (T, heads, head_dim); cos/sin: (T, rot). Dims past `rot` pass through unchanged."""
+    """x: (T, heads, head_dim); cos/sin: (T, rot). Dims past `rot` pass through unchanged. On the GPU
+    (inference) one Triton launch computes the same bits (kernels/rotary.py)."""
+    same_dtype = cos.dtype == x.dtype in (torch.float32, torch.bfloat16)
+    if kernels.triton_kernels_for(x) and not x.requires_grad and same_dtype and x.stride(-1) == 1:
+        from flashtree.kernels.rotary import rotary
+
+        return rotary(x, cos, sin)
     rot = cos.shape[-1]
     xr, xp = x[..., :rot], x[..., rot:]
     x1, x2 = xr.chunk(2, dim=-1)

@@ -1,0 +1,51 @@
+"""The Triton rotary kernel vs layers.apply_rotary's torch path, on CPU through Triton's interpreter:
+bit for bit, so that the GPU's kernel changes no output."""
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before the kernel is compiled: run it on CPU tensors
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from flashtree import kernels  # noqa: E402
+from flashtree.kernels.rotary import rotary  # noqa: E402
+from flashtree.models.layers import Rotary, apply_rotary  # noqa: E402
+
+
+def torch_rotary(x, cos, sin):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(kernels, "triton_kernels_for", lambda x: False)
+        return apply_rotary(x, cos, sin)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize(
+    "heads,head_dim,rot", [(4, 64, 64), (3, 256, 64), (2, 24, 16)], ids=["full", "partial", "ragged"]
+)
+@pytest.mark.parametrize("tokens", [1, 5, 23])
+def test_rotary_kernel_is_the_torch_path_bit_for_bit(tokens, heads, head_dim, rot, dtype):
+    gen = torch.Generator().manual_seed(tokens * 1000 + head_dim)
+    positions = torch.randint(0, 100_000, (tokens,), generator=gen)
+    cos, sin = Rotary(rot, 1e6).cos_sin(positions, dtype)
+    # a strided view, as the gated q of qwen3.5 is: (T, heads, 2 * head_dim) split in halves
+    packed = (torch.randn(tokens, heads, 2 * head_dim, generator=gen) * 3).to(dtype)
+    x = packed[..., :head_dim]
+    got = rotary(x, cos, sin)
+    assert got.dtype == dtype and got.is_contiguous()
+    assert torch.equal(got, torch_rotary(x, cos, sin))
+    # one token alone gives its row of the batch (the AR step vs a verify row)
+    assert torch.equal(rotary(x[-1:], cos[-1:], sin[-1:]), got[-1:])
+
+
+def test_apply_rotary_takes_the_kernel_only_where_it_gives_the_same_result(monkeypatch):
+    calls = []
+    monkeypatch.setattr(kernels, "triton_kernels_for", lambda x: True)
+    monkeypatch.setattr("flashtree.kernels.rotary.rotary", lambda *a: calls.append(a) or a[0])
+    cos, sin = Rotary(16, 1e4).cos_sin(torch.arange(3), torch.float32)
+    x = torch.randn(3, 2, 16)
+    apply_rotary(x, cos, sin)
+    assert len(calls) == 1
+    apply_rotary(x.requires_grad_(), cos, sin)  # training: autograd needs the torch ops
+    apply_rotary(x.detach().bfloat16(), cos, sin)  # mixed dtypes: torch would promote
+    assert len(calls) == 1
