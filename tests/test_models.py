@@ -118,6 +118,17 @@ def test_commit_path_state_equals_ar_state(family, tiny_root):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
+def test_attention_caches_are_slices_of_one_store(family, tiny_root):
+    """So that commit_path moves every layer's accepted K/V in one gather and scatter."""
+    state = load(family, 0, tiny_root).new_state(16)
+    caches = [s for s in state.layers if hasattr(s, "k")]
+    (store,) = state.kv_stores
+    assert store.k.shape[0] == len(caches) > 0
+    for i, cache in enumerate(caches):
+        assert cache.k.data_ptr() == store.k[i].data_ptr() and cache.v.data_ptr() == store.v[i].data_ptr()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 def test_truncate_rewinds_attention_state_and_refuses_recurrent_state(family, tiny_root):
     ours = load(family, 0, tiny_root)
     ids, other = prompt(30, seed=6), prompt(5, seed=8)

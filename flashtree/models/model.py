@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -13,7 +14,7 @@ from flashtree.models.config import ModelConfig
 from flashtree.models.deltanet import GatedDeltaNet
 from flashtree.models.layers import Linear, RMSNorm, Rotary, SwiGLU
 from flashtree.models.pass_ import ForwardPass
-from flashtree.models.state import DeltaNetState, KVCache, ModelState
+from flashtree.models.state import DeltaNetState, KVCache, KVStore, ModelState
 
 
 class DecoderLayer(nn.Module):
@@ -58,15 +59,28 @@ class DecoderModel(nn.Module):
 
     def new_state(self, max_ctx: int) -> ModelState:
         dev, dt = self.device, self.dtype
+        # one KVStore per attention shape (every model here has one): the attention layers' caches
+        # are its slices, in layer order
+        shapes = [(m.n_kv_heads, m.head_dim) for m in self.mixers if isinstance(m, Attention)]
+        stores: dict[tuple[int, int], KVStore] = {}
+        for n_kv, hd in set(shapes):
+            stores[n_kv, hd] = KVStore(shapes.count((n_kv, hd)), n_kv, max_ctx, hd, dt, dev)
+        taken: Counter = Counter()
         states: list[KVCache | DeltaNetState] = []
-        for layer in self.layers:
-            m = layer.mixer
+        for m in self.mixers:
             if isinstance(m, Attention):
-                states.append(KVCache(m.n_kv_heads, max_ctx, m.head_dim, dt, dev))
+                shape = (m.n_kv_heads, m.head_dim)
+                states.append(stores[shape].layer(taken[shape]))
+                taken[shape] += 1
             else:
                 channels = m.conv_weight.shape[0]
                 states.append(DeltaNetState(m.n_v_heads, m.k_dim, m.v_dim, channels, m.kernel, dt, dev))
-        return ModelState(states, max_ctx, dev)
+        return ModelState(states, max_ctx, dev, list(stores.values()))
+
+    @property
+    def mixers(self) -> list[nn.Module]:
+        """Each layer's attention or Gated DeltaNet."""
+        return [layer.mixer for layer in self.layers]
 
     def state_bytes(self, max_ctx: int) -> int:
         """Bytes `new_state(max_ctx)` allocates: KV slots plus fixed DeltaNet and conv state."""

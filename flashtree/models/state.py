@@ -15,11 +15,10 @@ from flashtree.errors import FlashtreeError
 
 
 class KVCache:
-    """K/V of one attention layer, preallocated for `max_ctx` tokens."""
+    """K/V of one attention layer, (n_kv, max_ctx, head_dim) each: views into a KVStore."""
 
-    def __init__(self, n_kv: int, max_ctx: int, head_dim: int, dtype: torch.dtype, device):
-        self.k = torch.zeros(n_kv, max_ctx, head_dim, dtype=dtype, device=device)
-        self.v = torch.zeros(n_kv, max_ctx, head_dim, dtype=dtype, device=device)
+    def __init__(self, k: torch.Tensor, v: torch.Tensor):
+        self.k, self.v = k, v
 
     def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v: (T, n_kv, head_dim) written at slots (T,) (a device tensor: no host value needed)."""
@@ -30,10 +29,24 @@ class KVCache:
         """K/V of slots [0, n_keys): (n_kv, n_keys, head_dim) each."""
         return self.k[:, :n_keys], self.v[:, :n_keys]
 
+
+class KVStore:
+    """K/V of every attention layer of one shape, preallocated for `max_ctx` tokens as two tensors
+    (layers, n_kv, max_ctx, head_dim): a speculative step's commit moves the accepted slots of all
+    layers in one gather and one scatter per tensor (per layer it was 4 launches x layers)."""
+
+    def __init__(self, n_layers: int, n_kv: int, max_ctx: int, head_dim: int, dtype: torch.dtype, device):
+        self.k = torch.zeros(n_layers, n_kv, max_ctx, head_dim, dtype=dtype, device=device)
+        self.v = torch.zeros(n_layers, n_kv, max_ctx, head_dim, dtype=dtype, device=device)
+
+    def layer(self, i: int) -> KVCache:
+        return KVCache(self.k[i], self.v[i])
+
     def compact(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Move slots src[i] to dst[i] (src is increasing and src >= dst, so a gather is safe)."""
-        self.k[:, dst] = self.k[:, src]
-        self.v[:, dst] = self.v[:, src]
+        """Move slots src[i] to dst[i] in every layer (src is increasing and src >= dst, and the
+        gather completes before the scatter)."""
+        self.k[:, :, dst] = self.k[:, :, src]
+        self.v[:, :, dst] = self.v[:, :, src]
 
 
 class DeltaNetState:
@@ -69,8 +82,11 @@ class ModelState:
     replayed from a CUDA graph advances `position` itself; the host learns how far from the step's
     one read-back and calls `advance_host`."""
 
-    def __init__(self, layers: list[KVCache | DeltaNetState], max_ctx: int, device):
-        self.layers = layers
+    def __init__(
+        self, layers: list[KVCache | DeltaNetState], max_ctx: int, device, kv_stores: list[KVStore] = ()
+    ):
+        self.layers = layers  # per model layer; the KVCaches are views into kv_stores
+        self.kv_stores = list(kv_stores)
         self.max_ctx = max_ctx
         self.seq_len = 0
         self.position = torch.zeros((), dtype=torch.long, device=device)
@@ -110,10 +126,10 @@ class ModelState:
         src = self.position + torch.where(idx < n, path, idx)
         dst = self.position + idx
         last = path.gather(0, (n - 1).view(1))  # (1,): the deepest accepted node
+        for store in self.kv_stores:
+            store.compact(src, dst)
         for layer in self.layers:
-            if isinstance(layer, KVCache):
-                layer.compact(src, dst)
-            else:
+            if isinstance(layer, DeltaNetState):
                 layer.commit(last)
         self.position += n
 
