@@ -4,9 +4,9 @@ launches, not bytes, bound a decode step of a small model (see README, default p
 
 The two products and their sum are rounded to x's dtype one at a time, as torch's separate ops round
 them (fp32 math, rounded to bf16 for bf16 tensors), and the kernel is compiled without fp fusion (no
-fma), so the result equals
-`layers.apply_rotary`'s torch path bit for bit: using the kernel changes no output, and each row is
-computed alone, so an AR step and a verify row agree. Tests compare the two under TRITON_INTERPRET=1.
+fma), so the result equals `layers.apply_rotary`'s torch path bit for bit: using the kernel changes no
+output, and each row is computed alone, so an AR step and a verify row agree. Tests compare the two
+under TRITON_INTERPRET=1; bench/gpu_small_kernels.py on the device.
 """
 
 from __future__ import annotations

@@ -138,8 +138,8 @@ class Rotary(nn.Module):
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: (T, heads, head_dim); cos/sin: (T, rot). Dims past `rot` pass through unchanged. On the GPU
     (inference) one Triton launch computes the same bits (kernels/rotary.py)."""
-    same_dtype = cos.dtype == x.dtype in (torch.float32, torch.bfloat16)
-    if kernels.triton_kernels_for(x) and not x.requires_grad and same_dtype and x.stride(-1) == 1:
+    kernel_dtypes = cos.dtype == x.dtype in (torch.float32, torch.bfloat16)  # else torch promotes
+    if kernels.triton_kernels_for(x) and not x.requires_grad and kernel_dtypes and x.stride(-1) == 1:
         from flashtree.kernels.rotary import rotary
 
         return rotary(x, cos, sin)

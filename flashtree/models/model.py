@@ -75,7 +75,7 @@ class DecoderModel(nn.Module):
             else:
                 channels = m.conv_weight.shape[0]
                 states.append(DeltaNetState(m.n_v_heads, m.k_dim, m.v_dim, channels, m.kernel, dt, dev))
-        return ModelState(states, max_ctx, dev, list(stores.values()))
+        return ModelState(states, list(stores.values()), max_ctx, dev)
 
     @property
     def mixers(self) -> list[nn.Module]:

@@ -33,7 +33,7 @@ class KVCache:
 class KVStore:
     """K/V of every attention layer of one shape, preallocated for `max_ctx` tokens as two tensors
     (layers, n_kv, max_ctx, head_dim): a speculative step's commit moves the accepted slots of all
-    layers in one gather and one scatter per tensor (per layer it was 4 launches x layers)."""
+    layers in one gather and one scatter per tensor (it was 4 launches per layer)."""
 
     def __init__(self, n_layers: int, n_kv: int, max_ctx: int, head_dim: int, dtype: torch.dtype, device):
         self.k = torch.zeros(n_layers, n_kv, max_ctx, head_dim, dtype=dtype, device=device)
@@ -82,11 +82,9 @@ class ModelState:
     replayed from a CUDA graph advances `position` itself; the host learns how far from the step's
     one read-back and calls `advance_host`."""
 
-    def __init__(
-        self, layers: list[KVCache | DeltaNetState], max_ctx: int, device, kv_stores: list[KVStore] = ()
-    ):
+    def __init__(self, layers: list[KVCache | DeltaNetState], kv_stores: list[KVStore], max_ctx: int, device):
         self.layers = layers  # per model layer; the KVCaches are views into kv_stores
-        self.kv_stores = list(kv_stores)
+        self.kv_stores = kv_stores
         self.max_ctx = max_ctx
         self.seq_len = 0
         self.position = torch.zeros((), dtype=torch.long, device=device)
