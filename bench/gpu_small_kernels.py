@@ -8,7 +8,8 @@ check on the device (it needs no model files):
   partial rotary, a strided q;
 - tree conv + SiLU (kernels/tree_conv.py) and the tree Gated DeltaNet (kernels/tree_deltanet.py):
   within 1e-5 of the torch reference in fp32 on a tree with siblings, and each token computed alone
-  (from its parent's state: the AR step) equal to its row of the whole launch (the verify) bit for bit.
+  (from its parent's state: the AR step, also writing its state in place) equal to its row of the
+  whole launch (the verify) bit for bit.
 """
 
 from __future__ import annotations
@@ -111,6 +112,12 @@ def check_tree_deltanet() -> dict:
             conv_out[step], alpha[step], beta[step], dt_bias, ssm_a, start, root, nk
         )
         alone &= torch.equal(o_i[0], o[i]) and torch.equal(s_i[0], states[i])
+    # the AR step writes the new state over the old one (states=state): the same bits
+    state = s0.clone()
+    o_0, _ = tree_gated_delta_rule(
+        conv_out[:1], alpha[:1], beta[:1], dt_bias, ssm_a, state, root, nk, states=state[None]
+    )
+    alone &= torch.equal(o_0[0], o[0]) and torch.equal(state, states[0])
     return {"kernel": "tree_deltanet", "max_abs_err": err, "ok": err < TOL, "rows_bitwise": alone}
 
 

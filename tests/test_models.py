@@ -118,14 +118,20 @@ def test_commit_path_state_equals_ar_state(family, tiny_root):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_attention_caches_are_slices_of_one_store(family, tiny_root):
-    """So that commit_path moves every layer's accepted K/V in one gather and scatter."""
+def test_layer_states_are_slices_of_one_store_per_kind(family, tiny_root):
+    """So that commit_path moves every layer's accepted K/V, and adopts every DeltaNet layer's state, in
+    one gather and one write per tensor."""
     state = load(family, 0, tiny_root).new_state(16)
-    caches = [s for s in state.layers if hasattr(s, "k")]
-    (store,) = state.kv_stores
-    assert store.k.shape[0] == len(caches) > 0
-    for i, cache in enumerate(caches):
-        assert cache.k.data_ptr() == store.k[i].data_ptr() and cache.v.data_ptr() == store.v[i].data_ptr()
+    kinds = {"k": [s for s in state.layers if hasattr(s, "k")]}
+    kinds["recurrent"] = [s for s in state.layers if hasattr(s, "recurrent")]
+    assert len(state.stores) == sum(bool(layers) for layers in kinds.values())
+    for store in state.stores:
+        first = "k" if hasattr(store, "k") else "recurrent"
+        layers = kinds[first]
+        assert getattr(store, first).shape[0] == len(layers) > 0
+        for i, layer in enumerate(layers):
+            for name in ("k", "v") if first == "k" else ("recurrent", "conv"):
+                assert getattr(layer, name).data_ptr() == getattr(store, name)[i].data_ptr()
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -95,3 +95,22 @@ def test_qwen35_decode_and_verify_with_the_kernels_match_the_torch_path(tiny_roo
     torch.testing.assert_close(kernel_tree, torch_tree, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(kernel_steps, torch_steps, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(kernel_tree[:3], kernel_steps, atol=1e-5, rtol=1e-5)
+
+
+def test_single_token_may_write_its_state_in_place():
+    """The AR step passes its state as the output: same bits as a separate output; refused for more
+    tokens (a later token would read a state already overwritten)."""
+    nk, nv, kd, vd = SHAPES["ragged"]
+    conv_out, alpha, beta, dt_bias, ssm_a, s0 = raw_inputs(3, nk, nv, kd, vd, seed=3)
+    root = torch.tensor([-1])
+    o, states = tree_gated_delta_rule(conv_out[:1], alpha[:1], beta[:1], dt_bias, ssm_a, s0, root, nk)
+    state = s0.clone()
+    o_in_place, _ = tree_gated_delta_rule(
+        conv_out[:1], alpha[:1], beta[:1], dt_bias, ssm_a, state, root, nk, states=state[None]
+    )
+    assert torch.equal(o_in_place, o) and torch.equal(state, states[0])
+    with pytest.raises(ValueError, match="single token"):
+        chain = torch.tensor([-1, 0])
+        tree_gated_delta_rule(
+            conv_out[:2], alpha[:2], beta[:2], dt_bias, ssm_a, state, chain, nk, states=state[None]
+        )

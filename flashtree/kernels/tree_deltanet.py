@@ -79,16 +79,21 @@ def tree_gated_delta_rule(
     n_k_heads: int,
     eps: float = 1e-6,
     block_v: int = 32,
+    states: torch.Tensor | None = None,
 ):
     """Every token from its parent's state, gates and norms included. Returns o (T, nv, vd) fp32 and
-    the state after every token (T, nv, kd, vd)."""
+    the state after every token (T, nv, kd, vd), written to `states` if given (contiguous fp32; for a
+    single token it may be `state` itself: each program reads its slice before writing it)."""
     t = conv_out.shape[0]
     h, kd, vd = state.shape
     alpha, beta = alpha.float(), beta.float()
     if alpha.stride() != beta.stride() or alpha.stride(1) != 1:
         alpha, beta = alpha.contiguous(), beta.contiguous()
     out = torch.empty(t, h, vd, dtype=torch.float32, device=conv_out.device)
-    states = torch.empty(t, h, kd, vd, dtype=torch.float32, device=conv_out.device)
+    if states is None:
+        states = torch.empty(t, h, kd, vd, dtype=torch.float32, device=conv_out.device)
+    elif t > 1 and states.data_ptr() == state.data_ptr():
+        raise ValueError("states may alias state for a single token only")
     bv = min(block_v, triton.next_power_of_2(vd))
     _tree_gated_delta_rule_kernel[(h, triton.cdiv(vd, bv))](
         conv_out.float().contiguous(), alpha, beta, alpha.stride(0), dt_bias.float().contiguous(),

@@ -136,33 +136,38 @@ class GatedDeltaNet(nn.Module):
 
     def causal_conv(self, mixed: torch.Tensor, st: DeltaNetState, fp: ForwardPass):
         """Depthwise conv + SiLU along each token's ancestry. Returns the output (fp32 on the GPU: one
-        Triton launch) and every token's trailing window (the conv state it would leave behind),
-        (T, kernel-1, C)."""
-        src = torch.cat([st.conv, mixed], dim=0)  # (kernel-1 + T, C)
-        idx = fp.conv_index(self.kernel)  # (T, kernel)
-        windows = src[idx]  # (T, kernel, C)
+        Triton launch), src = [conv state | block inputs] (kernel-1 + T, C) and each token's window
+        in it, (T, kernel) row indices oldest first (a token's trailing kernel-1 rows are the conv state
+        it leaves behind)."""
+        src = torch.cat([st.conv, mixed], dim=0)
+        idx = fp.conv_index(self.kernel)
         if kernels.triton_kernels_for(src):
             from flashtree.kernels.tree_conv import tree_conv_silu
 
-            return tree_conv_silu(src, idx, self.conv_weight), windows[:, 1:]
+            return tree_conv_silu(src, idx, self.conv_weight), src, idx
         # Tap by tap in a fixed order (not a .sum(1), whose order may change with T: see l2_normalize).
+        windows = src[idx]  # (T, kernel, C)
         taps = self.conv_weight.t()  # (kernel, C)
         y = windows[:, 0] * taps[0]
         for j in range(1, self.kernel):
             y = y + windows[:, j] * taps[j]
-        return F.silu(y), windows[:, 1:]
+        return F.silu(y), src, idx
 
-    def tree_recurrence(self, conv_out, alpha, beta, state, fp: ForwardPass):
-        """Every block token from its parent's state: one Triton launch on the GPU (gates and norms
-        included), the torch reference elsewhere."""
+    def tree_recurrence(self, conv_out, alpha, beta, state, fp: ForwardPass, states_out: torch.Tensor):
+        """Every block token from its parent's state, the state after each token written to states_out
+        (T, heads, k, v): one Triton launch on the GPU (gates and norms included), the torch reference
+        elsewhere. Returns o (T, heads, v)."""
         if kernels.triton_kernels_for(conv_out):
             from flashtree.kernels.tree_deltanet import tree_gated_delta_rule
 
             return tree_gated_delta_rule(
-                conv_out, alpha, beta, self.dt_bias, self.ssm_a, state, fp.parents_int32, self.n_k_heads
-            )
+                conv_out, alpha, beta, self.dt_bias, self.ssm_a, state, fp.parents_int32, self.n_k_heads,
+                states=states_out,
+            )[0]  # fmt: skip
         inputs = delta_rule_inputs(conv_out, alpha, beta, *self._head_args)
-        return recurrent_delta_rule(*inputs, state, fp.parents_list)
+        o, states = recurrent_delta_rule(*inputs, state, fp.parents_list)
+        states_out.copy_(states)
+        return o
 
     @property
     def _head_args(self) -> tuple:
@@ -171,19 +176,19 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor, st: DeltaNetState, fp: ForwardPass) -> torch.Tensor:
         t = x.shape[0]
         mixed, z, beta, alpha = self.in_proj(x)  # (T, conv channels), (T, nv * vd), (T, nv) x 2
-        conv_out, windows = self.causal_conv(mixed, st, fp)
+        conv_out, src, idx = self.causal_conv(mixed, st, fp)
+        if fp.commit:  # prefill or the AR step, a chain: its last kernel-1 inputs are the next conv state
+            st.conv.copy_(src[1 - self.kernel :])
         if fp.commit and t > 1:  # prefill: chunked form, only the final state is kept
             inputs = delta_rule_inputs(conv_out, alpha, beta, *self._head_args)
             o, final = chunked_delta_rule(*inputs, st.recurrent)
             st.recurrent.copy_(final)
-            st.conv.copy_(windows[-1])
-        else:  # decode or verify: token recurrence, same kernel for both
-            o, states = self.tree_recurrence(conv_out, alpha, beta, st.recurrent, fp)
-            if fp.commit:
-                st.recurrent.copy_(states[-1])
-                st.conv.copy_(windows[-1])
-            else:
-                st.set_pending(states, windows)
+        elif fp.commit:  # the AR step: the new state written in place
+            o = self.tree_recurrence(conv_out, alpha, beta, st.recurrent, fp, st.recurrent[None])
+        else:  # verify: every node's state and conv window kept pending until commit_path
+            states, windows = st.pending(t)
+            o = self.tree_recurrence(conv_out, alpha, beta, st.recurrent, fp, states)
+            torch.index_select(src, 0, idx[:, 1:].reshape(-1), out=windows.view(-1, src.shape[1]))
 
         nv, vd = self.n_v_heads, self.v_dim
         o = rms_norm(o, self.norm_weight, self.eps) * F.silu(z.float().view(t, nv, vd))

@@ -14,7 +14,7 @@ from flashtree.models.config import ModelConfig
 from flashtree.models.deltanet import GatedDeltaNet
 from flashtree.models.layers import Linear, RMSNorm, Rotary, SwiGLU
 from flashtree.models.pass_ import ForwardPass
-from flashtree.models.state import DeltaNetState, KVCache, KVStore, ModelState
+from flashtree.models.state import DeltaNetState, DeltaNetStore, KVCache, KVStore, ModelState
 
 
 class DecoderLayer(nn.Module):
@@ -58,24 +58,29 @@ class DecoderModel(nn.Module):
         return self.embedding.dtype
 
     def new_state(self, max_ctx: int) -> ModelState:
+        """The layers' state, in one store per kind and shape (every model here has one of each kind):
+        each layer's state is a slice of its store, so a commit touches all layers at once."""
         dev, dt = self.device, self.dtype
-        # one KVStore per attention shape (every model here has one): the attention layers' caches
-        # are its slices, in layer order
-        shapes = [(m.n_kv_heads, m.head_dim) for m in self.mixers if isinstance(m, Attention)]
-        stores: dict[tuple[int, int], KVStore] = {}
-        for n_kv, hd in set(shapes):
-            stores[n_kv, hd] = KVStore(shapes.count((n_kv, hd)), n_kv, max_ctx, hd, dt, dev)
+        shapes = [self._state_shape(m) for m in self.mixers]
+        stores: dict[tuple, KVStore | DeltaNetStore] = {}
+        for shape in dict.fromkeys(shapes):  # first-seen order
+            n_layers = shapes.count(shape)
+            if shape[0] == "kv":
+                stores[shape] = KVStore(n_layers, shape[1], max_ctx, shape[2], dt, dev)
+            else:
+                stores[shape] = DeltaNetStore(n_layers, *shape[1:], dt, dev)
         taken: Counter = Counter()
         states: list[KVCache | DeltaNetState] = []
-        for m in self.mixers:
-            if isinstance(m, Attention):
-                shape = (m.n_kv_heads, m.head_dim)
-                states.append(stores[shape].layer(taken[shape]))
-                taken[shape] += 1
-            else:
-                channels = m.conv_weight.shape[0]
-                states.append(DeltaNetState(m.n_v_heads, m.k_dim, m.v_dim, channels, m.kernel, dt, dev))
+        for shape in shapes:
+            states.append(stores[shape].layer(taken[shape]))
+            taken[shape] += 1
         return ModelState(states, list(stores.values()), max_ctx, dev)
+
+    @staticmethod
+    def _state_shape(m: nn.Module) -> tuple:
+        if isinstance(m, Attention):
+            return ("kv", m.n_kv_heads, m.head_dim)
+        return ("deltanet", m.n_v_heads, m.k_dim, m.v_dim, m.conv_weight.shape[0], m.kernel)
 
     @property
     def mixers(self) -> list[nn.Module]:

@@ -5,6 +5,8 @@ everything is committed at once. With commit=False (verify) the recurrent layers
 after *every* block token as pending, and `commit_path(path, n)` later keeps exactly the accepted
 tokens: their K/V are compacted into contiguous slots and each DeltaNet layer takes the fp32
 state (and conv window) after the last accepted token. Rejected K/V slots are simply overwritten.
+Each kind of layer state lives in one store for all layers (KVStore, DeltaNetStore), so that a
+commit is a handful of launches whatever the depth of the model.
 """
 
 from __future__ import annotations
@@ -50,22 +52,50 @@ class KVStore:
 
 
 class DeltaNetState:
-    """Recurrent state (fp32) and causal-conv window of one Gated DeltaNet layer."""
+    """Recurrent state (fp32) and causal-conv window of one Gated DeltaNet layer: views into a
+    DeltaNetStore, as are its pending states after a verify forward."""
 
-    def __init__(self, n_heads: int, k_dim: int, v_dim: int, conv_channels: int, kernel: int, dtype, device):
-        self.recurrent = torch.zeros(n_heads, k_dim, v_dim, dtype=torch.float32, device=device)
-        self.conv = torch.zeros(kernel - 1, conv_channels, dtype=dtype, device=device)
-        self.pending_states: torch.Tensor | None = None  # (T, heads, k, v) after each block token
-        self.pending_conv: torch.Tensor | None = None  # (T, kernel-1, channels) window after each token
+    def __init__(self, store: DeltaNetStore, index: int):
+        self.store, self.index = store, index
+        self.recurrent = store.recurrent[index]  # (heads, k, v) fp32
+        self.conv = store.conv[index]  # (kernel - 1, channels)
 
-    def set_pending(self, states: torch.Tensor, conv_windows: torch.Tensor) -> None:
-        self.pending_states, self.pending_conv = states, conv_windows
+    def pending(self, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where a verify forward of t tokens leaves this layer's state after every token, (t, heads,
+        k, v) fp32, and its conv window after every token, (t, kernel - 1, channels)."""
+        states, windows = self.store.pending_buffers(t)
+        return states[self.index], windows[self.index]
+
+
+class DeltaNetStore:
+    """State of every Gated DeltaNet layer of one shape in two tensors (layers, ...), and their pending
+    states after a verify forward likewise: a speculative step's commit adopts the accepted node's
+    state in every layer with one gather and one copy per tensor (it was 4 launches per layer)."""
+
+    def __init__(
+        self, n_layers: int, heads: int, k_dim: int, v_dim: int, channels: int, kernel: int, dtype, device
+    ):
+        self.recurrent = torch.zeros(n_layers, heads, k_dim, v_dim, dtype=torch.float32, device=device)
+        self.conv = torch.zeros(n_layers, kernel - 1, channels, dtype=dtype, device=device)
+        self.pending_states: torch.Tensor | None = None  # (layers, T, heads, k, v)
+        self.pending_conv: torch.Tensor | None = None  # (layers, T, kernel - 1, channels)
+
+    def layer(self, i: int) -> DeltaNetState:
+        return DeltaNetState(self, i)
+
+    def pending_buffers(self, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pending buffers for a t-token verify, allocated by its first layer."""
+        if self.pending_states is None or self.pending_states.shape[1] != t:
+            n, heads, k_dim, v_dim = self.recurrent.shape
+            self.pending_states = self.recurrent.new_empty(n, t, heads, k_dim, v_dim)
+            self.pending_conv = self.conv.new_empty(n, t, *self.conv.shape[1:])
+        return self.pending_states, self.pending_conv
 
     def commit(self, last: torch.Tensor) -> None:
         """Adopt the state after block token `last` ((1,) on the device: the deepest accepted node).
-        index_select, not `states[last]`: indexing with a 0-d tensor reads it back to the host."""
-        self.recurrent.copy_(self.pending_states.index_select(0, last)[0])
-        self.conv.copy_(self.pending_conv.index_select(0, last)[0])
+        index_select, not `states[:, last]` with a 0-d tensor, which would read it back to the host."""
+        self.recurrent.copy_(self.pending_states.index_select(1, last)[:, 0])
+        self.conv.copy_(self.pending_conv.index_select(1, last)[:, 0])
         self.pending_states = self.pending_conv = None
 
     def reset(self) -> None:
@@ -82,9 +112,15 @@ class ModelState:
     replayed from a CUDA graph advances `position` itself; the host learns how far from the step's
     one read-back and calls `advance_host`."""
 
-    def __init__(self, layers: list[KVCache | DeltaNetState], kv_stores: list[KVStore], max_ctx: int, device):
-        self.layers = layers  # per model layer; the KVCaches are views into kv_stores
-        self.kv_stores = kv_stores
+    def __init__(
+        self,
+        layers: list[KVCache | DeltaNetState],
+        stores: list[KVStore | DeltaNetStore],
+        max_ctx: int,
+        device,
+    ):
+        self.layers = layers  # per model layer: views into the stores
+        self.stores = stores
         self.max_ctx = max_ctx
         self.seq_len = 0
         self.position = torch.zeros((), dtype=torch.long, device=device)
@@ -124,11 +160,11 @@ class ModelState:
         src = self.position + torch.where(idx < n, path, idx)
         dst = self.position + idx
         last = path.gather(0, (n - 1).view(1))  # (1,): the deepest accepted node
-        for store in self.kv_stores:
-            store.compact(src, dst)
-        for layer in self.layers:
-            if isinstance(layer, DeltaNetState):
-                layer.commit(last)
+        for store in self.stores:
+            if isinstance(store, KVStore):
+                store.compact(src, dst)
+            else:
+                store.commit(last)
         self.position += n
 
     def truncate(self, length: int) -> None:
@@ -143,6 +179,6 @@ class ModelState:
         self.seq_len = 0
         self.position.zero_()
         self.pending = 0
-        for layer in self.layers:
-            if isinstance(layer, DeltaNetState):
-                layer.reset()
+        for store in self.stores:
+            if isinstance(store, DeltaNetStore):
+                store.reset()
