@@ -44,11 +44,14 @@ class KVStore:
     def layer(self, i: int) -> KVCache:
         return KVCache(self.k[i], self.v[i])
 
-    def compact(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Move slots src[i] to dst[i] in every layer (src is increasing and src >= dst, and the
-        gather completes before the scatter)."""
+    def commit(self, src: torch.Tensor, dst: torch.Tensor, last: torch.Tensor) -> None:
+        """Keep the accepted nodes: move slots src[i] to dst[i] in every layer (src is increasing and
+        src >= dst, and the gather completes before the scatter)."""
         self.k[:, :, dst] = self.k[:, :, src]
         self.v[:, :, dst] = self.v[:, :, src]
+
+    def reset(self) -> None:
+        """Nothing to clear: slots past the committed length are never read."""
 
 
 class DeltaNetState:
@@ -91,9 +94,10 @@ class DeltaNetStore:
             self.pending_conv = self.conv.new_empty(n, t, *self.conv.shape[1:])
         return self.pending_states, self.pending_conv
 
-    def commit(self, last: torch.Tensor) -> None:
-        """Adopt the state after block token `last` ((1,) on the device: the deepest accepted node).
-        index_select, not `states[:, last]` with a 0-d tensor, which would read it back to the host."""
+    def commit(self, src: torch.Tensor, dst: torch.Tensor, last: torch.Tensor) -> None:
+        """Adopt the state after block token `last` ((1,) on the device: the deepest accepted node; the
+        slot moves src -> dst are the KV stores'). index_select: indexing with a device scalar would
+        read it back to the host."""
         self.recurrent.copy_(self.pending_states.index_select(1, last)[:, 0])
         self.conv.copy_(self.pending_conv.index_select(1, last)[:, 0])
         self.pending_states = self.pending_conv = None
@@ -161,10 +165,7 @@ class ModelState:
         dst = self.position + idx
         last = path.gather(0, (n - 1).view(1))  # (1,): the deepest accepted node
         for store in self.stores:
-            if isinstance(store, KVStore):
-                store.compact(src, dst)
-            else:
-                store.commit(last)
+            store.commit(src, dst, last)
         self.position += n
 
     def truncate(self, length: int) -> None:
@@ -180,5 +181,4 @@ class ModelState:
         self.position.zero_()
         self.pending = 0
         for store in self.stores:
-            if isinstance(store, DeltaNetStore):
-                store.reset()
+            store.reset()
