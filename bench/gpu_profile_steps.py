@@ -1,9 +1,10 @@
-"""Where a graphed decode step's time goes, per mode, on a tiny target (H200 diagnosis).
+"""Where a graphed decode step's time goes, per mode (H200 diagnosis).
 
-    python bench/gpu_profile_steps.py OUT_DIR
+    python bench/gpu_profile_steps.py OUT_DIR [TARGET_GGUF DRAFT]
 
-Runs AR, chain and tree engines (CUDA graphs) on tiny-llama f32 + a random draft, then profiles a few
-decode steps: GPU kernel time by kernel name, launches, and wall time per step.
+Runs AR, chain and tree engines (CUDA graphs) on a target + draft (default: tiny-llama f32 + a random
+draft), then profiles a few decode steps: GPU kernel time by kernel name, launches, and wall time per
+step. Writes OUT_DIR/profile_steps.json.
 """
 
 from __future__ import annotations
@@ -19,12 +20,19 @@ from torch.profiler import ProfilerActivity, profile
 
 from flashtree.config import SpecConfig
 from flashtree.generate import Engine
+from flashtree.models.dflash import load_draft
+from flashtree.models.loader import load_target
 
 STEPS = 20
 
 
-def main(out_dir: Path) -> None:
-    target, draft = tiny_pair("tiny-llama", "f32")
+def main(out_dir: Path, files: list[str]) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if files:
+        target, _ = load_target(files[0], device="cuda")
+        draft = load_draft(files[1], target)
+    else:
+        target, draft = tiny_pair("tiny-llama", "f32")
     prompt = list(range(3, 40))
     report = {}
     for config in (
@@ -63,4 +71,4 @@ def main(out_dir: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    main(Path(sys.argv[1]), sys.argv[2:])

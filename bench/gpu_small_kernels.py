@@ -9,7 +9,10 @@ check on the device (it needs no model files):
 - tree conv + SiLU (kernels/tree_conv.py) and the tree Gated DeltaNet (kernels/tree_deltanet.py):
   within 1e-5 of the torch reference in fp32 on a tree with siblings, and each token computed alone
   (from its parent's state: the AR step, also writing its state in place) equal to its row of the
-  whole launch (the verify) bit for bit.
+  whole launch (the verify) bit for bit;
+- the fused RMSNorm variants and SiLU-and-multiply (kernels/fused.py) at the 27B's shapes: within one
+  bf16 unit in the last place of the torch path (fp32: 2e-6 relative), the residual sum bit for bit,
+  and a row alone equal to its row of 23 bit for bit.
 """
 
 from __future__ import annotations
@@ -21,9 +24,11 @@ from pathlib import Path
 import torch
 
 from flashtree import kernels
+from flashtree.kernels import fused
 from flashtree.kernels.rotary import rotary
 from flashtree.kernels.tree_conv import tree_conv_silu
 from flashtree.kernels.tree_deltanet import tree_gated_delta_rule
+from flashtree.models import layers
 from flashtree.models.block import BlockLayout
 from flashtree.models.deltanet import delta_rule_inputs, recurrent_delta_rule
 from flashtree.models.layers import Rotary, apply_rotary
@@ -34,14 +39,18 @@ PARENTS = [-1, 0, 1, 0, 3, 1, 5, 2, -1]  # siblings, a branch back up, a second 
 TOL = 1e-5
 
 
-def torch_rotary(x, cos, sin):
-    """layers.apply_rotary's torch ops, with the kernel switched off."""
+def torch_path(fn, *args):
+    """fn's torch ops, with the kernels switched off."""
     kernels_on = kernels.triton_kernels_for
     kernels.triton_kernels_for = lambda x: False
     try:
-        return apply_rotary(x, cos, sin)
+        return fn(*args)
     finally:
         kernels.triton_kernels_for = kernels_on
+
+
+def torch_rotary(x, cos, sin):
+    return torch_path(apply_rotary, x, cos, sin)
 
 
 def check_rotary() -> list[dict]:
@@ -121,18 +130,82 @@ def check_tree_deltanet() -> dict:
     return {"kernel": "tree_deltanet", "max_abs_err": err, "ok": err < TOL, "rows_bitwise": alone}
 
 
+def within_rounding(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """bf16: at most one unit in the last place apart; fp32: 2e-6 relative."""
+    bf16 = want.dtype == torch.bfloat16
+    got, want = got.float(), want.float()
+    if bf16:
+        return bool(((got - want).abs() <= 2.0 ** (torch.frexp(want)[1] - 8).float()).all())
+    return bool(((got - want).abs() <= 2e-6 * want.abs() + 1e-6).all())
+
+
+def check_fused() -> list[dict]:
+    gen = torch.Generator().manual_seed(0)
+
+    def randn(*shape, dtype=torch.bfloat16, scale=3.0):
+        return (torch.randn(*shape, generator=gen) * scale).to(DEVICE, dtype)
+
+    t, hidden, ff = 23, 5120, 17408  # the 27B's
+    x, residual, w = randn(t, hidden), randn(t, 2 * hidden)[:, hidden:], randn(hidden, scale=1.0)
+    heads = randn(t, 24 * 512)[:, : 24 * 256].view(t, 24, 256)  # gated q: a strided head view
+    o, z = randn(t, 48, 128, dtype=torch.float32), randn(t, 3 * 6144)[:, 6144 : 2 * 6144]
+    gate_up = randn(t, 2 * ff)
+    cases = {  # name: (kernel(rows), torch path(rows)) -> tuples of outputs; rows: a slice of the tokens
+        "rms_norm": (lambda r: (fused.rms_norm(x[r], w, 1e-6),), lambda r: (layers.rms_norm(x[r], w, 1e-6),)),
+        "rms_norm heads": (
+            lambda r: (fused.rms_norm(heads[r], w[:256], 1e-6),),
+            lambda r: (layers.rms_norm(heads[r], w[:256], 1e-6),),
+        ),
+        "add_rms_norm": (  # (sum, norm)
+            lambda r: fused.rms_norm(x[r], w, 1e-6, residual=residual[r]),
+            lambda r: layers.add_rms_norm(x[r], residual[r], w, 1e-6),
+        ),
+        "gated_rms_norm": (
+            lambda r: (fused.rms_norm(o[r], w[:128], 1e-6, gate=z[r], out_dtype=torch.bfloat16),),
+            lambda r: (layers.gated_rms_norm(o[r], w[:128], 1e-6, z[r], torch.bfloat16),),
+        ),
+        "silu_mul": (
+            lambda r: (fused.silu_mul(gate_up[r, :ff], gate_up[r, ff:]),),
+            lambda r: (layers.silu_mul(gate_up[r, :ff], gate_up[r, ff:]),),
+        ),
+    }
+    rows = []
+    for name, (kernel, reference) in cases.items():
+        got, want = kernel(slice(None)), torch_path(reference, slice(None))
+        ok = all(within_rounding(g, w_) for g, w_ in zip(got, want, strict=True))
+        if name == "add_rms_norm":
+            ok &= torch.equal(got[0], want[0])  # the residual sum: one rounding, as torch's add
+        alone = all(
+            torch.equal(g_i, g[i : i + 1])
+            for i in (0, t - 1)
+            for g_i, g in zip(kernel(slice(i, i + 1)), got, strict=True)
+        )
+        rows.append({
+            "kernel": name, "within_rounding": ok, "rows_bitwise": alone,
+            "max_abs_diff": max(
+                (g.float() - w_.float()).abs().max().item() for g, w_ in zip(got, want, strict=True)
+            ),
+        })  # fmt: skip
+    return rows
+
+
 def main(out_dir: Path) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     name = torch.cuda.get_device_name(DEVICE) if DEVICE.type == "cuda" else "cpu (TRITON_INTERPRET)"
     result = {"device": name, "torch": torch.__version__, "rotary": check_rotary()}
     recurrent = [check_tree_conv(), check_tree_deltanet()]
     result.update({row["kernel"]: row for row in recurrent})
+    result["fused"] = check_fused()
     (out_dir / "small_kernels.json").write_text(json.dumps(result, indent=2) + "\n")
     for row in result["rotary"]:
         print(f"rotary {row['dtype']:<15} {row['shape']} rot {row['rot']:<4} bitwise {row['bitwise']}")
     for row in recurrent:
         print(f"{row['kernel']:<14} max |err| {row['max_abs_err']:.2e}  rows bitwise {row['rows_bitwise']}")
+    for row in result["fused"]:
+        print(f"{row['kernel']:<16} max |diff| {row['max_abs_diff']:.2e}  within rounding "
+              f"{row['within_rounding']}  rows bitwise {row['rows_bitwise']}")  # fmt: skip
     failures = [r for r in result["rotary"] if not r["bitwise"]]
+    failures += [r for r in result["fused"] if not (r["within_rounding"] and r["rows_bitwise"])]
     failures += [r for r in recurrent if not (r["ok"] and r["rows_bitwise"])]
     print("FAILURES" if failures else "all ok", len(failures))
     return 1 if failures else 0

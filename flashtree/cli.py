@@ -188,13 +188,18 @@ def bench_step(
     budget: int = typer.Option(22, "--budget", help="DDTree nodes of the draft-step tree."),
     block_size: int = typer.Option(16, "--block-size"),
     out: Path = typer.Option(..., "--out", help="Output JSON."),
-    dense: bool = typer.Option(False, "--dense", help="Dense bf16 weights instead of the quantized kernels."),
+    weights: str = typer.Option(
+        "auto",
+        "--weights",
+        help="packed: the quantized-matmul kernels; dense: bf16 weights; auto: packed only where dense "
+        "would not fit, as run/serve load them.",
+    ),
     repeats: int = typer.Option(20, "--repeats", help="Timed repeats per measurement (median)."),
 ):
     """Time the AR step, tree verify, draft step and prefill against measured device ceilings."""
     from flashtree.bench.step import bench_step_command
 
-    bench_step_command(target, draft, budget, block_size, out, dense, repeats)
+    bench_step_command(target, draft, budget, block_size, out, weights, repeats)
 
 
 @app.command("train-draft")

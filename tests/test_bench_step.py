@@ -44,8 +44,10 @@ def test_bench_step_measures_everything(pair, monkeypatch):
     assert any("verify N=7" in line for line in lines)
 
 
-def test_bench_step_refuses_missing_files(tmp_path):
+def test_bench_step_refuses_missing_files_and_unknown_weights(tmp_path):
     from flashtree.errors import FlashtreeError
 
     with pytest.raises(FlashtreeError, match="not found"):
-        step.bench_step_command(tmp_path / "no.gguf", tmp_path, 22, 16, tmp_path / "o.json", False, 3)
+        step.bench_step_command(tmp_path / "no.gguf", tmp_path, 22, 16, tmp_path / "o.json", "auto", 3)
+    with pytest.raises(FlashtreeError, match="--weights must be one of auto, packed, dense"):
+        step.bench_step_command(tmp_path / "no.gguf", tmp_path, 22, 16, tmp_path / "o.json", "quant", 3)

@@ -159,7 +159,8 @@ def test_bf16_batch_invariance_and_error():
 
 def test_uneven_k_splits_and_unrolled_units(monkeypatch):
     """Splits of unequal length (5 and 4 units), walked 3 units per step and the rest one by one, give the
-    same math, bit for bit the same across M."""
+    same math, bit for bit the same across M; the last program of each row tile adds the splits and
+    leaves its counter at zero for the next call."""
     rows, cols = 21, 576  # Q8_0: 9 units of 2 blocks
     monkeypatch.setattr(qmatmul, "SPLIT_TARGET", 2 * rows)
     assert k_splits(rows, 9) == (2, 5)
@@ -171,6 +172,7 @@ def test_uneven_k_splits_and_unrolled_units(monkeypatch):
     y = quant_matmul(x, fields, QT.Q8_0, rows, cols)
     assert rel_err(y, reference_matmul(x, raw, QT.Q8_0, rows, cols)) < EXACT_TOL
     assert torch.equal(quant_matmul(x[1:2], fields, QT.Q8_0, rows, cols)[0], y[1])
+    assert not qmatmul.tile_counters(x.device, 1).any()
 
 
 def test_k_splits_depend_on_the_shape_only():

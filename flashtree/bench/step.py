@@ -365,19 +365,24 @@ def summary_lines(r: dict) -> list[str]:
     return lines
 
 
+WEIGHTS = {"auto": None, "packed": True, "dense": False}  # --weights -> load_target's `quantized`
+
+
 def bench_step_command(
-    target: Path, draft: Path, budget: int, block_size: int, out: Path, dense: bool, repeats: int
+    target: Path, draft: Path, budget: int, block_size: int, out: Path, weights: str, repeats: int
 ) -> None:
+    if weights not in WEIGHTS:
+        raise FlashtreeError(f"--weights must be one of {', '.join(WEIGHTS)}, got {weights!r}")
     for path in (target, draft):
         if not Path(path).exists():
             raise FlashtreeError(f"{path}: not found")
     if repeats < 1:
         raise FlashtreeError(f"--repeats must be >= 1, got {repeats}")
-    result = run_bench_step(target, draft, budget, block_size, False if dense else None, repeats)
-    flags = ["--budget", str(budget), "--block-size", str(block_size), "--repeats", str(repeats)]
+    result = run_bench_step(target, draft, budget, block_size, WEIGHTS[weights], repeats)
+    flags = ["--budget", str(budget), "--block-size", str(block_size), "--weights", weights]
     result["command"] = " ".join(
-        ["flashtree", "bench-step", "--target", str(target), "--draft", str(draft), *flags, "--out", str(out)]
-        + (["--dense"] if dense else [])
+        ["flashtree", "bench-step", "--target", str(target), "--draft", str(draft), *flags]
+        + ["--repeats", str(repeats), "--out", str(out)]
     )
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -33,14 +33,15 @@ Off CUDA an exact integer emulation replaces every inline PTX op (Triton's inter
 so the CPU tests execute the kernels' real structure; bench/gpu_kernels.py checks PTX == emulation.
 
 Batch invariance: integer sums are exact and every path adds the same fp32 terms in the same order (units
-in K order inside a K-split, then splits in order, `_sum_splits_kernel`), and the split count depends on
+in K order inside a K-split, then splits in order, `_finish`), and the split count depends on
 the matrix shape only (`k_splits`). So for M <= 64, row m of an M-row call equals a 1-row call on x[m]
 bit for bit, whatever M is (speculative verify vs AR decode agree). Kernels compile with fp fusion off
 (explicit fma only), which also makes `dequantize_packed` bit-exact against flashtree.quant.dequant.
 
 Why K-splits: one thread per output row alone leaves too few threads for the short matrices of a decode
 step (5120 rows = 5120 threads for a whole H200), so each row's units are cut into splits sized from the
-shape (`SPLIT_TARGET` (row, split) pairs) and the partial sums added by a second small kernel.
+shape (`SPLIT_TARGET` (row, split) pairs); the program that finishes a row tile last adds the tile's
+partial sums (`_finish`: an arrival counter per tile, no second kernel).
 
 Before this design (bench/results/issue6-2026-12-02) the kernels decoded weights to fp32 and FMA'd them:
 ~9 instructions per value, 0.14-0.19 of copy bandwidth at M = 1.
@@ -168,7 +169,7 @@ def packed_bytes(fields: list[torch.Tensor]) -> int:
 
 # Sizes the kernels take at run time, not compiled in (Triton would compile a variant for each shape's
 # divisibility by 16 and for 1): the addresses built from them get their alignment from constant
-# factors. K, strides and sum_splits' n (vector loads need their divisibility) stay specialized.
+# factors. K and strides (vector loads need their divisibility) stay specialized.
 _SHAPE_ARGS = ["M", "R", "N", "n_blocks", "units_per_split", "n_splits"]
 
 # GGML type ids as compile-time constants, for the kernels' static branches
@@ -297,6 +298,27 @@ def _group_scales(
     return ws_a, ws_b, wo
 
 
+@triton.jit
+def _finish(y_ptr, part_ptr, counter_ptr, acc, at, ok, split, n_splits, size):
+    """Store a program's sums `acc` at offsets `at` (mask `ok`) of y, or, with K-splits, as split
+    `split` of the partial sums (n_splits, size); the program that completes its row tile last then adds
+    the tile's partial sums in split order into y and resets the tile's counter (zero again for the next
+    call and for CUDA-graph replays). One launch, where a second kernel added the splits: a 27B decode
+    step ran 288 of them."""
+    if n_splits == 1:
+        tl.store(y_ptr + at, acc.to(y_ptr.dtype.element_ty), mask=ok)
+    else:
+        tl.store(part_ptr + split * size + at, acc, mask=ok)
+        tl.debug_barrier()  # every thread's partial is stored before the count (released by it)
+        tile = counter_ptr + tl.program_id(0)
+        if tl.atomic_add(tile, 1, sem="acq_rel", scope="gpu") == n_splits - 1:
+            total = tl.load(part_ptr + at, mask=ok, other=0.0, cache_modifier=".cg")  # L2: other SMs' sums
+            for s in range(1, n_splits):
+                total = total + tl.load(part_ptr + s * size + at, mask=ok, other=0.0, cache_modifier=".cg")
+            tl.store(y_ptr + at, total.to(y_ptr.dtype.element_ty), mask=ok)
+            tl.atomic_xchg(tile, 0, sem="relaxed", scope="gpu")
+
+
 # --- Triton: M = 1, dp4a ------------------------------------------------------------------------------
 
 
@@ -379,8 +401,8 @@ def _matvec_unit(
 
 @triton.jit(do_not_specialize=_SHAPE_ARGS)
 def _matvec_kernel(
-    out_ptr, xq_ptr, scale_ptr, xqs_ptr, q_ptr, hdr_ptr, qh_ptr, d_ptr, m_ptr,
-    N, n_blocks, units_per_split,
+    y_ptr, part_ptr, counter_ptr, xq_ptr, scale_ptr, xqs_ptr, q_ptr, hdr_ptr, qh_ptr, d_ptr, m_ptr,
+    N, n_blocks, units_per_split, n_splits,
     QTYPE: tl.constexpr, G: tl.constexpr, V: tl.constexpr, HAS_OFFSET: tl.constexpr, BN: tl.constexpr,
     UNROLL: tl.constexpr, ASM: tl.constexpr,
 ):  # fmt: skip
@@ -405,7 +427,7 @@ def _matvec_kernel(
             acc, unit, rows64, N, row_ok, xq_ptr, scale_ptr, xqs_ptr, q_ptr, hdr_ptr, qh_ptr, d_ptr, m_ptr,
             QTYPE, G, V, HAS_OFFSET, ASM,
         )  # fmt: skip
-    tl.store(out_ptr + split * N + rows, acc.to(out_ptr.dtype.element_ty), mask=row_ok)
+    _finish(y_ptr, part_ptr, counter_ptr, acc, rows, row_ok, split, n_splits, N)
 
 
 # --- Triton: 2 <= M <= 64, int8 tensor cores; dequantization -----------------------------------------
@@ -516,8 +538,8 @@ def _matmul_unit(
 
 @triton.jit(do_not_specialize=_SHAPE_ARGS)
 def _matmul_kernel(
-    out_ptr, xq_ptr, scale_ptr, xqs_ptr, q_ptr, hdr_ptr, qh_ptr, d_ptr, m_ptr,
-    M, N, K, n_blocks, units_per_split,
+    y_ptr, part_ptr, counter_ptr, xq_ptr, scale_ptr, xqs_ptr, q_ptr, hdr_ptr, qh_ptr, d_ptr, m_ptr,
+    M, N, K, n_blocks, units_per_split, n_splits,
     QTYPE: tl.constexpr, G: tl.constexpr, V: tl.constexpr, HAS_OFFSET: tl.constexpr, BN: tl.constexpr,
     BM: tl.constexpr, UNROLL: tl.constexpr, ASM: tl.constexpr,
 ):  # fmt: skip
@@ -543,19 +565,8 @@ def _matmul_kernel(
             QTYPE, G, V, HAS_OFFSET, BM, ASM,
         )  # fmt: skip
     ms = tl.arange(0, BM)
-    ptrs = out_ptr + split * M * N + ms[None, :] * N + rows[:, None]
-    tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (ms < M)[None, :])
-
-
-@triton.jit(do_not_specialize=_SHAPE_ARGS)
-def _sum_splits_kernel(y_ptr, part_ptr, n, n_splits, BLOCK: tl.constexpr):
-    """y = the K-splits' partial sums (n_splits, n) added in split order."""
-    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    ok = i < n
-    acc = tl.load(part_ptr + i, mask=ok, other=0.0)
-    for s in range(1, n_splits):
-        acc = acc + tl.load(part_ptr + s * n + i, mask=ok, other=0.0)
-    tl.store(y_ptr + i, acc.to(y_ptr.dtype.element_ty), mask=ok)
+    at, ok = ms[None, :] * N + rows[:, None], row_ok[:, None] & (ms < M)[None, :]
+    _finish(y_ptr, part_ptr, counter_ptr, acc, at, ok, split, n_splits, M * N)
 
 
 @triton.jit(do_not_specialize=_SHAPE_ARGS)
@@ -730,25 +741,40 @@ def quant_matmul(
     n_blocks = n_cols // block_size(qtype)
     n_splits, per_split = k_splits(n_rows, n_blocks // lay.group)
     y = torch.empty(m, n_rows, dtype=x.dtype, device=x.device)
-    out = y if n_splits == 1 else torch.empty(n_splits, m, n_rows, dtype=torch.float32, device=x.device)
+    parts = y if n_splits == 1 else torch.empty(n_splits, m, n_rows, dtype=torch.float32, device=x.device)
     tile = TILES[tile_key(m)]
     grid = (triton.cdiv(n_rows, tile.rows), n_splits)
+    counters = tile_counters(x.device, grid[0])
     tiling = {"BN": tile.rows, "UNROLL": tile.unroll, "num_warps": tile.warps, "num_stages": tile.stages}
     launch = _static_args(lay, x.device) | tiling
     if m == 1:
         _matvec_kernel[grid](
-            out, *act, *_pointers(fields, lay, False), n_rows, n_blocks, per_split,
+            y, parts, counters, *act, *_pointers(fields, lay, False), n_rows, n_blocks, per_split, n_splits,
             enable_fp_fusion=False, **launch,
         )  # fmt: skip
     else:
         _matmul_kernel[grid](
-            out, act.codes.view(torch.int8), act.scales, act.code_sums, *_pointers(fields, lay, True),
-            m, n_rows, n_cols, n_blocks, per_split, BM=bm, enable_fp_fusion=False, **launch,
+            y, parts, counters, act.codes.view(torch.int8), act.scales, act.code_sums,
+            *_pointers(fields, lay, True), m, n_rows, n_cols, n_blocks, per_split, n_splits, BM=bm,
+            enable_fp_fusion=False, **launch,
         )  # fmt: skip
-    if n_splits > 1:
-        block = 1024
-        _sum_splits_kernel[(triton.cdiv(m * n_rows, block),)](y, out, m * n_rows, n_splits, BLOCK=block)
     return y
+
+
+MAX_TILES = 1 << 16  # row tiles per matrix the counters cover (4M rows at the smallest tile, 64)
+
+
+def tile_counters(device: torch.device, n_tiles: int) -> torch.Tensor:
+    """The kernels' per-row-tile arrival counters on `device` (see `_finish`): zero between calls, so
+    one buffer, allocated once (before any CUDA-graph capture reads it), serves every matmul."""
+    if n_tiles > MAX_TILES:
+        raise FlashtreeError(f"quantized matmul: {n_tiles} row tiles, more than the {MAX_TILES} counted")
+    return _counters(device)
+
+
+@cache
+def _counters(device: torch.device) -> torch.Tensor:
+    return torch.zeros(MAX_TILES, dtype=torch.int32, device=device)
 
 
 def dequantize_packed(

@@ -17,7 +17,7 @@ import triton.language as tl
 
 
 @triton.jit
-def _rounded(v, BF16: tl.constexpr):
+def rounded(v, BF16: tl.constexpr):
     """fp32 v rounded to the nearest bf16 (ties to even), kept in fp32; v itself for fp32 tensors.
     In integer ops: Triton's interpreter (the CPU tests) truncates in its fp32 -> bf16 casts."""
     if BF16:
@@ -44,7 +44,7 @@ def _rotary_kernel(
     rotated = tl.where(d < half, -partner, partner)  # cat([-x2, x1])
     cos = tl.load(cos_ptr + t * ROT + d, mask=rotating, other=0.0).to(tl.float32)
     sin = tl.load(sin_ptr + t * ROT + d, mask=rotating, other=0.0).to(tl.float32)
-    y = _rounded(_rounded(x * cos, BF16) + _rounded(rotated * sin, BF16), BF16)
+    y = rounded(rounded(x * cos, BF16) + rounded(rotated * sin, BF16), BF16)
     out = tl.where(rotating, y, x)  # values of x's dtype: the store's cast is exact
     tl.store(out_ptr + (t * H + h) * D + d, out.to(out_ptr.dtype.element_ty), mask=d < D)
 

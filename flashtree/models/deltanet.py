@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from flashtree import kernels
-from flashtree.models.layers import Linear, MergedLinear, rms_norm
+from flashtree.models.layers import Linear, MergedLinear, gated_rms_norm
 from flashtree.models.pass_ import ForwardPass
 from flashtree.models.state import DeltaNetState
 
@@ -191,5 +191,5 @@ class GatedDeltaNet(nn.Module):
             torch.index_select(src, 0, idx[:, 1:].reshape(-1), out=windows.view(-1, src.shape[1]))
 
         nv, vd = self.n_v_heads, self.v_dim
-        o = rms_norm(o, self.norm_weight, self.eps) * F.silu(z.float().view(t, nv, vd))
-        return self.out(o.to(x.dtype).reshape(t, nv * vd))
+        o = gated_rms_norm(o, self.norm_weight, self.eps, z, x.dtype)  # (T, nv, vd)
+        return self.out(o.reshape(t, nv * vd))

@@ -21,7 +21,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from flashtree.errors import FlashtreeError
-from flashtree.models.layers import Linear, MergedLinear, RMSNorm, Rotary, SwiGLU, apply_rotary, rms_norm
+from flashtree.models.layers import (
+    Linear,
+    MergedLinear,
+    RMSNorm,
+    Rotary,
+    SwiGLU,
+    add_rms_norm,
+    apply_rotary,
+    rms_norm,
+)
 from flashtree.models.model import DecoderModel
 
 FULL, SLIDING = "full_attention", "sliding_attention"
@@ -171,8 +180,8 @@ class DraftLayer(nn.Module):
             .transpose(0, 1)
             .reshape(b, -1)
         )
-        h = x + self.o(out)
-        return h + self.mlp(self.mlp_norm(h))
+        h, normed = add_rms_norm(x, self.o(out), *self.mlp_norm.args)
+        return h + self.mlp(normed)
 
 
 class DraftContext:

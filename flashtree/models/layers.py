@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from flashtree import kernels
+from flashtree.kernels import fused
 
 
 class Linear(nn.Module):
@@ -102,10 +103,46 @@ class MergedLinear(nn.Module):
         return f"parts={[part.out_features for part in self.parts]}"
 
 
+def _fused_kernels(x: torch.Tensor) -> bool:
+    """Whether to run kernels/fused.py's one-launch versions: on the GPU, outside autograd (training
+    differentiates the torch ops)."""
+    return kernels.triton_kernels_for(x) and not torch.is_grad_enabled()
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Plain RMSNorm in fp32 (GGUF files already carry the +1 of zero-centred norms). torch's op is
-    one fused kernel on CUDA (six launches otherwise) and bit-identical to the formula on the CPU."""
+    """Plain RMSNorm in fp32 (GGUF files already carry the +1 of zero-centred norms), in x's dtype.
+    torch's op is bit-identical to the formula on the CPU."""
+    if _fused_kernels(x):
+        return fused.rms_norm(x, weight, eps)
     return F.rms_norm(x.float(), weight.shape, weight.float(), eps).to(x.dtype)
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h, rms_norm(h)) for h = x + residual: the residual stream and the next block's input."""
+    if _fused_kernels(x):
+        return fused.rms_norm(x, weight, eps, residual=residual)
+    h = x + residual
+    return h, rms_norm(h, weight, eps)
+
+
+def gated_rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, gate: torch.Tensor, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """rms_norm(x) * silu(gate) in fp32 (gate viewed as x's shape), in out_dtype."""
+    if _fused_kernels(x):
+        return fused.rms_norm(x, weight, eps, gate=gate, out_dtype=out_dtype)
+    normed = F.rms_norm(x.float(), weight.shape, weight.float(), eps)
+    return (normed * F.silu(gate.float().view(x.shape))).to(out_dtype)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's activation, silu(gate) * up, in their dtype."""
+    if _fused_kernels(gate):
+        n = gate.shape[-1]
+        return fused.silu_mul(gate.reshape(-1, n), up.reshape(-1, n)).view(gate.shape)
+    return F.silu(gate) * up
 
 
 class RMSNorm(nn.Module):
@@ -113,6 +150,10 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.eps = eps
+
+    @property
+    def args(self) -> tuple[torch.Tensor, float]:
+        return self.weight, self.eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps)
@@ -159,4 +200,4 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x)
-        return self.down(F.silu(gate) * up)
+        return self.down(silu_mul(gate, up))

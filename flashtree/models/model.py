@@ -12,7 +12,7 @@ from flashtree.models.attention import Attention
 from flashtree.models.block import BlockLayout
 from flashtree.models.config import ModelConfig
 from flashtree.models.deltanet import GatedDeltaNet
-from flashtree.models.layers import Linear, RMSNorm, Rotary, SwiGLU
+from flashtree.models.layers import Linear, RMSNorm, Rotary, SwiGLU, add_rms_norm
 from flashtree.models.pass_ import ForwardPass
 from flashtree.models.state import DeltaNetState, DeltaNetStore, KVCache, KVStore, ModelState
 
@@ -23,8 +23,8 @@ class DecoderLayer(nn.Module):
         self.mixer, self.mlp, self.mixer_norm, self.mlp_norm = mixer, mlp, mixer_norm, mlp_norm
 
     def forward(self, x: torch.Tensor, state: KVCache | DeltaNetState, fp: ForwardPass) -> torch.Tensor:
-        h = x + self.mixer(self.mixer_norm(x), state, fp)
-        return h + self.mlp(self.mlp_norm(h))
+        h, normed = add_rms_norm(x, self.mixer(self.mixer_norm(x), state, fp), *self.mlp_norm.args)
+        return h + self.mlp(normed)
 
 
 @dataclass

@@ -1,0 +1,119 @@
+"""Small fused kernels for the decode and verify steps: RMSNorm (optionally after a residual add, or
+followed by a SiLU gate) and SiLU-and-multiply, one Triton launch each.
+
+Why: a decode step at batch 1 is bound by kernel launches outside its matmuls. torch's RMSNorm on a
+bf16 row ran three (cast to fp32, the norm, cast back) at ~2 + 5 + 2 us on an H200 for a 5120-value
+row; the DeltaNet output norm with its gate five, SwiGLU's activation two (27B AR step profile,
+bench/results/h200-step-2026-12-03). Every row is one program reducing in a fixed order that depends on
+the row length only, so a row's result is the same bits whatever the number of rows (a verify pass
+agrees with the AR step). Against the torch path they differ by fp32 rounding order only (the tests
+bound it); the math is the same: fp32 norm, products in fp32, one rounding to the output dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from flashtree.kernels.rotary import rounded
+
+
+@triton.jit
+def _rms_norm_kernel(
+    out_ptr, x_ptr, w_ptr, res_ptr, sum_ptr, gate_ptr, n_inner, D,
+    stride_xo, stride_xi, stride_ro, stride_ri, stride_go, stride_gi, eps,
+    HAS_RESIDUAL: tl.constexpr, HAS_GATE: tl.constexpr, BLOCK: tl.constexpr, X_BF16: tl.constexpr,
+    OUT_BF16: tl.constexpr,
+):  # fmt: skip
+    """Row (o, i) of (outer, inner, D) tensors: [sum = x + res;] y = norm(sum or x) * w [* silu(gate)].
+    bf16 results are rounded by `rounded` (ties to even, as the GPU's cast; the interpreter's truncates)."""
+    o, i = tl.program_id(0) // n_inner, tl.program_id(0) % n_inner
+    cols = tl.arange(0, BLOCK)
+    ok = cols < D
+    x = tl.load(x_ptr + o * stride_xo + i * stride_xi + cols, mask=ok, other=0.0).to(tl.float32)
+    row = tl.program_id(0) * D + cols  # contiguous outputs
+    if HAS_RESIDUAL:  # rounded to the inputs' dtype once, as torch adds them
+        res = tl.load(res_ptr + o * stride_ro + i * stride_ri + cols, mask=ok, other=0.0).to(tl.float32)
+        x = rounded(x + res, X_BF16)
+        tl.store(sum_ptr + row, x.to(sum_ptr.dtype.element_ty), mask=ok)
+    rstd = 1.0 / tl.sqrt_rn(tl.sum(x * x, axis=0) / D + eps)
+    y = x * rstd * tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+    if HAS_GATE:
+        g = tl.load(gate_ptr + o * stride_go + i * stride_gi + cols, mask=ok, other=0.0).to(tl.float32)
+        y = y * (g / (1.0 + tl.exp(-g)))
+    tl.store(out_ptr + row, rounded(y, OUT_BF16).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x as (outer, inner, D) with a unit last stride: a view when its strides allow (a head view of a
+    merged projection's output does), else a copy."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if x.dim() == 3:
+        return x
+    if x.dim() == 2:
+        return x[:, None]
+    return x.reshape(-1, 1, x.shape[-1])
+
+
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+    gate: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm of x's last dim in fp32, times weight, in out_dtype (default x's). With `residual`: of
+    x + residual, returned too: (x + residual, its norm). With `gate` (x's shape): times silu(gate)."""
+    d = x.shape[-1]
+    x3 = _rows(x)
+    out = torch.empty(x.shape, dtype=out_dtype or x.dtype, device=x.device)
+    res3 = _rows(residual) if residual is not None else x3
+    total = torch.empty_like(out, dtype=x.dtype) if residual is not None else out
+    gate3 = _rows(gate.view(x.shape)) if gate is not None else x3
+    block = triton.next_power_of_2(d)
+    _rms_norm_kernel[(x3.shape[0] * x3.shape[1],)](
+        out, x3, weight, res3, total, gate3, x3.shape[1], d, x3.stride(0), x3.stride(1),
+        res3.stride(0), res3.stride(1), gate3.stride(0), gate3.stride(1), eps,
+        HAS_RESIDUAL=residual is not None, HAS_GATE=gate is not None, BLOCK=block,
+        X_BF16=x.dtype == torch.bfloat16, OUT_BF16=out.dtype == torch.bfloat16,
+        num_warps=max(1, min(8, block // 512)),
+    )  # fmt: skip
+    return (total, out) if residual is not None else out
+
+
+@triton.jit
+def _silu_mul_kernel(
+    out_ptr, gate_ptr, up_ptr, n_cols, stride_g, stride_u, BLOCK: tl.constexpr, BF16: tl.constexpr
+):
+    """out = silu(gate) * up for columns [j * BLOCK, j * BLOCK + BLOCK) of row program_id(0): silu in
+    fp32 rounded to the inputs' dtype, then the product rounded, as torch's two ops round."""
+    row, cols = tl.program_id(0), tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < n_cols
+    g = tl.load(gate_ptr + row * stride_g + cols, mask=ok, other=0.0).to(tl.float32)
+    u = tl.load(up_ptr + row * stride_u + cols, mask=ok, other=0.0).to(tl.float32)
+    act = rounded(g / (1.0 + tl.exp(-g)), BF16)
+    tl.store(out_ptr + row * n_cols + cols, rounded(act * u, BF16).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for (rows, n) tensors (the halves of a merged gate/up projection's output, say),
+    one launch."""
+    gate, up = (t if t.stride(-1) == 1 else t.contiguous() for t in (gate, up))
+    rows, n = gate.shape
+    out = torch.empty(rows, n, dtype=gate.dtype, device=gate.device)
+    block = 1024
+    _silu_mul_kernel[(rows, triton.cdiv(n, block))](
+        out,
+        gate,
+        up,
+        n,
+        gate.stride(0),
+        up.stride(0),
+        BLOCK=block,
+        BF16=gate.dtype == torch.bfloat16,
+        num_warps=4,
+    )
+    return out
