@@ -66,10 +66,11 @@ SHAPES_27B = [  # (name, type, rows, cols): every matrix one Qwen3.6-27B Q4_K_M 
     ("output", QT.Q6_K, 248320, 5120),
 ]
 SWEEP_SHAPES = [SHAPES_27B[i] for i in (0, 1, 2, 4)]
-SWEEP = {  # bucket -> (the M timed, candidate tiles (rows, warps, stages, unroll)): few, each compiles
-    "m1": ((1,), [TileConfig(*c) for c in ((32, 1, 1, 1), (64, 2, 1, 1), (64, 2, 1, 2), (128, 4, 1, 2))]),
-    "m16": ((16,), [TileConfig(*c) for c in ((128, 4, 1, 1), (64, 4, 1, 1), (128, 4, 2, 1))]),
-    "m32": ((23, 32), [TileConfig(*c) for c in ((64, 4, 1, 1), (128, 4, 1, 1), (64, 4, 2, 1))]),
+SWEEP = {  # bucket -> (the M timed, candidate tiles (rows, warps, stages, unroll, fused_sum)): few, each
+    # compiles; fused_sum 1 / 0: the K-splits added in the matmul kernel / by a second kernel
+    "m1": ((1,), [TileConfig(*c) for c in ((64, 2, 1, 2, 1), (64, 2, 1, 2, 0), (128, 4, 1, 2, 1))]),
+    "m16": ((16,), [TileConfig(*c) for c in ((128, 4, 2, 1, 0), (128, 4, 2, 1, 1), (64, 4, 1, 1, 0))]),
+    "m32": ((23, 32), [TileConfig(*c) for c in ((64, 4, 2, 1, 0), (64, 4, 2, 1, 1), (128, 4, 1, 1, 0))]),
 }
 SPLIT_TARGETS = (1 << 16, 1 << 17, 1 << 18)  # runtime only: no compiles
 L2_BYTES = 60 << 20

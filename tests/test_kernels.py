@@ -157,15 +157,19 @@ def test_bf16_batch_invariance_and_error():
     assert rel_err(y, x.double() @ w.t()) < INT8_TOL
 
 
-def test_uneven_k_splits_and_unrolled_units(monkeypatch):
-    """Splits of unequal length (5 and 4 units), walked 3 units per step and the rest one by one, give the
-    same math, bit for bit the same across M; the last program of each row tile adds the splits and
-    leaves its counter at zero for the next call."""
+@pytest.mark.parametrize(
+    "splits,per_split,fused_sum", [(2, 5, 1), (2, 5, 0), (3, 3, 1), (9, 1, 1), (9, 1, 0)]
+)
+def test_uneven_k_splits_and_unrolled_units(monkeypatch, splits, per_split, fused_sum):
+    """Splits of unequal length (2: 5 and 4 units), walked 3 units per step and the rest one by one, give
+    the same math, bit for bit the same across M, whether the K-splits are added by the last program of
+    each row tile (4 at a time: 2, 3 and 9 splits leave 1, 2 and 0 over; its counter back at zero for
+    the next call) or by a second kernel."""
     rows, cols = 21, 576  # Q8_0: 9 units of 2 blocks
-    monkeypatch.setattr(qmatmul, "SPLIT_TARGET", 2 * rows)
-    assert k_splits(rows, 9) == (2, 5)
+    monkeypatch.setattr(qmatmul, "SPLIT_TARGET", splits * rows)
+    assert k_splits(rows, 9) == (splits, per_split)
     for key in ("m1", "m16"):
-        monkeypatch.setitem(qmatmul.TILES, key, qmatmul.TileConfig(32, 1, 1, 3))
+        monkeypatch.setitem(qmatmul.TILES, key, qmatmul.TileConfig(32, 1, 1, 3, fused_sum))
     raw, _ = case(QT.Q8_0, rows, cols)
     x = torch.randn(3, cols, generator=torch.Generator().manual_seed(3))
     fields = repack(raw, QT.Q8_0, cols)

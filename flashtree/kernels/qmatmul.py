@@ -299,24 +299,52 @@ def _group_scales(
 
 
 @triton.jit
-def _finish(y_ptr, part_ptr, counter_ptr, acc, at, ok, split, n_splits, size):
+def _add_splits(total, part_ptr, at, ok, first, n_splits, size):
+    """total + the partial sums of splits first .. first + 3 (those < n_splits), in order: four
+    independent loads from L2 (other SMs wrote them), in flight together, then the adds. A split past
+    the last reads the last one again (harmless) and is not added."""
+    last = n_splits - 1
+    p0 = tl.load(part_ptr + first * size + at, mask=ok, other=0.0, cache_modifier=".cg")
+    p1 = tl.load(part_ptr + tl.minimum(first + 1, last) * size + at, mask=ok, other=0.0, cache_modifier=".cg")
+    p2 = tl.load(part_ptr + tl.minimum(first + 2, last) * size + at, mask=ok, other=0.0, cache_modifier=".cg")
+    p3 = tl.load(part_ptr + tl.minimum(first + 3, last) * size + at, mask=ok, other=0.0, cache_modifier=".cg")
+    total = total + p0
+    total = tl.where(first + 1 <= last, total + p1, total)
+    total = tl.where(first + 2 <= last, total + p2, total)
+    return tl.where(first + 3 <= last, total + p3, total)
+
+
+@triton.jit
+def _finish(y_ptr, part_ptr, counter_ptr, acc, at, ok, split, n_splits, size, FUSED_SUM: tl.constexpr):
     """Store a program's sums `acc` at offsets `at` (mask `ok`) of y, or, with K-splits, as split
-    `split` of the partial sums (n_splits, size); the program that completes its row tile last then adds
-    the tile's partial sums in split order into y and resets the tile's counter (zero again for the next
-    call and for CUDA-graph replays). One launch, where a second kernel added the splits: a 27B decode
-    step ran 288 of them."""
+    `split` of the partial sums (n_splits, size). FUSED_SUM: the program that completes its row tile
+    last then adds the tile's partial sums in split order into y and resets the tile's counter (zero
+    again for the next call and for CUDA-graph replays); otherwise `_sum_splits_kernel` adds them.
+    Either way the same fp32 adds in the same order."""
     if n_splits == 1:
         tl.store(y_ptr + at, acc.to(y_ptr.dtype.element_ty), mask=ok)
     else:
         tl.store(part_ptr + split * size + at, acc, mask=ok)
-        tl.debug_barrier()  # every thread's partial is stored before the count (released by it)
-        tile = counter_ptr + tl.program_id(0)
-        if tl.atomic_add(tile, 1, sem="acq_rel", scope="gpu") == n_splits - 1:
-            total = tl.load(part_ptr + at, mask=ok, other=0.0, cache_modifier=".cg")  # L2: other SMs' sums
-            for s in range(1, n_splits):
-                total = total + tl.load(part_ptr + s * size + at, mask=ok, other=0.0, cache_modifier=".cg")
-            tl.store(y_ptr + at, total.to(y_ptr.dtype.element_ty), mask=ok)
-            tl.atomic_xchg(tile, 0, sem="relaxed", scope="gpu")
+        if FUSED_SUM:
+            tl.debug_barrier()  # every thread's partial is stored before the count (released by it)
+            tile = counter_ptr + tl.program_id(0)
+            if tl.atomic_add(tile, 1, sem="acq_rel", scope="gpu") == n_splits - 1:
+                total = tl.load(part_ptr + at, mask=ok, other=0.0, cache_modifier=".cg")
+                for first in range(1, n_splits, 4):
+                    total = _add_splits(total, part_ptr, at, ok, first, n_splits, size)
+                tl.store(y_ptr + at, total.to(y_ptr.dtype.element_ty), mask=ok)
+                tl.atomic_xchg(tile, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit(do_not_specialize=_SHAPE_ARGS)
+def _sum_splits_kernel(y_ptr, part_ptr, n, n_splits, BLOCK: tl.constexpr):
+    """y = the K-splits' partial sums (n_splits, n) added in split order."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = i < n
+    acc = tl.load(part_ptr + i, mask=ok, other=0.0)
+    for s in range(1, n_splits):
+        acc = acc + tl.load(part_ptr + s * n + i, mask=ok, other=0.0)
+    tl.store(y_ptr + i, acc.to(y_ptr.dtype.element_ty), mask=ok)
 
 
 # --- Triton: M = 1, dp4a ------------------------------------------------------------------------------
@@ -404,7 +432,7 @@ def _matvec_kernel(
     y_ptr, part_ptr, counter_ptr, xq_ptr, scale_ptr, xqs_ptr, q_ptr, hdr_ptr, qh_ptr, d_ptr, m_ptr,
     N, n_blocks, units_per_split, n_splits,
     QTYPE: tl.constexpr, G: tl.constexpr, V: tl.constexpr, HAS_OFFSET: tl.constexpr, BN: tl.constexpr,
-    UNROLL: tl.constexpr, ASM: tl.constexpr,
+    UNROLL: tl.constexpr, FUSED_SUM: tl.constexpr, ASM: tl.constexpr,
 ):  # fmt: skip
     """One row of x: program (i, s) adds split s of rows [i * BN, i * BN + BN), one thread per row,
     UNROLL units per step (their loads can be in flight together)."""
@@ -427,7 +455,7 @@ def _matvec_kernel(
             acc, unit, rows64, N, row_ok, xq_ptr, scale_ptr, xqs_ptr, q_ptr, hdr_ptr, qh_ptr, d_ptr, m_ptr,
             QTYPE, G, V, HAS_OFFSET, ASM,
         )  # fmt: skip
-    _finish(y_ptr, part_ptr, counter_ptr, acc, rows, row_ok, split, n_splits, N)
+    _finish(y_ptr, part_ptr, counter_ptr, acc, rows, row_ok, split, n_splits, N, FUSED_SUM)
 
 
 # --- Triton: 2 <= M <= 64, int8 tensor cores; dequantization -----------------------------------------
@@ -541,7 +569,7 @@ def _matmul_kernel(
     y_ptr, part_ptr, counter_ptr, xq_ptr, scale_ptr, xqs_ptr, q_ptr, hdr_ptr, qh_ptr, d_ptr, m_ptr,
     M, N, K, n_blocks, units_per_split, n_splits,
     QTYPE: tl.constexpr, G: tl.constexpr, V: tl.constexpr, HAS_OFFSET: tl.constexpr, BN: tl.constexpr,
-    BM: tl.constexpr, UNROLL: tl.constexpr, ASM: tl.constexpr,
+    BM: tl.constexpr, UNROLL: tl.constexpr, FUSED_SUM: tl.constexpr, ASM: tl.constexpr,
 ):  # fmt: skip
     """2 <= M <= BM rows of x (their activations padded to BM rows; xq_ptr: the int8 codes, (BM, K)):
     program (i, s) adds split s of rows [i * BN, i * BN + BN) for all M, UNROLL units per step."""
@@ -566,7 +594,7 @@ def _matmul_kernel(
         )  # fmt: skip
     ms = tl.arange(0, BM)
     at, ok = ms[None, :] * N + rows[:, None], row_ok[:, None] & (ms < M)[None, :]
-    _finish(y_ptr, part_ptr, counter_ptr, acc, at, ok, split, n_splits, M * N)
+    _finish(y_ptr, part_ptr, counter_ptr, acc, at, ok, split, n_splits, M * N, FUSED_SUM)
 
 
 @triton.jit(do_not_specialize=_SHAPE_ARGS)
@@ -634,21 +662,25 @@ class TileConfig:
     warps: int
     stages: int  # Triton pipelining stages of the unit loop (the tensor-core kernel's loads)
     unroll: int = 1  # units per loop step: their loads are in flight together
+    fused_sum: int = 1  # K-splits added by the tile's last program (1) or by a second kernel (0)
 
 
 # Keys: "m1" (M = 1, dp4a) and "m16"/"m32"/"m64" (M padded to that many tensor-core columns). Chosen by
 # bench/gpu_kernels.py's sweep on an H200 (bench/results/h200-graphs-2026-12-02/kernels.log): two
 # pipelining stages cut the tensor-core path's time by a third at 16-32 rows; M = 1 tiles all tie.
+# The K-splits' sum in the kernel saved 0.35 ms of a 27B AR step but cost 3.2 ms in a 23-token verify
+# (a serial tail: one program per tile read 23 splits of 64 x 23 sums), bench/results/h200-step-2026-12-03.
 DEFAULT_TILES = {
-    "m1": TileConfig(64, 2, 1, 2),
-    "m16": TileConfig(128, 4, 2, 1),
-    "m32": TileConfig(64, 4, 2, 1),
-    "m64": TileConfig(64, 4, 1, 1),
+    "m1": TileConfig(64, 2, 1, 2, 1),
+    "m16": TileConfig(128, 4, 2, 1, 0),
+    "m32": TileConfig(64, 4, 2, 1, 0),
+    "m64": TileConfig(64, 4, 1, 1, 0),
 }
 
 
 def tiles_from_env() -> dict[str, TileConfig]:
-    """DEFAULT_TILES, with overrides from FLASHTREE_QMM_TILES (JSON {"m1": [rows, warps, stages, unroll],
+    """DEFAULT_TILES, with overrides from FLASHTREE_QMM_TILES (JSON {"m1": [rows, warps, stages, unroll
+    (, fused_sum)],
     ...}), the way a tuning sweep hands its choice to a benchmark run."""
     text = os.environ.get("FLASHTREE_QMM_TILES")
     if not text:
@@ -657,7 +689,7 @@ def tiles_from_env() -> dict[str, TileConfig]:
         chosen = {key: TileConfig(*map(int, value)) for key, value in json.loads(text).items()}
     except (ValueError, TypeError) as e:
         raise FlashtreeError(
-            f"FLASHTREE_QMM_TILES: expected JSON {{key: [rows, warps, stages, unroll]}} ({e})"
+            f"FLASHTREE_QMM_TILES: expected JSON {{key: [rows, warps, stages, unroll(, fused_sum)]}} ({e})"
         ) from None
     unknown = set(chosen) - set(DEFAULT_TILES)
     if unknown:
@@ -746,6 +778,7 @@ def quant_matmul(
     grid = (triton.cdiv(n_rows, tile.rows), n_splits)
     counters = tile_counters(x.device, grid[0])
     tiling = {"BN": tile.rows, "UNROLL": tile.unroll, "num_warps": tile.warps, "num_stages": tile.stages}
+    tiling["FUSED_SUM"] = bool(tile.fused_sum)
     launch = _static_args(lay, x.device) | tiling
     if m == 1:
         _matvec_kernel[grid](
@@ -758,6 +791,9 @@ def quant_matmul(
             *_pointers(fields, lay, True), m, n_rows, n_cols, n_blocks, per_split, n_splits, BM=bm,
             enable_fp_fusion=False, **launch,
         )  # fmt: skip
+    if n_splits > 1 and not tile.fused_sum:
+        block = 1024
+        _sum_splits_kernel[(triton.cdiv(m * n_rows, block),)](y, parts, m * n_rows, n_splits, BLOCK=block)
     return y
 
 
