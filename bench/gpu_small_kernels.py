@@ -12,7 +12,10 @@ check on the device (it needs no model files):
   whole launch (the verify) bit for bit;
 - the fused RMSNorm variants and SiLU-and-multiply (kernels/fused.py) at the 27B's shapes: within one
   bf16 unit in the last place of the torch path (fp32: 2e-6 relative), the residual sum bit for bit,
-  and a row alone equal to its row of 23 bit for bit.
+  and a row alone equal to its row of 23 bit for bit;
+- decode/verify attention (kernels/attention.py) at the 27B's heads (bf16) and SmolLM2's (fp32), after
+  600 committed tokens (3 splits): the masked SDPA within rounding, and every node of a tree equal to
+  the AR step at its position (its path's K/V committed) bit for bit, with more splits launched too.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import torch
 
 from flashtree import kernels
 from flashtree.kernels import fused
+from flashtree.kernels.attention import SPLIT, tree_attention
 from flashtree.kernels.rotary import rotary
 from flashtree.kernels.tree_conv import tree_conv_silu
 from flashtree.kernels.tree_deltanet import tree_gated_delta_rule
@@ -189,11 +193,53 @@ def check_fused() -> list[dict]:
     return rows
 
 
+def check_attention() -> list[dict]:
+    rows = []
+    layout = BlockLayout.from_parents(torch.tensor(PARENTS, device=DEVICE))
+    t, start = layout.size, 600
+    paths, depths = layout.paths().to(torch.int32), layout.depths.to(torch.int32)
+    chain_path = torch.zeros(1, 1, dtype=torch.int32, device=DEVICE)
+    for name, (n_kv, n_heads, hd, dtype) in {
+        "27B heads bf16": (4, 24, 256, torch.bfloat16),
+        "SmolLM2 heads fp32": (3, 9, 64, torch.float32),
+    }.items():
+        gen = torch.Generator().manual_seed(hd)
+        k, v = (torch.randn(n_kv, start + 64, hd, generator=gen).to(DEVICE, dtype) for _ in range(2))
+        q = torch.randn(t, n_heads, hd, generator=gen).to(DEVICE, dtype)
+        start_t = torch.tensor(start, device=DEVICE)
+        got = tree_attention(q, k, v, start_t, paths, depths, start + t, hd**-0.5)
+        rel = torch.arange(start + t, device=DEVICE) - start
+        visible = layout.visible.gather(1, rel.clamp(0, t - 1)[None, :].expand(t, -1))
+        mask = (rel < 0)[None, :] | ((rel >= 0)[None, :] & visible)
+        want = torch.nn.functional.scaled_dot_product_attention(
+            q.float().transpose(0, 1)[None], k[None, :, : start + t].float(), v[None, :, : start + t].float(),
+            attn_mask=mask, scale=hd**-0.5, enable_gqa=True,
+        )[0].transpose(0, 1)  # fmt: skip
+        err = (got.float() - want).abs().max().item()
+        alone = torch.equal(tree_attention(q, k, v, start_t, paths, depths, start + 3 * SPLIT, hd**-0.5), got)
+        for node in range(t):
+            depth = int(layout.depths[node])
+            ks, vs = k.clone(), v.clone()
+            for j in range(depth + 1):
+                src = start + int(layout.paths()[node, j])
+                ks[:, start + j], vs[:, start + j] = k[:, src], v[:, src]
+            step = tree_attention(
+                q[node : node + 1], ks, vs, torch.tensor(start + depth, device=DEVICE), chain_path,
+                depths[:1] * 0, start + depth + 1, hd**-0.5,
+            )  # fmt: skip
+            alone &= torch.equal(step[0], got[node])
+        tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+        rows.append(
+            {"kernel": f"attention {name}", "max_abs_err": err, "ok": err < tol, "rows_bitwise": alone}
+        )
+    return rows
+
+
 def main(out_dir: Path) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     name = torch.cuda.get_device_name(DEVICE) if DEVICE.type == "cuda" else "cpu (TRITON_INTERPRET)"
     result = {"device": name, "torch": torch.__version__, "rotary": check_rotary()}
-    recurrent = [check_tree_conv(), check_tree_deltanet()]
+    recurrent = [check_tree_conv(), check_tree_deltanet(), *check_attention()]
     result.update({row["kernel"]: row for row in recurrent})
     result["fused"] = check_fused()
     (out_dir / "small_kernels.json").write_text(json.dumps(result, indent=2) + "\n")

@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from flashtree import kernels
+from flashtree.kernels.attention import MAX_ROWS, tree_attention
 from flashtree.models.layers import Linear, MergedLinear, apply_rotary, rms_norm
 from flashtree.models.pass_ import ForwardPass
 from flashtree.models.state import KVCache
@@ -49,16 +51,20 @@ class Attention(nn.Module):
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
         kv.write(fp.slots, k, v)
-        keys, values = kv.read(fp.n_keys)  # (n_kv, S, hd)
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None],  # (1, nh, T, hd)
-            keys[None],
-            values[None],
-            attn_mask=fp.attn_mask,  # (T, S) bool: all past + ancestors in the block
-            scale=hd**-0.5,
-            enable_gqa=True,
-        )
-        out = out[0].transpose(0, 1).reshape(t, self.n_heads * hd)
+        if kernels.triton_kernels_for(q) and t <= MAX_ROWS and not torch.is_grad_enabled():
+            # decode/verify: every row computed as the AR step computes it (see kernels/attention.py)
+            out = tree_attention(q, kv.k, kv.v, fp.start, *fp.attention_paths, fp.n_keys, hd**-0.5)
+        else:
+            keys, values = kv.read(fp.n_keys)  # (n_kv, S, hd)
+            out = F.scaled_dot_product_attention(
+                q.transpose(0, 1)[None],  # (1, nh, T, hd)
+                keys[None],
+                values[None],
+                attn_mask=fp.attn_mask,  # (T, S) bool: all past + ancestors in the block
+                scale=hd**-0.5,
+                enable_gqa=True,
+            )[0].transpose(0, 1)
+        out = out.reshape(t, self.n_heads * hd)
         if gate is not None:
             out = out * torch.sigmoid(gate)
         return self.o(out)

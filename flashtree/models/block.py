@@ -47,6 +47,12 @@ class BlockLayout:
         depths = visible.sum(1) - 1
         return BlockLayout(parents=parents, depths=depths, visible=visible)
 
+    def paths(self) -> torch.Tensor:
+        """(T, T): row t lists t's ancestors and t itself in increasing order, root first (its first
+        depths[t] + 1 entries; the rest are other tokens). A parent precedes its children, so this is
+        depth order: entry j is the ancestor at depth j."""
+        return torch.sort((~self.visible).to(torch.uint8), dim=1, stable=True).indices
+
     def conv_window_index(self, kernel: int) -> torch.Tensor:
         """(T, kernel) indices into [conv_state (kernel-1 rows) | block tokens (T rows)]: the causal
         conv window of each token along its own ancestry, oldest first."""

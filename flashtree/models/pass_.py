@@ -64,6 +64,14 @@ class ForwardPass:
             self._cache["parents32"] = self.layout.parents.to(torch.int32)
         return self._cache["parents32"]
 
+    @property
+    def attention_paths(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(paths (T, T), depths (T,)) as int32, for kernels/attention.py, once per pass."""
+        if "paths" not in self._cache:
+            layout = self.layout
+            self._cache["paths"] = (layout.paths().to(torch.int32), layout.depths.to(torch.int32))
+        return self._cache["paths"]
+
     def rope(self) -> tuple[torch.Tensor, torch.Tensor]:
         if "rope" not in self._cache:
             self._cache["rope"] = self.rotary.cos_sin(self.positions, self.dtype)

@@ -1,0 +1,139 @@
+"""Decode and verify attention over the KV cache in Triton, computing every query row alone in the order
+of its positions, so that a verify row equals the AR step at the same position bit for bit.
+
+Why: speculative decoding is lossless only if the verify pass computes what plain decoding would. With
+int8-quantized activations a last-bit difference in an attention output can round to another int8 and
+flip a greedy near-tie downstream: on the H200, torch's SDPA (other kernels for 1 and for 23 query
+rows) made greedy chain/tree outputs of tiny q4_k_m targets differ from AR on 2 of 6 prompts
+(bench/results/h200-step-2026-12-03). Besides the kernel choice, a tree stores its nodes' K/V at slots
+in block order, not at their positions: summing keys by slot would group them differently than the AR
+step, where the same keys sit at their positions.
+
+So row t (at position start + depth[t]) walks its positions 0 .. start + depth[t]: committed ones at
+their own slots, its ancestors' at start + path[t][position - start]. Positions are cut into splits of
+SPLIT (position-aligned, so the same for every call), each split in blocks of TILE_VALUES / head_dim
+positions (online softmax in fp32, the same tiles for every row); a second kernel combines the splits
+in order. A split past a row's last position is empty (m = -inf, l = 0) and adds exact zeros, so the
+number of splits launched (from the fixed key bucket of a CUDA graph) does not matter either.
+Query heads of one KV head (GQA) share a program: (G padded to 16, head_dim) x (head_dim, block) dots.
+Cost: every row of a verify reads the committed K/V again (from L2 while it holds a layer's: ~33 MB for
+the 27B at 8K tokens); sharing those reads between rows is left for long contexts.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+SPLIT = 256  # positions per split: a program's share of a long context
+TILE_VALUES = 4096  # K or V values per inner step: 64 positions of a 64-dim head, 16 of a 256-dim one
+MAX_ROWS = 64  # query rows (block tokens) the kernel takes: decode and verify; prefill uses SDPA
+
+
+@triton.jit
+def _dot(a, b, IEEE: tl.constexpr):
+    """a @ b of fp32 tiles, fp32 accumulation. IEEE: products exact (fp32 models); else tf32 tensor
+    cores, exact for values that came from bf16 (7 mantissa bits; tf32 keeps 10)."""
+    if IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    return tl.dot(a, b, input_precision="tf32")
+
+
+@triton.jit
+def _split_kernel(
+    q_ptr, k_ptr, v_ptr, path_ptr, depth_ptr, start_ptr, m_ptr, l_ptr, acc_ptr,
+    n_rows, n_heads, n_splits, stride_qt, stride_qh, stride_kh, stride_ks, stride_vh, stride_vs, scale,
+    G: tl.constexpr, BG: tl.constexpr, HD: tl.constexpr, BD: tl.constexpr, SPLIT_N: tl.constexpr,
+    BLOCK: tl.constexpr, IEEE: tl.constexpr,
+):  # fmt: skip
+    """Program (t, kv head, split): the G query heads of row t over the split's positions. Writes the
+    split's running max m, sum l and unnormalized output acc (fp32) per query head."""
+    t, kvh, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    start = tl.load(start_ptr)
+    n_pos = start + tl.load(depth_ptr + t) + 1  # positions row t sees
+    g = tl.arange(0, BG)
+    d = tl.arange(0, BD)
+    heads = kvh * G + g
+    q_ok = (g < G)[:, None] & (d < HD)[None, :]
+    # tiles in fp32 (bf16 arithmetic would differ between the compiler and the CPU tests' interpreter)
+    q = tl.load(q_ptr + t * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=q_ok, other=0.0)
+    q = q.to(tl.float32)
+    m = tl.full((BG,), float("-inf"), tl.float32)
+    denom = tl.zeros((BG,), tl.float32)
+    acc = tl.zeros((BG, BD), tl.float32)
+    lo = s * SPLIT_N
+    hi = tl.minimum(lo + SPLIT_N, n_pos)
+    for b in range(lo, hi, BLOCK):
+        pos = b + tl.arange(0, BLOCK)
+        valid = pos < hi
+        rel = pos - start  # >= 0: the block token at depth rel on row t's path
+        node = tl.load(path_ptr + t * n_rows + rel, mask=valid & (rel >= 0), other=0)
+        slot = tl.where(rel >= 0, start + node, pos)
+        kv_ok = valid[:, None] & (d < HD)[None, :]
+        k = tl.load(k_ptr + kvh * stride_kh + slot[:, None] * stride_ks + d[None, :], mask=kv_ok, other=0.0)
+        k = k.to(tl.float32)
+        scores = _dot(q, tl.trans(k), IEEE)
+        scores = tl.where(valid[None, :], scores * scale, float("-inf"))  # (BG, BLOCK)
+        m_new = tl.maximum(m, tl.max(scores, axis=1))  # finite: a split's first block has a position
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(scores - m_new[:, None])
+        denom = denom * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_ptr + kvh * stride_vh + slot[:, None] * stride_vs + d[None, :], mask=kv_ok, other=0.0)
+        acc = acc * alpha[:, None] + _dot(p, v.to(tl.float32), IEEE)
+        m = m_new
+    out = (t * n_heads + heads) * n_splits + s  # (row, head, split)
+    tl.store(m_ptr + out, m, mask=g < G)
+    tl.store(l_ptr + out, denom, mask=g < G)
+    tl.store(acc_ptr + out[:, None] * BD + d[None, :], acc, mask=(g < G)[:, None])
+
+
+@triton.jit
+def _combine_kernel(out_ptr, m_ptr, l_ptr, acc_ptr, n_splits, HD: tl.constexpr, BD: tl.constexpr):
+    """Program (row, head): its splits combined in split order: max, then the rescaled sums."""
+    i = tl.program_id(0)
+    d = tl.arange(0, BD)
+    top = tl.load(m_ptr + i * n_splits)  # split 0 always holds position 0
+    for s in range(1, n_splits):
+        top = tl.maximum(top, tl.load(m_ptr + i * n_splits + s))
+    w = tl.exp(tl.load(m_ptr + i * n_splits) - top)
+    total = w * tl.load(l_ptr + i * n_splits)
+    acc = w * tl.load(acc_ptr + i * n_splits * BD + d)
+    for s in range(1, n_splits):  # an empty split: exp(-inf) = 0, exact zeros added
+        w = tl.exp(tl.load(m_ptr + i * n_splits + s) - top)
+        total = total + w * tl.load(l_ptr + i * n_splits + s)
+        acc = acc + w * tl.load(acc_ptr + (i * n_splits + s) * BD + d)
+    tl.store(out_ptr + i * HD + d, (acc / total).to(out_ptr.dtype.element_ty), mask=d < HD)
+
+
+def tree_attention(
+    q: torch.Tensor,  # (T, n_heads, head_dim), unit stride along head_dim
+    k_cache: torch.Tensor,  # (n_kv, slots, head_dim)
+    v_cache: torch.Tensor,
+    start: torch.Tensor,  # 0-d long: committed tokens = the first block slot
+    path: torch.Tensor,  # (T, T) int32: row t's ancestors and itself, root first (BlockLayout.paths)
+    depths: torch.Tensor,  # (T,) int32
+    n_keys: int,  # slots that may be read (start + T, or a CUDA graph's bucket): sizes the split grid
+    scale: float,
+) -> torch.Tensor:
+    """softmax(q K^T * scale) V of every row over its committed keys and its ancestors (itself
+    included), (T, n_heads, head_dim) in q's dtype."""
+    t, n_heads, hd = q.shape
+    n_kv = k_cache.shape[0]
+    group = n_heads // n_kv
+    bd = triton.next_power_of_2(hd)
+    block = min(SPLIT, max(16, TILE_VALUES // bd))  # from the head size only: the same every call
+    n_splits = triton.cdiv(n_keys, SPLIT)
+    m = torch.empty(t, n_heads, n_splits, dtype=torch.float32, device=q.device)
+    lsum = torch.empty_like(m)
+    acc = torch.empty(t, n_heads, n_splits, bd, dtype=torch.float32, device=q.device)
+    _split_kernel[(t, n_kv, n_splits)](
+        q, k_cache, v_cache, path, depths, start, m, lsum, acc, t, n_heads, n_splits,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        scale,
+        G=group, BG=max(16, triton.next_power_of_2(group)), HD=hd, BD=bd, SPLIT_N=SPLIT, BLOCK=block,
+        IEEE=q.dtype == torch.float32, num_warps=8 if bd >= 256 else 4,
+    )  # fmt: skip
+    out = torch.empty(t, n_heads, hd, dtype=q.dtype, device=q.device)
+    _combine_kernel[(t * n_heads,)](out, m, lsum, acc, n_splits, HD=hd, BD=bd, num_warps=1)
+    return out

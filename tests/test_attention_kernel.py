@@ -1,0 +1,88 @@
+"""kernels/attention.py (decode/verify attention) on CPU through Triton's interpreter: the masked SDPA of
+the torch path to fp32 rounding, and every verify row equal to the AR step at its position bit for bit
+(keys at their positions, not at the tree's block slots), however many splits the call launches."""
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are compiled: run them on CPU tensors
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from flashtree.kernels.attention import SPLIT, tree_attention  # noqa: E402
+from flashtree.models.block import BlockLayout  # noqa: E402
+
+TREES = {
+    "ar": [-1],
+    "chain": [-1, 0, 1, 2],
+    "tree": [-1, 0, 1, 0, 3, 1, 5, 2, 0],  # siblings, branches back up
+}
+# (kv heads, query heads, head_dim, committed tokens): one split, three (a partial one), GQA 1 and 3
+SHAPES = {"short": (2, 6, 32, 37), "long": (1, 1, 24, SPLIT * 2 + 90)}
+DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
+
+
+def case(shape, tree, dtype, seed=0):
+    n_kv, n_heads, hd, start = SHAPES[shape]
+    layout = BlockLayout.from_parents(torch.tensor(TREES[tree]))
+    t = layout.size
+    gen = torch.Generator().manual_seed(seed)
+    slots = start + t + 40  # the cache is longer than what is read
+    k, v = (torch.randn(n_kv, slots, hd, generator=gen).to(dtype) for _ in range(2))
+    q = torch.randn(t, n_heads, hd, generator=gen).to(dtype)
+    return q, k, v, start, layout
+
+
+def run(q, k, v, start, layout, n_keys=None):
+    t, hd = q.shape[0], q.shape[-1]
+    path, depths = layout.paths().to(torch.int32), layout.depths.to(torch.int32)
+    n_keys = n_keys or start + t
+    return tree_attention(q, k, v, torch.tensor(start), path, depths, n_keys, hd**-0.5)
+
+
+def sdpa(q, k, v, start, layout):
+    """The torch path: every committed key and the row's ancestors, by mask over the block's slots."""
+    t, hd = q.shape[0], q.shape[-1]
+    rel = torch.arange(start + t) - start
+    ancestor = layout.visible.gather(1, rel.clamp(0, t - 1)[None, :].expand(t, -1))
+    mask = (rel < 0)[None, :] | ((rel >= 0)[None, :] & ancestor)
+    out = F.scaled_dot_product_attention(
+        q.float().transpose(0, 1)[None],
+        k[None, :, : start + t].float(),
+        v[None, :, : start + t].float(),
+        attn_mask=mask,
+        scale=hd**-0.5,
+        enable_gqa=True,
+    )
+    return out[0].transpose(0, 1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=list(DTYPES))
+@pytest.mark.parametrize("tree", TREES, ids=list(TREES))
+@pytest.mark.parametrize("shape", SHAPES, ids=list(SHAPES))
+def test_tree_attention_is_the_masked_softmax(shape, tree, dtype):
+    q, k, v, start, layout = case(shape, tree, DTYPES[dtype])
+    got = run(q, k, v, start, layout)
+    assert got.dtype == q.dtype and got.shape == q.shape
+    # fp32: rounding order only; bf16: the output's rounding (the interpreter's cast truncates)
+    tol = 2e-6 if dtype == "f32" else 1e-2
+    torch.testing.assert_close(got.float(), sdpa(q, k, v, start, layout), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=list(DTYPES))
+@pytest.mark.parametrize("shape", SHAPES, ids=list(SHAPES))
+def test_verify_rows_are_the_ar_steps_bit_for_bit(shape, dtype):
+    """Each tree node vs one AR step at its position after its path was committed (its ancestors' K/V
+    moved to their positions, as commit_path does), and vs a call with more (empty) splits."""
+    q, k, v, start, layout = case(shape, "tree", DTYPES[dtype], seed=1)
+    got = run(q, k, v, start, layout)
+    assert torch.equal(run(q, k, v, start, layout, n_keys=start + 3 * SPLIT), got)
+    paths = layout.paths()
+    for node in range(layout.size):
+        depth = int(layout.depths[node])
+        ks, vs = k.clone(), v.clone()
+        for j in range(depth + 1):  # the committed path: ancestor at depth j at slot start + j
+            ks[:, start + j], vs[:, start + j] = k[:, start + paths[node, j]], v[:, start + paths[node, j]]
+        step = run(q[node : node + 1], ks, vs, start + depth, BlockLayout.chain(1))
+        assert torch.equal(step[0], got[node]), node
