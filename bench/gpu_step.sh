@@ -9,7 +9,7 @@
 #            (KERNEL_STAGES=checks,shapes: without the sweep)
 #   small    bench/gpu_small_kernels.py: rotary, tree conv, tree DeltaNet vs their torch paths (no files)
 #   graphs   bench/gpu_graphs.py: CUDA-graph decode steps emit the eager steps' tokens (tiny targets)
-#   graphs-quant  the same with the packed-weight kernels forced (the loader picks dense bf16 where it fits)
+#   graphs-quant  the same with the packed-weight kernels forced (the loader keeps small models dense)
 #   probe    bench/probe_rows.py on tiny qwen35 and qwen3 with the packed kernels forced: the first op
 #            whose verify row differs from the AR step (the packed-path exactness gap)
 #   step     flashtree bench-step on the 27B: packed weights (the quantized kernels), then dense bf16

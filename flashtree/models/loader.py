@@ -23,10 +23,9 @@ ARCHITECTURES = {"llama": "llama", "qwen3": "qwen3", "qwen35": "qwen35"}  # GGUF
 class Weights:
     """Strict access to a GGUF's tensors, dequantized to the compute dtype on the target device.
 
-    With `quantized` (on CUDA when dense weights would not fit: see default_quantized), quantized
-    matrices stay packed in `QuantLinear`s that run the Triton kernels; otherwise, and always for
-    float tensors, a matrix becomes a dense `Linear`. `merged` puts matrices that read the same input
-    into as few matmuls as their storage allows."""
+    With `quantized` (see default_quantized), quantized matrices stay packed in `QuantLinear`s that
+    run the Triton kernels; otherwise, and always for float tensors, a matrix becomes a dense `Linear`.
+    `merged` puts matrices that read the same input into as few matmuls as their storage allows."""
 
     def __init__(
         self, gguf: GGUFFile, device: torch.device | str, dtype: torch.dtype, quantized: bool | None = None
@@ -128,15 +127,20 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
 
 
 def default_quantized(device: torch.device, gguf: GGUFFile) -> bool:
-    """Keep weights packed (Triton kernels) only where dense bf16 weights would not fit. On an H200 at
-    27B the packed AR step is faster (18.3 vs 20.8 ms, half the memory), but a 23-token verify is 1.7x
-    slower (41.3 vs 24.5 ms) and prefill 1.6x slower, so a speculative step costs more packed
-    (bench/results/h200-graphs-2026-12-02). FLASHTREE_QUANT_KERNELS=1/0 forces either path."""
+    """Keep weights packed (the quantized-matmul kernels) on CUDA for models computed in bf16
+    (FP32_MAX_PARAMS and up) and wherever dense bf16 would not fit. Why packed when dense fits: the
+    packed kernels are batch-invariant (a verify row equals the AR step bit for bit, so speculative
+    output equals plain decoding), cuBLAS's bf16 GEMV and GEMM are not; and the packed AR step is 1.85x
+    faster on the 27B (8.4 vs 15.5 ms), though a 23-token verify is still 1.5x slower (30.1 vs 19.5 ms;
+    bench/results/h200-step-2026-12-03). Small fp32 models stay dense (launch-bound either way; their
+    outputs matched AR 60/60 on the H200). FLASHTREE_QUANT_KERNELS=1/0 forces either path."""
     if device.type != "cuda":
         return False
     forced = os.environ.get("FLASHTREE_QUANT_KERNELS")
     if forced is not None:
         return forced != "0"
+    if sum(math.prod(t.shape) for t in gguf.tensors.values()) >= FP32_MAX_PARAMS:
+        return True
     dense_bytes = 2 * sum(math.prod(t.shape) for t in gguf.tensors.values() if len(t.shape) == 2)
     free, _ = torch.cuda.mem_get_info(device)
     return dense_bytes > 0.8 * free
