@@ -28,7 +28,6 @@ import triton.language as tl
 
 SPLIT = 256  # positions per split: a program's share of a long context
 TILE_VALUES = 4096  # K or V values per inner step: 64 positions of a 64-dim head, 16 of a 256-dim one
-MAX_ROWS = 64  # query rows (block tokens) the kernel takes: decode and verify; prefill uses SDPA
 
 
 @triton.jit

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from flashtree import kernels
-from flashtree.kernels.attention import MAX_ROWS, tree_attention
+from flashtree.kernels.attention import tree_attention
 from flashtree.models.layers import Linear, MergedLinear, apply_rotary, rms_norm
 from flashtree.models.pass_ import ForwardPass
 from flashtree.models.state import KVCache
@@ -51,8 +51,9 @@ class Attention(nn.Module):
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
         kv.write(fp.slots, k, v)
-        if kernels.triton_kernels_for(q) and t <= MAX_ROWS and not torch.is_grad_enabled():
-            # decode/verify: every row computed as the AR step computes it (see kernels/attention.py)
+        decode = t == 1 or not fp.commit  # an AR step or a verify (any size); prefill is the rest
+        if kernels.triton_kernels_for(q) and decode and not torch.is_grad_enabled():
+            # every row computed as the AR step computes it (see kernels/attention.py)
             out = tree_attention(q, kv.k, kv.v, fp.start, *fp.attention_paths, fp.n_keys, hd**-0.5)
         else:
             keys, values = kv.read(fp.n_keys)  # (n_kv, S, hd)
