@@ -49,7 +49,9 @@ class OracleDraft:
     def append_context(self, ctx: _Context, features: torch.Tensor, n: torch.Tensor | None = None) -> None:
         ctx.length += features.shape[0] if n is None else int(n)
 
-    def propose(self, ctx: _Context, root: torch.Tensor, block_size: int) -> torch.Tensor:
+    def propose(
+        self, ctx: _Context, root: torch.Tensor, block_size: int, n_keys: int | None = None
+    ) -> torch.Tensor:
         start = ctx.length  # the root's position
         g = torch.Generator().manual_seed(self.seed * 100003 + start)
         logits = torch.randn(block_size - 1, self.vocab, generator=g)

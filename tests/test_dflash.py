@@ -68,6 +68,28 @@ def test_ring_keeps_the_last_positions_only(qwen3, tiny_root):
     )
 
 
+def test_ring_read_bounded_by_the_kv_bucket(qwen3, tiny_root):
+    """propose(n_keys): reading the ring's first n_keys slots (every live position lies below) gives
+    the full read's logits; past the ring's size the whole ring is read, wrapped positions included."""
+    gguf, target = qwen3
+    draft = random_draft(gguf, target, tiny_root, layers=2)
+    feats = target_features(target, draft, 60)
+    ctx = draft.new_context(4096, spare=17)
+    draft.append_context(ctx, feats[:41])
+    full = draft.propose(ctx, torch.tensor(5), 16)
+    for n_keys in (41, 64, 256):
+        torch.testing.assert_close(
+            draft.propose(ctx, torch.tensor(5), 16, n_keys), full, atol=1e-6, rtol=1e-6
+        )
+    assert not torch.allclose(draft.propose(ctx, torch.tensor(5), 16, 20), full)  # too few: not the same
+    ring = draft.new_context(24, spare=4)  # 28 slots, wrapped after 60 positions
+    for lo in range(0, 60, 7):
+        draft.append_context(ring, feats[lo : lo + 7])
+    torch.testing.assert_close(
+        draft.propose(ring, torch.tensor(3), 8, 512), draft.propose(ring, torch.tensor(3), 8), atol=0, rtol=0
+    )
+
+
 def test_sliding_window_layers_see_only_recent_context(qwen3, tiny_root):
     gguf, target = qwen3
     src = tiny_root / "qwen3-sliding-draft"

@@ -195,12 +195,13 @@ class StepBench:
         state.pending = 0  # nothing of the verify is kept
         return step, found
 
-    def draft_step(self, features: torch.Tensor) -> dict:
+    def draft_step(self, features: torch.Tensor, state) -> dict:
         ctx = self.draft.new_context(4096)
         self.draft.append_context(ctx, features)
         root = torch.zeros((), dtype=torch.long, device=self.device)
-        logits = self.draft.propose(ctx, root, self.block_size)
-        propose = lambda: self.draft.propose(ctx, root, self.block_size)  # noqa: E731
+        n_keys = self.n_keys(state)  # the ring read the engine's step makes at this length
+        logits = self.draft.propose(ctx, root, self.block_size, n_keys)
+        propose = lambda: self.draft.propose(ctx, root, self.block_size, n_keys)  # noqa: E731
         tree = lambda: build_tree(root, logits, self.budget, TREE_TOP_K)  # noqa: E731
         found = {"propose_ms": self.time(propose), "tree_ms": self.time(tree)}
         found["total_ms"] = found["propose_ms"] + found["tree_ms"]
@@ -278,7 +279,7 @@ def run_bench_step(
         "ar": {"eager_ms": ar_ms, "graph_ms": ar_graph_ms},
         "verify_ms": {str(n): _best(found) for n, (_, found) in verify.items()},
         "verify": {str(n): found for n, (_, found) in verify.items()},
-        "draft_step": bench.draft_step(features),
+        "draft_step": bench.draft_step(features, state),
         "engine_step_ms": bench.engine_steps(),
         "prefill": [bench.prefill(n) for n in prefill_sizes],
         "profile": {

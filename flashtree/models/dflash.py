@@ -264,21 +264,29 @@ class DFlashDraft(nn.Module):
         ctx.position += t_all if n is None else n
 
     @torch.inference_mode()
-    def propose(self, ctx: DraftContext, root: torch.Tensor, block_size: int) -> torch.Tensor:
+    def propose(
+        self, ctx: DraftContext, root: torch.Tensor, block_size: int, n_keys: int | None = None
+    ) -> torch.Tensor:
         """Draft logits (block_size - 1, vocab) fp32 for the positions after `root` (0-d long on the
-        device), which sits at position ctx.position (the first one the target has not processed)."""
+        device), which sits at position ctx.position (the first one the target has not processed).
+
+        n_keys: a bound above every committed position (the target's KV read bucket). Position p sits in
+        ring slot p % slots, so with n_keys <= slots the live slots all lie below n_keys and only those
+        are read: attention over the ring's first n_keys slots, not all draft_ctx + spare of them."""
+        n_slots = ctx.slot_pos.shape[0]
+        read = n_slots if n_keys is None else min(n_keys, n_slots)
         cfg = self.config
         masks = torch.full((block_size - 1,), cfg.mask_token_id, dtype=torch.long, device=self.device)
         ids = torch.cat([root.view(1), masks])
         positions = ctx.position + torch.arange(block_size, device=self.device)
         x = self.target.embed(ids).to(self.dtype)
         cos, sin = self.rotary.cos_sin(positions, self.dtype)
-        live = ctx.live()  # (S,)
+        live, slot_pos = ctx.live()[:read], ctx.slot_pos[:read]  # (S,)
         for i, layer in enumerate(self.layers):
             mask = live[None, :].expand(block_size, -1)
             if layer.window is not None:
-                mask = mask & (positions[:, None] - ctx.slot_pos[None, :] < layer.window)
-            x = layer(x, cos, sin, ctx.k[i], ctx.v[i], mask)
+                mask = mask & (positions[:, None] - slot_pos[None, :] < layer.window)
+            x = layer(x, cos, sin, ctx.k[i][:, :read], ctx.v[i][:, :read], mask)
         h = self.norm(x[1:]).to(self.target.dtype)
         return self.target.lm_head(h).float()
 

@@ -43,8 +43,8 @@ class SpecDecoder:
         """Target features (T, n_feat * H) of newly committed tokens (the first n) enter the draft's ring."""
         self.draft.append_context(self.context, features, n)
 
-    def draft_tree(self, root: torch.Tensor) -> DraftTree:
-        logits = self.draft.propose(self.context, root, self.block_size)  # (B - 1, V)
+    def draft_tree(self, root: torch.Tensor, n_keys: int | None = None) -> DraftTree:
+        logits = self.draft.propose(self.context, root, self.block_size, n_keys)  # (B - 1, V)
         if self.spec.mode == "chain":
             return chain_tree(root, logits)
         s = self.spec
@@ -61,7 +61,7 @@ class SpecDecoder:
         """Draft from the last emitted token `root` (0-d, on the device), verify, accept, and commit
         the accepted nodes' KV/recurrent state and features. Device work only (the host side of the
         commit is the caller's, from the result): returns Accepted.packed, the step's one read-back."""
-        tree = self.draft_tree(root)
+        tree = self.draft_tree(root, n_keys)
         out = self.target(
             tree.tokens, state, tree.layout, commit=False, capture=self.capture_layers, n_keys=n_keys
         )
