@@ -33,15 +33,16 @@ Off CUDA an exact integer emulation replaces every inline PTX op (Triton's inter
 so the CPU tests execute the kernels' real structure; bench/gpu_kernels.py checks PTX == emulation.
 
 Batch invariance: integer sums are exact and every path adds the same fp32 terms in the same order (units
-in K order inside a K-split, then splits in order, `_finish`), and the split count depends on
+in K order inside a K-split, then splits in order), and the split count depends on
 the matrix shape only (`k_splits`). So for M <= 64, row m of an M-row call equals a 1-row call on x[m]
 bit for bit, whatever M is (speculative verify vs AR decode agree). Kernels compile with fp fusion off
 (explicit fma only), which also makes `dequantize_packed` bit-exact against flashtree.quant.dequant.
 
 Why K-splits: one thread per output row alone leaves too few threads for the short matrices of a decode
 step (5120 rows = 5120 threads for a whole H200), so each row's units are cut into splits sized from the
-shape (`SPLIT_TARGET` (row, split) pairs); the program that finishes a row tile last adds the tile's
-partial sums (`_finish`: an arrival counter per tile, no second kernel).
+shape (`SPLIT_TARGET` (row, split) pairs). At M = 1 the program that finishes a row tile last adds the
+tile's partial sums (`_finish`: an arrival counter per tile, no second launch); for more rows that tail
+is slower than a second kernel (`_sum_splits_kernel`), so `TileConfig.fused_sum` picks per M bucket.
 
 Before this design (bench/results/issue6-2026-12-02) the kernels decoded weights to fp32 and FMA'd them:
 ~9 instructions per value, 0.14-0.19 of copy bandwidth at M = 1.
