@@ -191,8 +191,8 @@ def bench_step(
     weights: str = typer.Option(
         "auto",
         "--weights",
-        help="packed: the quantized-matmul kernels; dense: bf16 weights; auto: packed only where dense "
-        "would not fit, as run/serve load them.",
+        help="packed: the quantized-matmul kernels; dense: bf16 weights; auto: as run/serve load them "
+        "(packed on CUDA for targets of 1B weights and more, and wherever dense would not fit).",
     ),
     repeats: int = typer.Option(20, "--repeats", help="Timed repeats per measurement (median)."),
 ):
