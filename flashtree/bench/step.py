@@ -299,9 +299,10 @@ def run_bench_step(
         "draft_over_ar": _best(results["draft_step"], "total_ms") / best_ar,
     }
     if bench.n_quant_linears:
-        from flashtree.kernels.qmatmul import TILES
+        from flashtree.kernels.qmatmul import ARITHMETIC, TILES
 
         results["tiles"] = {key: list(astuple(tile)) for key, tile in TILES.items()}
+        results["arithmetic"] = ARITHMETIC
     return {
         "schema": SCHEMA,
         "git": git_info() | _commit_override(),
@@ -333,13 +334,18 @@ def _ms(value) -> str:
     return f"{value:8.3f} ms" if isinstance(value, float) else str(value)
 
 
+def _arithmetic(r: dict) -> str:
+    return f" ({r['arithmetic']} arithmetic, FLASHTREE_QMM_ARITH)" if "arithmetic" in r else ""
+
+
 def summary_lines(r: dict) -> list[str]:
     ar = r["ratios"]
     best = ar["ar_roofline_ms"] / ar["ar_roofline_ratio"]
     lines = [
         f"ceilings: copy {r['ceilings']['copy_gb_s']:.0f} GB/s,"
         f" {r['ceilings']['matmul_dtype']} matmul {r['ceilings']['matmul_tflops']:.0f} TFLOP/s",
-        f"weights: {r['weights']}, {r['target']['bytes_per_token'] / 1e9:.2f} GB read per token",
+        f"weights: {r['weights']}{_arithmetic(r)},"
+        f" {r['target']['bytes_per_token'] / 1e9:.2f} GB read per token",
         f"AR step eager     {_ms(r['ar']['eager_ms'])}",
         f"AR step graph     {_ms(r['ar']['graph_ms'])}",
         f"AR roofline       {_ms(ar['ar_roofline_ms'])}  ratio {ar['ar_roofline_ratio']:.2f}"

@@ -499,12 +499,10 @@ def _centered(c, BITS: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
-def _group_codes(
-    QTYPE: tl.constexpr, q_ptr, qh_ptr, rows, N, blk, row_ok, g: tl.constexpr, ASM: tl.constexpr
-):
-    """Signed codes of 32-value group g, (BN, 32) int8, Q4_0's 8 and Q6_K's 32 subtracted:
-    value = w_scale * code - w_off. q_ptr / qh_ptr address bytes (int8 for Q8_0, else uint8); byte j of
-    a 32-byte run is byte j % 16 of its chunk j // 16 (`_at`)."""
+def _group_raw(QTYPE: tl.constexpr, q_ptr, qh_ptr, rows, N, blk, row_ok, g: tl.constexpr, ASM: tl.constexpr):
+    """Codes of 32-value group g as stored, (BN, 32): uint8 (Q4_0 / Q4_1 / Q4_K 0-15, Q5_K 0-31, Q6_K
+    0-63), int8 for Q8_0. q_ptr / qh_ptr address bytes (int8 for Q8_0, else uint8); byte j of a 32-byte
+    run is byte j % 16 of its chunk j // 16 (`_at`)."""
     j = tl.arange(0, 32)[None, :]
     half, byte = j // 16, j % 16
     r = rows[:, None]
@@ -516,64 +514,156 @@ def _group_codes(
             q_ptr + _at(r, N, blk, 8, 4 * (g // 4) + 2 * (g % 4 % 2) + half, 16) + byte, mask=ok, other=0
         )
         high = tl.load(qh_ptr + _at(r, N, blk, 4, 2 * (g // 4) + half, 16) + byte, mask=ok, other=0)
-        six = _field(low, 4 * (g % 4 // 2), 4, 0, ASM) | _field(high, 2 * (g % 4), 2, 4, ASM)
-        codes = _centered(six, 6, ASM)
+        codes = _field(low, 4 * (g % 4 // 2), 4, 0, ASM) | _field(high, 2 * (g % 4), 2, 4, ASM)
     elif QTYPE == _Q4_0 or QTYPE == _Q4_1:  # noqa: SIM109 - bytes 0-15: values j and j + 16
         byte = tl.load(q_ptr + _at(r, N, blk + g, 1, 0, 16) + byte, mask=ok, other=0)
-        nibble = tl.where(j < 16, _field(byte, 0, 4, 0, ASM), _field(byte, 4, 4, 0, ASM))
-        codes = _centered(nibble, 4, ASM) if QTYPE == _Q4_0 else nibble.to(tl.int8, bitcast=True)
+        codes = tl.where(j < 16, _field(byte, 0, 4, 0, ASM), _field(byte, 4, 4, 0, ASM))
     else:  # Q4_K / Q5_K
         byte = tl.load(q_ptr + _at(r, N, blk, 8, 2 * (g // 2) + half, 16) + byte, mask=ok, other=0)
         codes = _field(byte, 4 * (g % 2), 4, 0, ASM)
         if QTYPE == _Q5_K:
             high = tl.load(qh_ptr + _at(r, N, blk, 2, half, 16) + j % 16, mask=ok, other=0)
             codes = codes | _field(high, g, 1, 4, ASM)
-        codes = codes.to(tl.int8, bitcast=True)
     return codes
 
 
 @triton.jit
-def _matmul_unit(
-    acc, unit, rows, N, row_ok, xq_ptr, scale_ptr, xqs_ptr, q_ptr, hdr_ptr, qh_ptr, d_ptr, m_ptr, K,
-    QTYPE: tl.constexpr, G: tl.constexpr, V: tl.constexpr, HAS_OFFSET: tl.constexpr, BM: tl.constexpr,
+def _group_codes(
+    QTYPE: tl.constexpr, q_ptr, qh_ptr, rows, N, blk, row_ok, g: tl.constexpr, ASM: tl.constexpr
+):
+    """Signed codes of 32-value group g, (BN, 32) int8, Q4_0's 8 and Q6_K's 32 subtracted:
+    value = w_scale * code - w_off."""
+    raw = _group_raw(QTYPE, q_ptr, qh_ptr, rows, N, blk, row_ok, g, ASM)
+    if QTYPE == _Q8_0:
+        codes = raw
+    elif QTYPE == _Q6_K:
+        codes = _centered(raw, 6, ASM)
+    elif QTYPE == _Q4_0:
+        codes = _centered(raw, 4, ASM)
+    else:
+        codes = raw.to(tl.int8, bitcast=True)
+    return codes
+
+
+def _bf16_fma_asm(offset: int) -> tl.constexpr:
+    """PTX for 4 codes (bytes of $2, each < 128) -> 4 bf16 (code - offset) * scale + shift ($0, $1):
+    0x43 above a code's byte makes the bf16 128 + code (exact: 8 significant bits), one exact fma
+    subtracts 128 + offset, one rounding fma applies the scale ($3, $4) and shift ($5, $6)."""
+    minus = f"{0x8000 | (torch.tensor(-128.0 - offset).abs().bfloat16().view(torch.int16).item()):04X}"
+    return tl.constexpr(
+        "{ .reg .b32 k, one, off, a, b;\n"
+        f"mov.b32 k, 0x43434343; mov.b32 one, 0x3F803F80; mov.b32 off, 0x{minus}{minus};\n"
+        "prmt.b32 a, $2, k, 0x5140; prmt.b32 b, $2, k, 0x7362;\n"
+        "fma.rn.bf16x2 a, a, one, off; fma.rn.bf16x2 b, b, one, off;\n"
+        "fma.rn.bf16x2 $0, a, $3, $5; fma.rn.bf16x2 $1, b, $4, $6; }"
+    )
+
+
+_BF16_FMA_0, _BF16_FMA_8, _BF16_FMA_32 = _bf16_fma_asm(0), _bf16_fma_asm(8), _bf16_fma_asm(32)
+
+
+@triton.jit
+def _bf16_weights(codes, scale, shift, OFFSET: tl.constexpr, ASM: tl.constexpr):
+    """bf16((code - OFFSET) * scale + shift), one rounding, for uint8 codes < 128 and bf16 scale, shift
+    (all (BN, 32)). Without ASM: the same in fp32, exact before the rounding to bf16 (8-bit codes times
+    8-bit scales) unless the shift is 2**8 times the product's last bit or more."""
+    if ASM:
+        args = [codes, scale, shift]
+        if OFFSET == 0:
+            out = tl.inline_asm_elementwise(_BF16_FMA_0, "=r,=r,r,r,r,r,r", args, tl.bfloat16, True, 4)
+        elif OFFSET == 8:
+            out = tl.inline_asm_elementwise(_BF16_FMA_8, "=r,=r,r,r,r,r,r", args, tl.bfloat16, True, 4)
+        else:
+            out = tl.inline_asm_elementwise(_BF16_FMA_32, "=r,=r,r,r,r,r,r", args, tl.bfloat16, True, 4)
+    else:
+        value = (codes.to(tl.int32) - OFFSET).to(tl.float32)
+        out = tl.fma(value, scale.to(tl.float32), shift.to(tl.float32)).to(tl.bfloat16)
+    return out
+
+
+@triton.jit
+def _group_weights(
+    QTYPE: tl.constexpr, q_ptr, qh_ptr, rows, N, blk, row_ok, g: tl.constexpr, ws_a, ws_b, wo,
     ASM: tl.constexpr,
 ):  # fmt: skip
-    """acc (BN, BM) plus the unit's terms, group after group, one int8 dot each (two for Q6_K)."""
+    """Group g's weights as (BN, 32) bf16, decoded in registers: (code - offset) * scale - w_off, the
+    group's scale and offset rounded to bf16 first (Q8_0: its fp32 code * d, rounded)."""
+    raw = _group_raw(QTYPE, q_ptr, qh_ptr, rows, N, blk, row_ok, g, ASM)
+    if QTYPE == _Q8_0:
+        w = (raw.to(tl.float32) * ws_a[:, None]).to(tl.bfloat16)
+    else:
+        scale = tl.broadcast_to(ws_a.to(tl.bfloat16)[:, None], raw.shape)
+        if QTYPE == _Q6_K:  # a scale per 16 values
+            j = tl.arange(0, 32)[None, :]
+            scale = tl.where(j < 16, scale, ws_b.to(tl.bfloat16)[:, None])
+        if QTYPE == _Q4_K or QTYPE == _Q5_K or QTYPE == _Q4_1:  # noqa: SIM109
+            shift = tl.broadcast_to((-wo).to(tl.bfloat16)[:, None], raw.shape)
+        else:
+            shift = tl.zeros(raw.shape, tl.bfloat16)
+        if QTYPE == _Q6_K:
+            w = _bf16_weights(raw, scale, shift, 32, ASM)
+        elif QTYPE == _Q4_0:
+            w = _bf16_weights(raw, scale, shift, 8, ASM)
+        else:
+            w = _bf16_weights(raw, scale, shift, 0, ASM)
+    return w
+
+
+@triton.jit
+def _matmul_unit(
+    acc, unit, header, rows, N, row_ok, x_ptr, scale_ptr, xqs_ptr, q_ptr, qh_ptr, d_ptr, m_ptr, M, K,
+    QTYPE: tl.constexpr, G: tl.constexpr, V: tl.constexpr, HAS_OFFSET: tl.constexpr, BM: tl.constexpr,
+    BF16: tl.constexpr, ASM: tl.constexpr,
+):  # fmt: skip
+    """acc (BN, BM) plus the unit's terms, group after group; `header`: the unit's `_unit_header`,
+    loaded one unit ahead. int8: one int8 dot per group (two for Q6_K) and its fp32 terms; BF16: the
+    group's weights decoded to bf16, one bf16 dot into acc (x_ptr: x itself, (BM, K) bf16)."""
     ms = tl.arange(0, BM)
     j = tl.arange(0, 32)[:, None]
     blk = unit * G
-    d, dmin, s0, s1, s2, s3 = _unit_header(QTYPE, hdr_ptr, d_ptr, rows, N, blk, row_ok)
+    d, dmin, s0, s1, s2, s3 = header
     for g in tl.static_range(V // 32):
-        codes = _group_codes(QTYPE, q_ptr, qh_ptr, rows, N, blk, row_ok, g, ASM)  # (BN, 32) int8
         k32 = unit * (V // 32) + g
-        xt_ptrs = xq_ptr + ms[None, :] * K + k32 * 32 + j  # (32, BM): x's codes, K-major
-        dx = tl.load(scale_ptr + k32 * BM + ms)[None, :]  # (1, BM)
-        if HAS_OFFSET:  # (1, BM): the group's code sums, its two halves added
-            halves = tl.load(xqs_ptr + (k32 * BM + ms[:, None]) * 2 + tl.arange(0, 2)[None, :])
-            code_sum = tl.sum(halves, axis=1)[None, :]
-        else:
-            code_sum = dx  # unused
+        xt_ptrs = x_ptr + ms[None, :] * K + k32 * 32 + j  # (32, BM): x or its codes, K-major
         ws_a, ws_b, wo = _group_scales(QTYPE, d, dmin, s0, s1, s2, s3, d_ptr, m_ptr, rows, N, blk, row_ok, g)
-        if QTYPE == _Q6_K:  # one dot per 16-value sub-block: the other half of x loaded as zeros
-            za = tl.dot(codes, tl.load(xt_ptrs, mask=j < 16, other=0))  # (BN, BM) int32
-            zb = tl.dot(codes, tl.load(xt_ptrs, mask=j >= 16, other=0))
-            acc = _accumulate(acc, za, ws_a[:, None], wo[:, None], code_sum, dx, False)
-            acc = _accumulate(acc, zb, ws_b[:, None], wo[:, None], code_sum, dx, False)
+        if BF16:
+            w = _group_weights(QTYPE, q_ptr, qh_ptr, rows, N, blk, row_ok, g, ws_a, ws_b, wo, ASM)
+            xt = tl.load(xt_ptrs, mask=(ms < M)[None, :], other=0.0)
+            if ASM:
+                acc = tl.dot(w, xt, acc)
+            else:  # Triton's interpreter multiplies bf16 dot operands' raw bits: the same values in fp32
+                acc = tl.dot(w.to(tl.float32), xt.to(tl.float32), acc, input_precision="ieee")
         else:
-            z = tl.dot(codes, tl.load(xt_ptrs))
-            acc = _accumulate(acc, z, ws_a[:, None], wo[:, None], code_sum, dx, HAS_OFFSET)
+            codes = _group_codes(QTYPE, q_ptr, qh_ptr, rows, N, blk, row_ok, g, ASM)  # (BN, 32) int8
+            dx = tl.load(scale_ptr + k32 * BM + ms)[None, :]  # (1, BM)
+            if HAS_OFFSET:  # (1, BM): the group's code sums, its two halves added (two loads, not a (BM, 2)
+                # tile: its reduction would move through shared memory to the dot's layout, once per group)
+                halves = xqs_ptr + (k32 * BM + ms) * 2
+                code_sum = (tl.load(halves) + tl.load(halves + 1))[None, :]
+            else:
+                code_sum = dx  # unused
+            if QTYPE == _Q6_K:  # one dot per 16-value sub-block: the other half of x loaded as zeros
+                za = tl.dot(codes, tl.load(xt_ptrs, mask=j < 16, other=0))  # (BN, BM) int32
+                zb = tl.dot(codes, tl.load(xt_ptrs, mask=j >= 16, other=0))
+                acc = _accumulate(acc, za, ws_a[:, None], wo[:, None], code_sum, dx, False)
+                acc = _accumulate(acc, zb, ws_b[:, None], wo[:, None], code_sum, dx, False)
+            else:
+                z = tl.dot(codes, tl.load(xt_ptrs))
+                acc = _accumulate(acc, z, ws_a[:, None], wo[:, None], code_sum, dx, HAS_OFFSET)
     return acc
 
 
 @triton.jit(do_not_specialize=_SHAPE_ARGS)
 def _matmul_kernel(
-    y_ptr, part_ptr, counter_ptr, xq_ptr, scale_ptr, xqs_ptr, q_ptr, hdr_ptr, qh_ptr, d_ptr, m_ptr,
+    y_ptr, part_ptr, counter_ptr, x_ptr, scale_ptr, xqs_ptr, q_ptr, hdr_ptr, qh_ptr, d_ptr, m_ptr,
     M, N, K, n_blocks, units_per_split, n_splits,
     QTYPE: tl.constexpr, G: tl.constexpr, V: tl.constexpr, HAS_OFFSET: tl.constexpr, BN: tl.constexpr,
-    BM: tl.constexpr, UNROLL: tl.constexpr, FUSED_SUM: tl.constexpr, ASM: tl.constexpr,
+    BM: tl.constexpr, FUSED_SUM: tl.constexpr, BF16: tl.constexpr, ASM: tl.constexpr,
 ):  # fmt: skip
-    """2 <= M <= BM rows of x (their activations padded to BM rows; xq_ptr: the int8 codes, (BM, K)):
-    program (i, s) adds split s of rows [i * BN, i * BN + BN) for all M, UNROLL units per step."""
+    """M <= BM rows of x (x_ptr: its int8 codes padded with zero rows to (BM, K), or with BF16 x itself
+    in bf16, (M, K)): program (i, s) adds split s of rows [i * BN, i * BN + BN) for all M, unit after
+    unit. Each unit's header is loaded while the unit before it is computed (the pipeliner only
+    overlaps the loads that feed the dots: a header load would stall every unit for a trip to memory)."""
     rows = tl.program_id(0) * BN + tl.arange(0, BN)
     row_ok = rows < N
     split = tl.program_id(1)
@@ -581,18 +671,15 @@ def _matmul_kernel(
     last = tl.minimum(first + units_per_split, n_blocks // G)
     rows64 = rows.to(tl.int64)
     acc = tl.zeros((BN, BM), tl.float32)
-    unrolled_end = first + (last - first) // UNROLL * UNROLL
-    for start in range(first, unrolled_end, UNROLL):
-        for u in tl.static_range(UNROLL):
-            acc = _matmul_unit(
-                acc, start + u, rows64, N, row_ok, xq_ptr, scale_ptr, xqs_ptr, q_ptr, hdr_ptr, qh_ptr, d_ptr,
-                m_ptr, K, QTYPE, G, V, HAS_OFFSET, BM, ASM,
-            )  # fmt: skip
-    for unit in range(unrolled_end, last):  # the rest, one by one: the same adds in the same order
+    header = _unit_header(QTYPE, hdr_ptr, d_ptr, rows64, N, first * G, row_ok)
+    for unit in range(first, last):
+        ahead = tl.minimum(unit + 1, last - 1) * G  # the last unit loads its own header again
+        following = _unit_header(QTYPE, hdr_ptr, d_ptr, rows64, N, ahead, row_ok)
         acc = _matmul_unit(
-            acc, unit, rows64, N, row_ok, xq_ptr, scale_ptr, xqs_ptr, q_ptr, hdr_ptr, qh_ptr, d_ptr, m_ptr, K,
-            QTYPE, G, V, HAS_OFFSET, BM, ASM,
+            acc, unit, header, rows64, N, row_ok, x_ptr, scale_ptr, xqs_ptr, q_ptr, qh_ptr, d_ptr, m_ptr, M,
+            K, QTYPE, G, V, HAS_OFFSET, BM, BF16, ASM,
         )  # fmt: skip
+        header = following
     ms = tl.arange(0, BM)
     at, ok = ms[None, :] * N + rows[:, None], row_ok[:, None] & (ms < M)[None, :]
     _finish(y_ptr, part_ptr, counter_ptr, acc, at, ok, split, n_splits, M * N, FUSED_SUM)
@@ -662,20 +749,26 @@ class TileConfig:
     rows: int  # BN: output rows per program (M = 1: one thread per row, so 32 * warps)
     warps: int
     stages: int  # Triton pipelining stages of the unit loop (the tensor-core kernel's loads)
-    unroll: int = 1  # units per loop step: their loads are in flight together
+    unroll: int = 1  # M = 1: units per loop step, their loads in flight together (M > 1: 1)
     fused_sum: int = 1  # K-splits added by the tile's last program (1) or by a second kernel (0)
 
 
-# Keys: "m1" (M = 1, dp4a) and "m16"/"m32"/"m64" (M padded to that many tensor-core columns). Chosen by
-# bench/gpu_kernels.py's sweep on an H200 (bench/results/h200-graphs-2026-12-02/kernels.log): two
-# pipelining stages cut the tensor-core path's time by a third at 16-32 rows; M = 1 tiles all tie.
+# Keys: "m1" (M = 1, dp4a) and "m16"/"m32"/"m64" (M padded to that many tensor-core columns); "b16" /
+# "b32" / "b64": the bf16 arithmetic's buckets (M = 1 included). Chosen by bench/gpu_kernels.py's sweep
+# on an H200 (bench/results/h200-graphs-2026-12-02/kernels.log): two pipelining stages cut the int8
+# tensor-core path's time by a third at 16-32 rows; M = 1 tiles all tie.
 # The K-splits' sum in the kernel saved 0.35 ms of a 27B AR step but cost 3.2 ms in a 23-token verify
 # (a serial tail: one program per tile read 23 splits of 64 x 23 sums), bench/results/h200-step-2026-12-03.
+# bf16: 128 rows x 4 warps x 2 stages was the fastest of 10 tiles and groupings on the 27B Q4_K matrices
+# at M = 1, 23, 64 (bench/results/h200-bf16mma-2026-12-03); decoding 64 or 256 values per dot was slower.
 DEFAULT_TILES = {
     "m1": TileConfig(64, 2, 1, 2, 1),
     "m16": TileConfig(128, 4, 2, 1, 0),
     "m32": TileConfig(64, 4, 2, 1, 0),
     "m64": TileConfig(64, 4, 1, 1, 0),
+    "b16": TileConfig(128, 4, 2, 1, 0),
+    "b32": TileConfig(128, 4, 2, 1, 0),
+    "b64": TileConfig(128, 4, 2, 1, 0),
 }
 
 
@@ -702,9 +795,26 @@ def tiles_from_env() -> dict[str, TileConfig]:
 
 TILES = tiles_from_env()
 
+ARITHMETICS = ("int8", "bf16")
 
-def tile_key(m: int) -> str:
-    return "m1" if m == 1 else f"m{max(16, triton.next_power_of_2(m))}"
+
+def arithmetic_from_env() -> str:
+    """FLASHTREE_QMM_ARITH: int8 (default) or bf16, the arithmetic of every M <= 64 product (see the
+    module doc: one arithmetic for all M keeps the rows batch-invariant)."""
+    name = os.environ.get("FLASHTREE_QMM_ARITH", "int8")
+    if name not in ARITHMETICS:
+        raise FlashtreeError(f"FLASHTREE_QMM_ARITH={name!r}: expected one of {', '.join(ARITHMETICS)}")
+    return name
+
+
+ARITHMETIC = arithmetic_from_env()
+
+
+def tile_key(m: int, arithmetic: str = "int8") -> str:
+    columns = max(16, triton.next_power_of_2(m))
+    if arithmetic == "bf16":
+        return f"b{columns}"
+    return "m1" if m == 1 else f"m{columns}"
 
 
 def k_splits(n_rows: int, n_units: int) -> tuple[int, int]:
@@ -769,28 +879,35 @@ def quant_matmul(
     m = x.shape[0]
     if m > MAX_FUSED_M:
         return x @ dequantize_packed(fields, qtype, n_rows, n_cols, x.dtype).t()
-    bm = 1 if m == 1 else max(16, triton.next_power_of_2(m))  # tensor-core columns
-    act = quantize_activations(x.contiguous(), bm)
+    bf16 = ARITHMETIC == "bf16"
+    bm = 1 if m == 1 and not bf16 else max(16, triton.next_power_of_2(m))  # tensor-core columns
     n_blocks = n_cols // block_size(qtype)
     n_splits, per_split = k_splits(n_rows, n_blocks // lay.group)
     y = torch.empty(m, n_rows, dtype=x.dtype, device=x.device)
     parts = y if n_splits == 1 else torch.empty(n_splits, m, n_rows, dtype=torch.float32, device=x.device)
-    tile = TILES[tile_key(m)]
+    tile = TILES[tile_key(m, ARITHMETIC)]
     grid = (triton.cdiv(n_rows, tile.rows), n_splits)
     counters = tile_counters(x.device, grid[0])
-    tiling = {"BN": tile.rows, "UNROLL": tile.unroll, "num_warps": tile.warps, "num_stages": tile.stages}
-    tiling["FUSED_SUM"] = bool(tile.fused_sum)
-    launch = _static_args(lay, x.device) | tiling
-    if m == 1:
+    launch = _static_args(lay, x.device) | {"BN": tile.rows, "num_warps": tile.warps}
+    launch |= {"num_stages": tile.stages, "FUSED_SUM": bool(tile.fused_sum)}
+    if bf16:
+        xb = x.to(torch.bfloat16).contiguous()
+        _matmul_kernel[grid](
+            y, parts, counters, xb, xb, xb, *_pointers(fields, lay, True), m, n_rows, n_cols, n_blocks,
+            per_split, n_splits, BM=bm, BF16=True, enable_fp_fusion=False, **launch,
+        )  # fmt: skip
+    elif m == 1:
+        act = quantize_activations(x.contiguous(), bm)
         _matvec_kernel[grid](
             y, parts, counters, *act, *_pointers(fields, lay, False), n_rows, n_blocks, per_split, n_splits,
-            enable_fp_fusion=False, **launch,
+            UNROLL=tile.unroll, enable_fp_fusion=False, **launch,
         )  # fmt: skip
     else:
+        act = quantize_activations(x.contiguous(), bm)
         _matmul_kernel[grid](
             y, parts, counters, act.codes.view(torch.int8), act.scales, act.code_sums,
             *_pointers(fields, lay, True), m, n_rows, n_cols, n_blocks, per_split, n_splits, BM=bm,
-            enable_fp_fusion=False, **launch,
+            BF16=False, enable_fp_fusion=False, **launch,
         )  # fmt: skip
     if n_splits > 1 and not tile.fused_sum:
         block = 1024
