@@ -73,7 +73,15 @@ SWEEP = {  # bucket -> (the M timed, candidate tiles (rows, warps, stages, unrol
     "m16": ((16,), [TileConfig(*c) for c in ((128, 4, 2, 1, 0), (128, 4, 2, 1, 1), (64, 4, 1, 1, 0))]),
     "m32": ((23, 32), [TileConfig(*c) for c in ((64, 4, 2, 1, 0), (64, 4, 2, 1, 1), (128, 4, 1, 1, 0))]),
 }
-SPLIT_TARGETS = (1 << 16, 1 << 17, 1 << 18)  # runtime only: no compiles
+SWEEP_BF16 = {  # FLASHTREE_QMM_ARITH=bf16 (its buckets include M = 1): 4 warps or more, so that every bucket
+    # runs the same tensor-core instruction (wgmma) and rows stay batch-invariant; 1 stage = plain loads
+    "b16": ((1, 16), [TileConfig(*c) for c in (
+        (128, 4, 2, 1, 0), (128, 4, 1, 1, 0), (64, 4, 1, 1, 0), (128, 8, 1, 1, 0), (256, 8, 2, 1, 0),
+        (128, 4, 3, 1, 0), (128, 4, 2, 1, 1))]),
+    "b32": ((23, 32), [TileConfig(*c) for c in ((128, 4, 2, 1, 0), (128, 4, 1, 1, 0), (256, 8, 2, 1, 0))]),
+    "b64": ((64,), [TileConfig(*c) for c in ((128, 4, 2, 1, 0), (128, 8, 2, 1, 0), (256, 8, 2, 1, 0))]),
+}  # fmt: skip
+SPLIT_TARGETS = (1 << 15, 1 << 16, 1 << 17, 1 << 18)  # runtime only: no compiles
 L2_BYTES = 60 << 20
 DEVICE = torch.device("cuda")
 
@@ -239,7 +247,7 @@ def sweep() -> dict:
         return sum(quant_time_us(copies[(qt, r, c)], qt, r, c, m) for _, qt, r, c in SWEEP_SHAPES for m in ms)
 
     table, best = [], {}
-    for key, (ms, candidates) in SWEEP.items():
+    for key, (ms, candidates) in (SWEEP_BF16 if qmatmul.ARITHMETIC == "bf16" else SWEEP).items():
         for tile in candidates:
             qmatmul.TILES[key] = tile
             try:

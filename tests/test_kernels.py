@@ -201,6 +201,34 @@ def test_arithmetic_from_env(monkeypatch):
         qmatmul.arithmetic_from_env()
 
 
+def test_choose_arithmetic(monkeypatch):
+    """bf16 for speculative decoding, int8 for plain decoding, unless FLASHTREE_QMM_ARITH says."""
+    monkeypatch.setattr(qmatmul, "ARITHMETIC", "int8")
+    monkeypatch.delenv("FLASHTREE_QMM_ARITH", raising=False)
+    assert qmatmul.choose_arithmetic(speculative=True) == "bf16" == qmatmul.ARITHMETIC
+    assert qmatmul.choose_arithmetic(speculative=False) == "int8" == qmatmul.ARITHMETIC
+    monkeypatch.setenv("FLASHTREE_QMM_ARITH", "int8")
+    assert qmatmul.choose_arithmetic(speculative=True) == "int8"
+    monkeypatch.setenv("FLASHTREE_QMM_ARITH", "bf16")
+    assert qmatmul.choose_arithmetic(speculative=False) == "bf16"
+
+
+def test_engine_load_chooses_the_arithmetic(monkeypatch, tiny_root):
+    from spec_util import random_draft_dir
+    from tiny import tiny_gguf
+
+    from flashtree.generate import Engine
+
+    monkeypatch.setattr(qmatmul, "ARITHMETIC", "int8")
+    monkeypatch.delenv("FLASHTREE_QMM_ARITH", raising=False)
+    target = tiny_gguf("llama", 0, tiny_root)
+    draft = random_draft_dir(target, tiny_root)
+    Engine.load(target, draft, max_ctx=64, device="cpu")
+    assert qmatmul.ARITHMETIC == "bf16"
+    Engine.load(target, draft, mode="ar", max_ctx=64, device="cpu")
+    assert qmatmul.ARITHMETIC == "int8"
+
+
 @pytest.mark.parametrize(
     "splits,per_split,fused_sum", [(2, 5, 1), (2, 5, 0), (3, 3, 1), (9, 1, 1), (9, 1, 0)]
 )

@@ -759,14 +759,16 @@ class TileConfig:
 # tensor-core path's time by a third at 16-32 rows; M = 1 tiles all tie.
 # The K-splits' sum in the kernel saved 0.35 ms of a 27B AR step but cost 3.2 ms in a 23-token verify
 # (a serial tail: one program per tile read 23 splits of 64 x 23 sums), bench/results/h200-step-2026-12-03.
-# bf16: 128 rows x 4 warps x 2 stages was the fastest of 10 tiles and groupings on the 27B Q4_K matrices
-# at M = 1, 23, 64 (bench/results/h200-bf16mma-2026-12-03); decoding 64 or 256 values per dot was slower.
+# bf16 (bench/results/h200-bf16mma-2026-12-03): 128 rows x 4 warps x 2 stages was the fastest of 10
+# tiles and groupings in a first sweep on the 27B Q4_K matrices at M = 1, 23, 64 (decoding 64 or 256
+# values per dot, or one dynamic loop over groups, was slower); the sweep of gpu_kernels.py then took
+# 64 x 4 x 1 for M <= 16 (318 vs 342 us over its shapes; 128 x 8 x 2 tied at 64 rows).
 DEFAULT_TILES = {
     "m1": TileConfig(64, 2, 1, 2, 1),
     "m16": TileConfig(128, 4, 2, 1, 0),
     "m32": TileConfig(64, 4, 2, 1, 0),
     "m64": TileConfig(64, 4, 1, 1, 0),
-    "b16": TileConfig(128, 4, 2, 1, 0),
+    "b16": TileConfig(64, 4, 1, 1, 0),
     "b32": TileConfig(128, 4, 2, 1, 0),
     "b64": TileConfig(128, 4, 2, 1, 0),
 }
@@ -808,6 +810,20 @@ def arithmetic_from_env() -> str:
 
 
 ARITHMETIC = arithmetic_from_env()
+
+
+def choose_arithmetic(speculative: bool) -> str:
+    """Set ARITHMETIC for an engine about to run (before any CUDA graph captures a matmul): the
+    FLASHTREE_QMM_ARITH setting if there is one; else bf16 for speculative decoding, int8 for plain
+    decoding. On the 27B (bench/results/h200-bf16mma-2026-12-03) the bf16 arithmetic's tree step is
+    1.56x faster (21.9 vs 34.2 ms: its 23-token verify 18.4 vs 30.9 ms), the int8 arithmetic's AR step
+    1.64x faster (8.3 vs 13.7 ms)."""
+    global ARITHMETIC
+    if "FLASHTREE_QMM_ARITH" in os.environ:
+        ARITHMETIC = arithmetic_from_env()
+    else:
+        ARITHMETIC = "bf16" if speculative else "int8"
+    return ARITHMETIC
 
 
 def tile_key(m: int, arithmetic: str = "int8") -> str:
