@@ -139,6 +139,7 @@ def test_tiny_run_writes_the_schema_and_passes_the_identity_check(tiny_pair, tmp
     assert results["versions"]["torch"] == torch.__version__
     assert results["modes"] == ["ar", "chain", "tree", "hf"]
     assert results["target"]["arch"] == "llama" and results["draft"]["n_layers"] == 1
+    assert results["target"]["weights"] == "dense"  # on CPU; CUDA: "packed, bf16 arithmetic" or int8
     c = results["ceilings"]
     assert c["copy_gb_s"] > 0 and c["matmul_tflops"] > 0 and c["matmul_dtype"] == "float32"
     bound = c["copy_gb_s"] * 1e9 / results["target"]["weight_bytes"]

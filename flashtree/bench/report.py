@@ -132,8 +132,8 @@ def markdown(results: dict) -> str:
         f"- commit: {git['commit'] or 'unknown'}{' (uncommitted changes)' if git['dirty'] else ''}",
         f"- device: {results['device']['name']}; torch {results['versions']['torch']}, "
         f"triton {results['versions']['triton'] or '–'}",
-        f"- target: {t['name']} ({t['arch']}; {t['weight_bytes'] / 1e6:.1f} MB of weights, "
-        f"computing in {t['dtype']})",
+        f"- target: {t['name']} ({t['arch']}; {t['weight_bytes'] / 1e6:.1f} MB of weights"
+        f"{', ' + t['weights'] if 'weights' in t else ''}, computing in {t['dtype']})",
         f"- draft: {draft}",
         f"- prompts: {o['n']} per dataset (seed {o['seed']}), "
         f"{'raw' if o['raw'] else 'chat template'}, greedy, up to {o['max_tokens']} new tokens; "

@@ -30,12 +30,25 @@ function (`_accumulate`): acc = fma(w_scale * float(z) - w_off * float(S), dx, a
   operations per (row, column, group), bound it: ~BM / 6 instructions per weight value.
 - M > 64: the weight is dequantized to x's dtype by `_dequant_kernel` and multiplied by cuBLAS.
 Off CUDA an exact integer emulation replaces every inline PTX op (Triton's interpreter cannot run PTX),
-so the CPU tests execute the kernels' real structure; bench/gpu_kernels.py checks PTX == emulation.
+so the CPU tests execute the kernels' real structure; bench/gpu_kernels.py checks PTX == emulation (the
+bf16 arithmetic's emulated dots run in fp32: equal to 1e-5).
+
+The bf16 arithmetic (ARITHMETIC = "bf16": FLASHTREE_QMM_ARITH, or `choose_arithmetic`, which picks it
+for speculative decoding) instead keeps x in bf16 and decodes each 32-value group's weights to bf16 in
+registers, (code - offset) * scale + shift with scale and shift rounded to bf16 first, one rounding
+(`_bf16_weights`: a byte permute makes the bf16 128 + code, two bf16x2 FMAs per pair of values), then
+one bf16 tensor-core dot per group into the fp32 accumulator (`_matmul_kernel` with BF16) for every
+M <= 64, M = 1 padded to 16 columns. No fp32 terms per group: 16-64 rows cost little more than one
+(H200, 27B Q4_K FFN matrices: 0.29-0.34 of copy bandwidth at M = 1-23, 0.18 at 64; int8 0.14-0.21
+at 16-23, but its dp4a M = 1 0.56-0.66). Error vs x_bf16 @ W^T: ~5.7e-3 on Q4_K (the bf16 shift of its
+min term), ~2.8e-3 on Q6_K. Q8_0 (signed 8-bit codes: no exact bf16 trick) decodes in fp32.
 
 Batch invariance: integer sums are exact and every path adds the same fp32 terms in the same order (units
 in K order inside a K-split, then splits in order), and the split count depends on
 the matrix shape only (`k_splits`). So for M <= 64, row m of an M-row call equals a 1-row call on x[m]
-bit for bit, whatever M is (speculative verify vs AR decode agree). Kernels compile with fp fusion off
+bit for bit, whatever M is (speculative verify vs AR decode agree). The bf16 arithmetic's dots run the
+same tensor-core instructions over the same K order for every M (checked bit for bit on the H200 by
+bench/gpu_kernels.py); one process uses one arithmetic. Kernels compile with fp fusion off
 (explicit fma only), which also makes `dequantize_packed` bit-exact against flashtree.quant.dequant.
 
 Why K-splits: one thread per output row alone leaves too few threads for the short matrices of a decode
@@ -889,8 +902,9 @@ def quant_matmul(
 ) -> torch.Tensor:
     """x (M, n_cols) @ W^T for a repacked W (n_rows, n_cols) -> (M, n_rows) in x's dtype.
 
-    M <= 64: int8 activations x the quantized weight, batch-invariant (see the module doc); above:
-    dequantize + matmul. Works on CUDA tensors, and on CPU tensors under TRITON_INTERPRET=1."""
+    M <= 64: in ARITHMETIC (int8 activations x the codes, or bf16 x x weights decoded to bf16),
+    batch-invariant (see the module doc); above: dequantize + matmul. Works on CUDA tensors, and on CPU
+    tensors under TRITON_INTERPRET=1."""
     lay = layout(qtype, n_cols)
     m = x.shape[0]
     if m > MAX_FUSED_M:
@@ -907,7 +921,7 @@ def quant_matmul(
     launch = _static_args(lay, x.device) | {"BN": tile.rows, "num_warps": tile.warps}
     launch |= {"num_stages": tile.stages, "FUSED_SUM": bool(tile.fused_sum)}
     if bf16:
-        xb = x.to(torch.bfloat16).contiguous()
+        xb = x.to(torch.bfloat16).contiguous()  # also passed for the int8 scale pointers it never reads
         _matmul_kernel[grid](
             y, parts, counters, xb, xb, xb, *_pointers(fields, lay, True), m, n_rows, n_cols, n_blocks,
             per_split, n_splits, BM=bm, BF16=True, enable_fp_fusion=False, **launch,

@@ -130,10 +130,11 @@ def default_quantized(device: torch.device, gguf: GGUFFile) -> bool:
     """Keep weights packed (the quantized-matmul kernels) on CUDA for models computed in bf16
     (FP32_MAX_PARAMS and up) and wherever dense bf16 would not fit. Why packed when dense fits: the
     packed kernels are batch-invariant (a verify row equals the AR step bit for bit, so speculative
-    output equals plain decoding), cuBLAS's bf16 GEMV and GEMM are not; and the packed AR step is 1.85x
-    faster on the 27B (8.4 vs 15.5 ms), though a 23-token verify is still 1.5x slower (30.1 vs 19.5 ms;
-    bench/results/h200-step-2026-12-03). Small fp32 models stay dense (launch-bound either way; their
-    outputs matched AR 60/60 on the H200). FLASHTREE_QUANT_KERNELS=1/0 forces either path."""
+    output equals plain decoding), cuBLAS's bf16 GEMV and GEMM are not; and on the 27B the packed AR
+    step is 1.85x faster (8.4 vs 15.5 ms, int8 arithmetic), the packed tree step 1.1x faster (21.6 vs
+    23.9 ms, bf16 arithmetic; bench/results/h200-bf16mma-2026-12-03). Small fp32 models stay dense
+    (launch-bound either way; their outputs matched AR 60/60 on the H200). FLASHTREE_QUANT_KERNELS=1/0
+    forces either path."""
     if device.type != "cuda":
         return False
     forced = os.environ.get("FLASHTREE_QUANT_KERNELS")
