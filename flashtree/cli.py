@@ -192,7 +192,9 @@ def bench_step(
         "auto",
         "--weights",
         help="packed: the quantized-matmul kernels; dense: bf16 weights; auto: as run/serve load them "
-        "(packed on CUDA for targets of 1B weights and more, and wherever dense would not fit).",
+        "(packed on CUDA for targets of 1B weights and more, and wherever dense would not fit). Packed "
+        "runs in FLASHTREE_QMM_ARITH's arithmetic: int8 (default here) or bf16 (what run/serve pick "
+        "for speculative decoding).",
     ),
     repeats: int = typer.Option(20, "--repeats", help="Timed repeats per measurement (median)."),
 ):
