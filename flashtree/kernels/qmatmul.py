@@ -34,7 +34,7 @@ so the CPU tests execute the kernels' real structure; bench/gpu_kernels.py check
 bf16 arithmetic's emulated dots run in fp32: equal to 1e-5).
 
 The bf16 arithmetic (ARITHMETIC = "bf16": FLASHTREE_QMM_ARITH, or `choose_arithmetic`, which picks it
-for speculative decoding) instead keeps x in bf16 and decodes each 32-value group's weights to bf16 in
+for speculative decoding) instead rounds x to bf16 (fp32 models too) and decodes each 32-value group's weights to bf16 in
 registers, (code - offset) * scale + shift with scale and shift rounded to bf16 first, one rounding
 (`_bf16_weights`: a byte permute makes the bf16 128 + code, two bf16x2 FMAs per pair of values), then
 one bf16 tensor-core dot per group into the fp32 accumulator (`_matmul_kernel` with BF16) for every
