@@ -13,8 +13,9 @@ from flashtree.quant.formats import type_name
 
 class QuantLinear(nn.Module):
     """y = x @ W^T with W kept as quantized blocks, same interface as `Linear`. CUDA runs the Triton
-    kernels (x quantized to int8 per 32 values; for up to 64 rows each row's result is bit-identical
-    whatever the batch); any other device dequantizes with the reference decoder on every call."""
+    kernels in qmatmul.ARITHMETIC (x quantized to int8 per 32 values, or the weights decoded to bf16;
+    for up to 64 rows each row's result is bit-identical whatever the batch); any other device
+    dequantizes with the reference decoder on every call."""
 
     def __init__(self, raw: torch.Tensor, qtype: int, shape: tuple[int, int]):
         """raw: the GGUF rows (out, row_bytes) uint8 on the layer's device; shape: (out, in)."""
