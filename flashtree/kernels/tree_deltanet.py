@@ -20,6 +20,23 @@ import triton
 import triton.language as tl
 
 
+@triton.jit
+def _token_loads(
+    x_ptr, alpha_ptr, beta_ptr, stride_ab, parents_ptr, t, width, q_col, k_col, v_col, offs_k, offs_v,
+    mask_k, mask_v, h,
+):  # fmt: skip
+    """Token t's raw inputs: its parent, q, k, v and its alpha / beta projections."""
+    x_row = x_ptr + t * width
+    return (
+        tl.load(parents_ptr + t),
+        tl.load(x_row + q_col + offs_k, mask=mask_k, other=0.0),
+        tl.load(x_row + k_col + offs_k, mask=mask_k, other=0.0),
+        tl.load(x_row + v_col + offs_v, mask=mask_v, other=0.0),
+        tl.load(alpha_ptr + t * stride_ab + h),
+        tl.load(beta_ptr + t * stride_ab + h),
+    )
+
+
 # T is not specialized: Triton would compile T == 1 (the AR step) apart from the verify shapes.
 @triton.jit(do_not_specialize=["T"])
 def _tree_gated_delta_rule_kernel(
@@ -27,6 +44,9 @@ def _tree_gated_delta_rule_kernel(
     T, eps, q_scale, k_scale, H: tl.constexpr, NK: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr,
 ):  # fmt: skip
+    """Token after token; token t + 1's inputs are loaded while token t computes (on the H200 the walk
+    cost ~2 us a token with each token's loads waited for in turn: bench/results/
+    h200-bf16mma-2026-12-03/NOTES.md)."""
     h = tl.program_id(0)
     offs_k = tl.arange(0, BK)
     offs_v = tl.program_id(1) * BV + tl.arange(0, BV)
@@ -41,24 +61,28 @@ def _tree_gated_delta_rule_kernel(
     a = tl.load(a_ptr + h)
     s = tl.load(s0_ptr + h * K * V + kv_offs, mask=mask_kv, other=0.0)
     prev = -1
+    ahead = _token_loads(
+        x_ptr, alpha_ptr, beta_ptr, stride_ab, parents_ptr, 0, width, q_col, k_col, v_col, offs_k, offs_v,
+        mask_k, mask_v, h,
+    )  # fmt: skip
     for t in range(T):
-        parent = tl.load(parents_ptr + t)
+        parent, q, k, v, alpha, beta = ahead
+        ahead = _token_loads(  # in flight while this token computes (the last loads itself again)
+            x_ptr, alpha_ptr, beta_ptr, stride_ab, parents_ptr, tl.minimum(t + 1, T - 1), width, q_col, k_col,
+            v_col, offs_k, offs_v, mask_k, mask_v, h,
+        )  # fmt: skip
+        # l2_normalize as RMSNorm with eps / K, times K^-0.5 (q also times its attention scale K^-0.5)
+        q = q * (tl.rsqrt(tl.sum(q * q, axis=0) / K + eps / K) * q_scale)
+        k = k * (tl.rsqrt(tl.sum(k * k, axis=0) / K + eps / K) * k_scale)
+        z = alpha + dt_bias
+        softplus = tl.where(z > 20.0, z, tl.log(1.0 + tl.exp(z)))  # torch's threshold
+        decay = tl.exp(a * softplus)
+        beta = tl.sigmoid(beta)
         if parent != prev:  # a sibling branch: restart from the parent's state
             if parent < 0:
                 s = tl.load(s0_ptr + h * K * V + kv_offs, mask=mask_kv, other=0.0)
             else:
                 s = tl.load(states_ptr + (parent * H + h) * K * V + kv_offs, mask=mask_kv, other=0.0)
-        x_row = x_ptr + t * width
-        q = tl.load(x_row + q_col + offs_k, mask=mask_k, other=0.0)
-        k = tl.load(x_row + k_col + offs_k, mask=mask_k, other=0.0)
-        v = tl.load(x_row + v_col + offs_v, mask=mask_v, other=0.0)
-        # l2_normalize as RMSNorm with eps / K, times K^-0.5 (q also times its attention scale K^-0.5)
-        q = q * (tl.rsqrt(tl.sum(q * q, axis=0) / K + eps / K) * q_scale)
-        k = k * (tl.rsqrt(tl.sum(k * k, axis=0) / K + eps / K) * k_scale)
-        z = tl.load(alpha_ptr + t * stride_ab + h) + dt_bias
-        softplus = tl.where(z > 20.0, z, tl.log(1.0 + tl.exp(z)))  # torch's threshold
-        decay = tl.exp(a * softplus)
-        beta = tl.sigmoid(tl.load(beta_ptr + t * stride_ab + h))
         s = s * decay
         delta = (v - tl.sum(s * k[:, None], axis=0)) * beta
         s = s + k[:, None] * delta[None, :]
