@@ -34,9 +34,10 @@ so the CPU tests execute the kernels' real structure; bench/gpu_kernels.py check
 bf16 arithmetic's emulated dots run in fp32: equal to 1e-5).
 
 The bf16 arithmetic (ARITHMETIC = "bf16": FLASHTREE_QMM_ARITH, or `choose_arithmetic`, which picks it
-for speculative decoding) instead rounds x to bf16 (fp32 models too) and decodes each 32-value group's weights to bf16 in
-registers, (code - offset) * scale + shift with scale and shift rounded to bf16 first, one rounding
-(`_bf16_weights`: a byte permute makes the bf16 128 + code, two bf16x2 FMAs per pair of values), then
+for speculative decoding) instead rounds x to bf16 (fp32 models too) and decodes each 32-value
+group's weights to bf16 in registers, (code - offset) * scale + shift with scale and shift rounded to
+bf16 first, one rounding (`_bf16_weights`: a byte permute makes the bf16 128 + code, two bf16x2 FMAs
+per pair of values), then
 one bf16 tensor-core dot per group into the fp32 accumulator (`_matmul_kernel` with BF16) for every
 M <= 64, M = 1 padded to 16 columns. No fp32 terms per group: 16-64 rows cost little more than one
 (H200, 27B Q4_K FFN matrices: 0.29-0.34 of copy bandwidth at M = 1-23, 0.18 at 64; int8 0.14-0.21
