@@ -135,6 +135,7 @@ class Engine:
         default, SmolLM2-135M-Instruct, and (unless a draft is given) the draft shipped for it."""
         from flashtree import defaults
         from flashtree.gguf.tokenizer import Tokenizer
+        from flashtree.kernels.qlinear import use_arithmetic
         from flashtree.kernels.qmatmul import choose_arithmetic
         from flashtree.models.loader import load_target
 
@@ -151,7 +152,7 @@ class Engine:
         spec = spec or SpecConfig()
         mode = mode or ("ar" if draft_model is None else spec.mode)
         spec = SpecConfig(**{**spec.__dict__, "mode": mode})
-        choose_arithmetic(speculative=draft_model is not None and mode != "ar")  # packed weights' kernels
+        use_arithmetic(model, choose_arithmetic(speculative=draft_model is not None and mode != "ar"))
         return cls(model, tokenizer, draft_model, spec, max_ctx)
 
     def encode(self, text: str, chat: bool = True, system: str | None = None) -> list[int]:

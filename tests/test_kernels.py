@@ -203,30 +203,37 @@ def test_arithmetic_from_env(monkeypatch):
 
 def test_choose_arithmetic(monkeypatch):
     """bf16 for speculative decoding, int8 for plain decoding, unless FLASHTREE_QMM_ARITH says."""
-    monkeypatch.setattr(qmatmul, "ARITHMETIC", "int8")
     monkeypatch.delenv("FLASHTREE_QMM_ARITH", raising=False)
-    assert qmatmul.choose_arithmetic(speculative=True) == "bf16" == qmatmul.ARITHMETIC
-    assert qmatmul.choose_arithmetic(speculative=False) == "int8" == qmatmul.ARITHMETIC
+    assert qmatmul.choose_arithmetic(speculative=True) == "bf16"
+    assert qmatmul.choose_arithmetic(speculative=False) == "int8"
     monkeypatch.setenv("FLASHTREE_QMM_ARITH", "int8")
     assert qmatmul.choose_arithmetic(speculative=True) == "int8"
     monkeypatch.setenv("FLASHTREE_QMM_ARITH", "bf16")
     assert qmatmul.choose_arithmetic(speculative=False) == "bf16"
 
 
-def test_engine_load_chooses_the_arithmetic(monkeypatch, tiny_root):
+def test_engine_load_sets_the_arithmetic_on_the_packed_weights(monkeypatch, tmp_path):
+    """Engine.load runs the target's packed matrices (and so the draft's shared LM head) in bf16 when it
+    decodes speculatively, int8 when it does not; the module default stays as it was."""
     from spec_util import random_draft_dir
-    from tiny import tiny_gguf
 
+    from flashtree.convert.synth import synth_model
     from flashtree.generate import Engine
+    from flashtree.kernels.qlinear import arithmetic_of, use_arithmetic
+    from flashtree.models import loader
 
-    monkeypatch.setattr(qmatmul, "ARITHMETIC", "int8")
     monkeypatch.delenv("FLASHTREE_QMM_ARITH", raising=False)
-    target = tiny_gguf("llama", 0, tiny_root)
-    draft = random_draft_dir(target, tiny_root)
-    Engine.load(target, draft, max_ctx=64, device="cpu")
-    assert qmatmul.ARITHMETIC == "bf16"
-    Engine.load(target, draft, mode="ar", max_ctx=64, device="cpu")
-    assert qmatmul.ARITHMETIC == "int8"
+    monkeypatch.setattr(loader, "default_quantized", lambda device, gguf: True)  # packed on CPU too
+    target = tmp_path / "tiny.gguf"
+    synth_model("tiny-qwen35", "q4_k_m", target, seed=3)
+    draft = random_draft_dir(target, tmp_path)
+    engine = Engine.load(target, draft, max_ctx=64, device="cpu")
+    assert arithmetic_of(engine.target) == "bf16" and qmatmul.ARITHMETIC == "int8"
+    assert arithmetic_of(Engine.load(target, draft, mode="ar", max_ctx=64, device="cpu").target) == "int8"
+    assert arithmetic_of(Engine.load(target, "none", max_ctx=64, device="cpu").target) == "int8"
+    assert use_arithmetic(engine.target, "int8") >= 4 * engine.target.config.n_layers
+    with pytest.raises(FlashtreeError, match="unknown arithmetic 'fp8'"):
+        use_arithmetic(engine.target, "fp8")
 
 
 @pytest.mark.parametrize(

@@ -228,14 +228,13 @@ def versions() -> dict:
 
 
 def model_info(base: Engine) -> tuple[dict, dict | None]:
-    from flashtree.kernels import qmatmul
-    from flashtree.kernels.qlinear import QuantLinear
+    from flashtree.kernels.qlinear import arithmetic_of
 
     c = base.target.config
-    packed = any(isinstance(m, QuantLinear) for m in base.target.modules())
+    arithmetic = arithmetic_of(base.target)
     target = {"name": c.name, "arch": c.arch, "dtype": str(base.target.dtype).removeprefix("torch."),
               "weight_bytes": weight_bytes(base.target),
-              "weights": f"packed, {qmatmul.ARITHMETIC} arithmetic" if packed else "dense"}  # fmt: skip
+              "weights": f"packed, {arithmetic} arithmetic" if arithmetic else "dense"}  # fmt: skip
     if base.draft is None:
         return target, None
     d = base.draft.config

@@ -6,16 +6,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flashtree.kernels.qmatmul import quant_matmul, repack, unpack
+from flashtree.errors import FlashtreeError
+from flashtree.kernels import qmatmul
+from flashtree.kernels.qmatmul import ARITHMETICS, quant_matmul, repack, unpack
 from flashtree.quant.dequant import dequantize
 from flashtree.quant.formats import type_name
 
 
 class QuantLinear(nn.Module):
     """y = x @ W^T with W kept as quantized blocks, same interface as `Linear`. CUDA runs the Triton
-    kernels in qmatmul.ARITHMETIC (x quantized to int8 per 32 values, or the weights decoded to bf16;
-    for up to 64 rows each row's result is bit-identical whatever the batch); any other device
-    dequantizes with the reference decoder on every call."""
+    kernels in `arithmetic` (None: qmatmul.ARITHMETIC; int8: x quantized to int8 per 32 values, bf16:
+    the weights decoded to bf16; for up to 64 rows each row's result is bit-identical whatever the
+    batch); any other device dequantizes with the reference decoder on every call."""
 
     def __init__(self, raw: torch.Tensor, qtype: int, shape: tuple[int, int]):
         """raw: the GGUF rows (out, row_bytes) uint8 on the layer's device; shape: (out, in)."""
@@ -25,6 +27,7 @@ class QuantLinear(nn.Module):
         for i, field in enumerate(fields):
             self.register_buffer(f"field{i}", field, persistent=False)
         self.n_fields = len(fields)
+        self.arithmetic: str | None = None  # see use_arithmetic
 
     @property
     def fields(self) -> list[torch.Tensor]:
@@ -39,10 +42,30 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)  # (M, in)
         if x.is_cuda:
-            y = quant_matmul(x2, self.fields, self.qtype, self.out_features, self.in_features)
+            shape = (self.out_features, self.in_features)
+            y = quant_matmul(x2, self.fields, self.qtype, *shape, self.arithmetic)
         else:
             y = F.linear(x2, self.dense_weight(x.dtype))
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, type={type_name(self.qtype)}"
+
+
+def use_arithmetic(model: nn.Module, arithmetic: str) -> int:
+    """Run every packed matrix of `model` in `arithmetic` (qmatmul.ARITHMETICS), before any CUDA graph
+    captures them: one arithmetic for all keeps a verify row equal to the AR step's row. Returns how
+    many matrices are packed."""
+    if arithmetic not in ARITHMETICS:
+        raise FlashtreeError(f"unknown arithmetic {arithmetic!r}: expected one of {', '.join(ARITHMETICS)}")
+    packed = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    for m in packed:
+        m.arithmetic = arithmetic
+    return len(packed)
+
+
+def arithmetic_of(model: nn.Module) -> str | None:
+    """The arithmetic `model`'s packed matrices run in, None when it has none."""
+    found = {m.arithmetic or qmatmul.ARITHMETIC for m in model.modules() if isinstance(m, QuantLinear)}
+    assert len(found) <= 1, found
+    return found.pop() if found else None

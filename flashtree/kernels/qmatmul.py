@@ -33,8 +33,8 @@ Off CUDA an exact integer emulation replaces every inline PTX op (Triton's inter
 so the CPU tests execute the kernels' real structure; bench/gpu_kernels.py checks PTX == emulation (the
 bf16 arithmetic's emulated dots run in fp32: equal to 1e-5).
 
-The bf16 arithmetic (ARITHMETIC = "bf16": FLASHTREE_QMM_ARITH, or `choose_arithmetic`, which picks it
-for speculative decoding) instead rounds x to bf16 (fp32 models too) and decodes each 32-value
+The bf16 arithmetic (FLASHTREE_QMM_ARITH=bf16, or per model: `choose_arithmetic` picks it for
+speculative decoding) instead rounds x to bf16 (fp32 models too) and decodes each 32-value
 group's weights to bf16 in registers, (code - offset) * scale + shift with scale and shift rounded to
 bf16 first, one rounding (`_bf16_weights`: a byte permute makes the bf16 128 + code, two bf16x2 FMAs
 per pair of values), then
@@ -49,8 +49,9 @@ in K order inside a K-split, then splits in order), and the split count depends 
 the matrix shape only (`k_splits`). So for M <= 64, row m of an M-row call equals a 1-row call on x[m]
 bit for bit, whatever M is (speculative verify vs AR decode agree). The bf16 arithmetic's dots run the
 same tensor-core instructions over the same K order for every M (checked bit for bit on the H200 by
-bench/gpu_kernels.py); one process uses one arithmetic. Kernels compile with fp fusion off
-(explicit fma only), which also makes `dequantize_packed` bit-exact against flashtree.quant.dequant.
+bench/gpu_kernels.py); a model's weights all use one arithmetic (qlinear.use_arithmetic). Kernels
+compile with fp fusion off (explicit fma only), which also makes `dequantize_packed` bit-exact against
+flashtree.quant.dequant.
 
 Why K-splits: one thread per output row alone leaves too few threads for the short matrices of a decode
 step (5120 rows = 5120 threads for a whole H200), so each row's units are cut into splits sized from the
@@ -827,17 +828,14 @@ ARITHMETIC = arithmetic_from_env()
 
 
 def choose_arithmetic(speculative: bool) -> str:
-    """Set ARITHMETIC for an engine about to run (before any CUDA graph captures a matmul): the
+    """The arithmetic for an engine's packed weights (qlinear.use_arithmetic sets it on them): the
     FLASHTREE_QMM_ARITH setting if there is one; else bf16 for speculative decoding, int8 for plain
     decoding. On the 27B (bench/results/h200-bf16mma-2026-12-03) the bf16 arithmetic's tree step is
     1.56x faster (21.9 vs 34.2 ms: its 23-token verify 18.4 vs 30.9 ms), the int8 arithmetic's AR step
     1.64x faster (8.3 vs 13.7 ms)."""
-    global ARITHMETIC
     if "FLASHTREE_QMM_ARITH" in os.environ:
-        ARITHMETIC = arithmetic_from_env()
-    else:
-        ARITHMETIC = "bf16" if speculative else "int8"
-    return ARITHMETIC
+        return arithmetic_from_env()
+    return "bf16" if speculative else "int8"
 
 
 def tile_key(m: int, arithmetic: str = "int8") -> str:
@@ -899,24 +897,26 @@ def _static_args(lay: Layout, device: torch.device) -> dict:
 
 
 def quant_matmul(
-    x: torch.Tensor, fields: list[torch.Tensor], qtype: int, n_rows: int, n_cols: int
-) -> torch.Tensor:
+    x: torch.Tensor, fields: list[torch.Tensor], qtype: int, n_rows: int, n_cols: int,
+    arithmetic: str | None = None,
+) -> torch.Tensor:  # fmt: skip
     """x (M, n_cols) @ W^T for a repacked W (n_rows, n_cols) -> (M, n_rows) in x's dtype.
 
-    M <= 64: in ARITHMETIC (int8 activations x the codes, or bf16 x x weights decoded to bf16),
-    batch-invariant (see the module doc); above: dequantize + matmul. Works on CUDA tensors, and on CPU
-    tensors under TRITON_INTERPRET=1."""
+    M <= 64: in `arithmetic` (default ARITHMETIC: int8 activations x the codes, or bf16 x x weights
+    decoded to bf16), batch-invariant (see the module doc); above: dequantize + matmul. Works on CUDA
+    tensors, and on CPU tensors under TRITON_INTERPRET=1."""
     lay = layout(qtype, n_cols)
     m = x.shape[0]
     if m > MAX_FUSED_M:
         return x @ dequantize_packed(fields, qtype, n_rows, n_cols, x.dtype).t()
-    bf16 = ARITHMETIC == "bf16"
+    arithmetic = arithmetic or ARITHMETIC
+    bf16 = arithmetic == "bf16"
     bm = 1 if m == 1 and not bf16 else max(16, triton.next_power_of_2(m))  # tensor-core columns
     n_blocks = n_cols // block_size(qtype)
     n_splits, per_split = k_splits(n_rows, n_blocks // lay.group)
     y = torch.empty(m, n_rows, dtype=x.dtype, device=x.device)
     parts = y if n_splits == 1 else torch.empty(n_splits, m, n_rows, dtype=torch.float32, device=x.device)
-    tile = TILES[tile_key(m, ARITHMETIC)]
+    tile = TILES[tile_key(m, arithmetic)]
     grid = (triton.cdiv(n_rows, tile.rows), n_splits)
     counters = tile_counters(x.device, grid[0])
     launch = _static_args(lay, x.device) | {"BN": tile.rows, "num_warps": tile.warps}
