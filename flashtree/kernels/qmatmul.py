@@ -33,16 +33,15 @@ Off CUDA an exact integer emulation replaces every inline PTX op (Triton's inter
 so the CPU tests execute the kernels' real structure; bench/gpu_kernels.py checks PTX == emulation (the
 bf16 arithmetic's emulated dots run in fp32: equal to 1e-5).
 
-The bf16 arithmetic (FLASHTREE_QMM_ARITH=bf16, or per model: `choose_arithmetic` picks it for
-speculative decoding) instead rounds x to bf16 (fp32 models too) and decodes each 32-value
-group's weights to bf16 in registers, (code - offset) * scale + shift with scale and shift rounded to
-bf16 first, one rounding (`_bf16_weights`: a byte permute makes the bf16 128 + code, two bf16x2 FMAs
-per pair of values), then
-one bf16 tensor-core dot per group into the fp32 accumulator (`_matmul_kernel` with BF16) for every
-M <= 64, M = 1 padded to 16 columns. No fp32 terms per group: 16-64 rows cost little more than one
-(H200, 27B Q4_K FFN matrices: 0.29-0.34 of copy bandwidth at M = 1-23, 0.18 at 64; int8 0.14-0.21
-at 16-23, but its dp4a M = 1 0.56-0.66). Error vs x_bf16 @ W^T: ~5.7e-3 on Q4_K (the bf16 shift of its
-min term), ~2.8e-3 on Q6_K. Q8_0 (signed 8-bit codes: no exact bf16 trick) decodes in fp32.
+The bf16 arithmetic (FLASHTREE_QMM_ARITH=bf16, or per model: `choose_arithmetic` picks it for speculative
+decoding) instead rounds x to bf16 (fp32 models too) and decodes each 32-value group's weights to bf16 in
+registers, (code - offset) * scale + shift with scale and shift rounded to bf16 first, one rounding
+(`_bf16_weights`: a byte permute makes the bf16 128 + code, two bf16x2 FMAs per pair of values), then one
+bf16 tensor-core dot per group into the fp32 accumulator (`_matmul_kernel` with BF16) for every M <= 64,
+M = 1 padded to 16 columns. No fp32 terms per group: 16-64 rows cost little more than one (H200, 27B Q4_K
+FFN matrices: 0.29-0.34 of copy bandwidth at M = 1-23, 0.18 at 64; int8 0.14-0.21 at 16-23, but its dp4a
+M = 1 0.56-0.66). Error vs x_bf16 @ W^T: ~5.7e-3 on Q4_K (the bf16 shift of its min term), ~2.8e-3 on
+Q6_K. Q8_0 (signed 8-bit codes: no exact bf16 trick) decodes in fp32.
 
 Batch invariance: integer sums are exact and every path adds the same fp32 terms in the same order (units
 in K order inside a K-split, then splits in order), and the split count depends on

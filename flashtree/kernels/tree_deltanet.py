@@ -44,9 +44,9 @@ def _tree_gated_delta_rule_kernel(
     T, eps, q_scale, k_scale, H: tl.constexpr, NK: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr,
 ):  # fmt: skip
-    """Token after token; token t + 1's inputs are loaded while token t computes (on the H200 the walk
-    cost ~2 us a token with each token's loads waited for in turn: bench/results/
-    h200-bf16mma-2026-12-03/NOTES.md)."""
+    """Token after token; token t + 1's inputs are loaded while token t computes. Why: on the H200 the
+    walk cost ~2 us a token, its state stores only ~20 % of that (bench/results/
+    h200-bf16mma-2026-12-03/NOTES.md); the overlap itself is not timed yet."""
     h = tl.program_id(0)
     offs_k = tl.arange(0, BK)
     offs_v = tl.program_id(1) * BV + tl.arange(0, BV)
