@@ -223,6 +223,9 @@ def train_draft(
     gen_batch: int = typer.Option(256, "--gen-batch", help="Prompts per generate call."),
     gen_minutes: float | None = typer.Option(None, "--gen-minutes", help="Stop generating after this."),
     sampled_every: int = typer.Option(3, "--sampled-every", help="Every n-th batch sampled (0: never)."),
+    passes: int = typer.Option(
+        1, "--passes", min=1, help="Responses per prompt: the first as --sampled-every says, others sampled."
+    ),
     temperature: float = typer.Option(0.8, "--temperature", help="Of the sampled batches."),
     steps: int | None = typer.Option(None, "--steps", help="Training steps (or use --train-minutes)."),
     train_minutes: float | None = typer.Option(None, "--train-minutes"),

@@ -26,9 +26,10 @@
 # from init.gguf if staged), write the draft, convert it to the Q8_0 GGUF that ships, then
 # `flashtree bench` on the default pair with it (AR, chain, tree, HF baseline; 10 prompts per set).
 # SEED (default 0) orders the prompt batches: keep it while data/ holds an earlier run's shards.
-# SAMPLED_EVERY (default 4): every n-th prompt batch gets sampled responses, the rest greedy. The
-# shipped draft saw greedy responses to ~87 % of the prompt pool (seed 0), so going on from it
-# (init.gguf, no data/ staged) wants SAMPLED_EVERY=1 and a new SEED: new sequences, not repeats.
+# SAMPLED_EVERY (default 4): in the first pass over the prompts every n-th batch gets sampled
+# responses, the rest greedy (0: all greedy); PASSES (default 1) responses per prompt, those after the
+# first sampled (generation stops at GEN_MINUTES wherever it is). The `smoke` call also times
+# response generation, batch_decode vs transformers' generate (bench/gpu_batch_decode.py, $OUT).
 set -uo pipefail
 S=.stage/draft
 STASH=/root/stash
@@ -90,10 +91,11 @@ smoke)
   nvidia-smi -L
   python3 -m flashtree train-draft --target $STAGE/tiny.gguf --out /tmp/smoke --layers 2 \
     --prompts $STAGE/smoke_prompts.jsonl.gz --max-new-tokens 40 --gen-batch 8 --gen-minutes 0.3 \
-    --train-minutes 0.1 --batch 4 --anchors 8 --device cuda || exit 1
+    --passes 2 --train-minutes 0.1 --batch 4 --anchors 8 --device cuda || exit 1
   python3 -m flashtree convert /tmp/smoke /tmp/smoke.gguf --type q8_0 || exit 1
   python3 -m flashtree bench --target $STAGE/tiny.gguf --draft /tmp/smoke.gguf --n 1 --max-tokens 24 \
-    --baseline hf --out /tmp/smoke-bench --device cuda
+    --baseline hf --out /tmp/smoke-bench --device cuda || exit 1
+  python3 bench/gpu_batch_decode.py --out $OUT/batch_decode.json
   ;;
 launch)
   stash && install
@@ -116,7 +118,8 @@ pipeline)  # run from $STASH/src
   nvidia-smi -L
   init=() && [ ! -f $STAGE/init.gguf ] || init=(--init $STAGE/init.gguf)
   python3 -m flashtree train-draft --target $GGUF --out $RUN --layers 5 --prompts $STAGE/prompts.jsonl.gz \
-    "${init[@]}" --seed "${SEED:-0}" --gen-batch 2048 --sampled-every "${SAMPLED_EVERY:-4}" --gen-minutes "${GEN_MINUTES:-7}" \
+    "${init[@]}" --seed "${SEED:-0}" --gen-batch 2048 --sampled-every "${SAMPLED_EVERY:-4}" --passes "${PASSES:-1}" \
+    --gen-minutes "${GEN_MINUTES:-7}" \
     --train-minutes "${TRAIN_MINUTES:-12}" --batch 32 --anchors 64 --lr "${LR:-6e-4}" --device cuda || exit 1
   python3 -m flashtree convert $RUN $DRAFT_GGUF --type q8_0 || exit 1
   python3 -m flashtree bench --target $GGUF --draft $DRAFT_GGUF --n 10 --max-tokens 256 --modes ar,chain,tree \

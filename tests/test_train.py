@@ -28,6 +28,7 @@ from flashtree.gguf.tokenizer import Tokenizer
 from flashtree.models.dflash import DraftConfig, load_draft
 from flashtree.models.loader import load_target
 from flashtree.quant.formats import type_name
+from flashtree.train import batch_decode
 from flashtree.train import data as D
 from flashtree.train.forward import draft_hidden, new_draft, save_draft
 from flashtree.train.hf_target import hf_features
@@ -47,11 +48,15 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-@pytest.fixture(scope="module")
-def tiny(tiny_root):
-    path = tiny_gguf("llama", 0, tiny_root)
+def _tiny_target(tiny_root, family: str):
+    path = tiny_gguf(family, 0, tiny_root)
     model, gguf = load_target(path, "cpu", torch.float32)
     return path, model, gguf
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_root):
+    return _tiny_target(tiny_root, "llama")
 
 
 def _shape(gguf, layers=2, **dflash):
@@ -264,6 +269,55 @@ def test_batched_hf_responses_equal_our_greedy_decoding(tiny):
         assert response == ours
 
 
+def _hf_generate(hf, prompts, max_new_tokens, stop_ids):
+    """Reference: transformers' greedy `generate` on the left-padded batch, cut at the first stop."""
+    width = max(map(len, prompts))
+    ids = torch.tensor([[stop_ids[0]] * (width - len(p)) + p for p in prompts])
+    attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    out = hf.generate(input_ids=ids, attention_mask=attention, max_new_tokens=max_new_tokens, do_sample=False,
+                      pad_token_id=stop_ids[0], eos_token_id=stop_ids)  # fmt: skip
+    return [batch_decode.cut_at_stop(row, stop_ids) for row in out[:, width:].tolist()]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_batch_decoding_equals_transformers_generate_with_rows_dropped_as_they_stop(tiny_root, family):
+    """Greedy decode_batch == transformers' generate on prompts of 3..40 tokens (left padding), with the
+    stop tokens chosen so that rows end at different steps: dropping finished rows (at every quarter, or
+    never) must not change any row."""
+    _, model, _ = _tiny_target(tiny_root, family)
+    hf = hf_model_from(model)
+    assert batch_decode.supports(hf)
+    gen = torch.Generator().manual_seed(5)
+    lengths = (3, 17, 40, 9, 25, 5)
+    prompts = [torch.randint(3, model.config.vocab, (n,), generator=gen).tolist() for n in lengths]
+    free = _hf_generate(hf, prompts, 20, [0])
+    stop_ids = [0]
+    first_step = {}  # token -> the earliest step any row emits it
+    for row in free:
+        for k, t in enumerate(row):
+            first_step[t] = min(k, first_step.get(t, k))
+    for token in sorted(first_step, key=first_step.get, reverse=True):  # stops that add a response length
+        lengths = {len(batch_decode.cut_at_stop(r, stop_ids + [token])) for r in free}
+        if 20 in lengths and len(lengths) > len({len(batch_decode.cut_at_stop(r, stop_ids)) for r in free}):
+            stop_ids.append(token)
+    want = _hf_generate(hf, prompts, 20, stop_ids)
+    assert len({len(r) for r in want}) >= 3 and max(map(len, want)) == 20  # rows end at different steps
+    for compact_at in (0.25, 1.0):
+        got = batch_decode.decode_batch(hf, prompts, 20, stop_ids, SamplingParams(), compact_at=compact_at)
+        assert got == want
+
+
+def test_batch_decoding_samples_rows_independently_and_top_p_cuts(tiny):
+    _, model, _ = tiny
+    hf = hf_model_from(model)
+    prompts = [[5, 6, 7, 8]] * 16
+    torch.manual_seed(0)
+    sampled = batch_decode.decode_batch(hf, prompts, 8, [0], SamplingParams(temperature=1.5))
+    assert len({tuple(r) for r in sampled}) > 8  # the same prompt, different draws per row
+    nucleus = batch_decode.decode_batch(hf, prompts, 8, [0], SamplingParams(temperature=1.5, top_p=1e-6))
+    assert nucleus == batch_decode.decode_batch(hf, prompts, 8, [0], SamplingParams())  # only the top-1
+
+
 def test_shards_round_trip_and_short_responses_are_dropped(tmp_path):
     D.write_shard(tmp_path / D.SHARD.format(0), [[1, 2, 3], [4]], [[5] * 20, [6, 7]], sampled=False)
     D.write_shard(tmp_path / D.SHARD.format(1), [[8, 9]], [[10] * 16], sampled=True)
@@ -273,6 +327,18 @@ def test_shards_round_trip_and_short_responses_are_dropped(tmp_path):
     ids, attention, response = D.collate(seqs, [1, 0], "cpu")
     assert ids.shape == (2, 23) and attention.sum(1).tolist() == [18, 23]
     assert response[0].tolist() == [False] * 2 + [True] * 16 + [False] * 5
+
+
+def test_generation_jobs_cover_every_prompt_once_per_pass():
+    prompts = [[i] * (1 + i % 7) for i in range(50)]
+    jobs = D.generation_jobs(prompts, 8, sampled_every=3, seed=1, passes=3)
+    assert [j.index for j in jobs] == list(range(21))
+    for p in range(3):
+        in_pass = jobs[7 * p : 7 * (p + 1)]
+        assert sorted(x for j in in_pass for x in j.prompts) == sorted(prompts)
+        assert [j.sampled for j in in_pass] == (([False, False, True] * 3)[:7] if p == 0 else [True] * 7)
+    assert [j.prompts for j in jobs[:7]] != [j.prompts for j in jobs[7:14]]  # each pass its own order
+    assert D.generation_jobs(prompts, 8, 3, seed=1) == jobs[:7]  # one pass: the first
 
 
 def test_prompt_files_round_trip(tmp_path):

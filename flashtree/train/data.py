@@ -1,9 +1,10 @@
 """Training sequences: prompts through the chat template, responses written by the target itself.
 
-Responses come from Hugging Face's batched `generate` on the target's own weights (hf_target.py),
-greedy for most prompt batches and sampled for every `sampled_every`-th one. Each batch is one shard
-file (token ids + where the response starts), so an interrupted run resumes at the next missing
-shard. Training batches pad sequences of similar length together; the loss mask marks the response.
+Responses come from batched decoding on the target's own weights, as a transformers model
+(batch_decode.py): greedy for most prompt batches and sampled for every `sampled_every`-th one, then
+optionally further sampled passes over all prompts. Each batch is one shard file (token ids + where
+the response starts), so an interrupted run resumes at the next missing shard. Training batches pad
+sequences of similar length together; the loss mask marks the response.
 """
 
 from __future__ import annotations
@@ -15,6 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from flashtree.config import SamplingParams
+from flashtree.train import batch_decode
 
 SHARD = "shard-{:05d}.pt"
 
@@ -33,17 +37,21 @@ class GenerationJob:
 
 
 def generation_jobs(
-    prompt_ids: list[list[int]], batch_size: int, sampled_every: int, seed: int
+    prompt_ids: list[list[int]], batch_size: int, sampled_every: int, seed: int, passes: int = 1
 ) -> list[GenerationJob]:
     """Batches of prompts of similar length (little left padding), in a seeded random order so that a
-    time-limited run still covers every kind of prompt; every `sampled_every`-th batch is sampled."""
+    time-limited run still covers every kind of prompt. The first pass samples every `sampled_every`-th
+    batch (greedy otherwise); each further pass gives every prompt one more, sampled, response."""
     by_length = sorted(prompt_ids, key=len)
     chunks = [by_length[s : s + batch_size] for s in range(0, len(by_length), batch_size)]
-    random.Random(seed).shuffle(chunks)
-    return [
-        GenerationJob(i, chunk, sampled_every > 0 and i % sampled_every == sampled_every - 1)
-        for i, chunk in enumerate(chunks)
-    ]
+    jobs = []
+    for p in range(passes):
+        order = list(range(len(chunks)))
+        random.Random(seed + p * 7919).shuffle(order)
+        for i, c in enumerate(order):
+            sampled = p > 0 or (sampled_every > 0 and i % sampled_every == sampled_every - 1)
+            jobs.append(GenerationJob(len(jobs), chunks[c], sampled))
+    return jobs
 
 
 @torch.no_grad()
@@ -55,8 +63,12 @@ def generate_responses(
     temperature: float = 0.0,
     top_p: float = 1.0,
 ) -> list[list[int]]:
-    """One batched `generate` over left-padded prompts; each response ends at its first stop token
-    (kept) or after max_new_tokens."""
+    """Each prompt's response, ending at its first stop token (kept) or after max_new_tokens: our
+    batched decoding loop for attention-only targets, transformers' `generate` over left-padded prompts
+    for the others (linear-attention layers)."""
+    if batch_decode.supports(hf_model):
+        params = SamplingParams(temperature=temperature, top_p=top_p)
+        return batch_decode.decode_batch(hf_model, prompts, max_new_tokens, stop_ids, params)
     device = hf_model.device
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), stop_ids[0], dtype=torch.long)
@@ -73,14 +85,7 @@ def generate_responses(
         eos_token_id=stop_ids,
         **(sampling or dict(do_sample=False)),
     )
-    return [_cut_at_stop(row, stop_ids) for row in out[:, width:].tolist()]
-
-
-def _cut_at_stop(tokens: list[int], stop_ids: list[int]) -> list[int]:
-    for i, t in enumerate(tokens):
-        if t in stop_ids:
-            return tokens[: i + 1]
-    return tokens
+    return [batch_decode.cut_at_stop(row, stop_ids) for row in out[:, width:].tolist()]
 
 
 def write_shard(path: Path, prompts: list[list[int]], responses: list[list[int]], sampled: bool) -> None:

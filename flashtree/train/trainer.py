@@ -198,6 +198,7 @@ def train_draft_command(
     gen_batch: int,
     gen_minutes: float | None,
     sampled_every: int,
+    passes: int,
     temperature: float,
     steps: int | None,
     train_minutes: float | None,
@@ -237,7 +238,7 @@ def train_draft_command(
         if len(ids) <= max_prompt_tokens
     ]
     stop_ids = [tokenizer.eos_id] + sorted(tokenizer.stop_ids - {tokenizer.eos_id})
-    jobs = D.generation_jobs(prompt_ids, gen_batch, sampled_every, seed)
+    jobs = D.generation_jobs(prompt_ids, gen_batch, sampled_every, seed, passes)
     D.generate_dataset(
         hf, jobs, out / "data", max_new_tokens, stop_ids, temperature, 0.95, seed,
         None if gen_minutes is None else gen_minutes * 60,
