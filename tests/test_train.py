@@ -26,13 +26,20 @@ from flashtree.generate import Engine
 from flashtree.gguf.reader import GGUFFile
 from flashtree.gguf.tokenizer import Tokenizer
 from flashtree.models.dflash import DraftConfig, load_draft
+from flashtree.models.layers import Linear
 from flashtree.models.loader import load_target
 from flashtree.quant.formats import type_name
 from flashtree.train import batch_decode
 from flashtree.train import data as D
 from flashtree.train.forward import draft_hidden, new_draft, save_draft
 from flashtree.train.hf_target import hf_features
-from flashtree.train.loss import block_attention_mask, dflash_loss, make_blocks, sample_anchors
+from flashtree.train.loss import (
+    FrozenHeadCrossEntropy,
+    block_attention_mask,
+    dflash_loss,
+    make_blocks,
+    sample_anchors,
+)
 from flashtree.train.prompts import read_prompts, write_prompts
 from flashtree.train.trainer import TrainConfig, Trainer, lr_at
 
@@ -134,12 +141,33 @@ def test_loss_is_the_weighted_mean_ce_and_accept_len_counts_the_correct_prefix()
     hidden.view(-1, vocab)[torch.arange(11), labels[:11]] = 5.0  # block 0: tokens 1..7 right; block 1: 1..2
     hidden.view(-1, vocab)[11, :] = 0.0
     hidden.view(-1, vocab)[11, (labels[11] + 1) % vocab] = 9.0  # block 1, k = 3 wrong
-    out = dflash_loss(hidden, torch.nn.Identity(), blocks)
+    out = dflash_loss(hidden, Linear(torch.eye(vocab)), blocks)
 
     w = blocks.weights.view(-1)
     ce = torch.nn.functional.cross_entropy(hidden.view(-1, vocab), labels, reduction="none")
     torch.testing.assert_close(out.loss, (ce * w).sum() / w.sum())
     assert out.accept_len == pytest.approx((BLOCK + 3) / 2)  # (1 + 7 + 1 + 2) / 2
+
+
+@pytest.mark.parametrize("chunk_rows", [1000, 7])  # one chunk; several, the last one short
+def test_frozen_head_cross_entropy_equals_autograd_through_the_logits(monkeypatch, chunk_rows):
+    vocab, hidden_size, n = 40, 12, 30
+    gen = torch.Generator().manual_seed(6)
+    weight = torch.randn(vocab, hidden_size, generator=gen, dtype=torch.float64)
+    labels = torch.randint(0, vocab, (n,), generator=gen)
+    w = torch.rand(n, generator=gen, dtype=torch.float64)
+    h = torch.randn(n, hidden_size, generator=gen, dtype=torch.float64, requires_grad=True)
+    monkeypatch.setattr(FrozenHeadCrossEntropy, "CHUNK_ELEMENTS", chunk_rows * vocab)
+    loss, correct = FrozenHeadCrossEntropy.apply(h, weight, labels, w)
+    (3.0 * loss).backward()
+    got = h.grad.clone()
+    h.grad = None
+    logits = h @ weight.t()
+    want = (torch.nn.functional.cross_entropy(logits, labels, reduction="none") * w).sum()
+    (3.0 * want).backward()
+    torch.testing.assert_close(loss, want.float(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got, h.grad, rtol=1e-10, atol=1e-12)
+    assert correct.tolist() == (logits.argmax(-1) == labels).tolist()
 
 
 # --- training forward == inference -----------------------------------------------------------------

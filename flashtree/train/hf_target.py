@@ -9,19 +9,32 @@ from __future__ import annotations
 import torch
 
 
+class _LayersDone(Exception):
+    """Raised by the hook on the deepest captured layer: the layers above it are not needed."""
+
+
 @torch.no_grad()
 def hf_features(model, ids: torch.Tensor, attention_mask: torch.Tensor, layer_ids) -> torch.Tensor:
     """Outputs of the decoder layers in `layer_ids`, concatenated: (b, S, n_layers * H), the same as
     DecoderModel's `capture`. Read with forward hooks: `output_hidden_states` hands back the last
-    layer's output after the final norm. Only the base model runs (no LM head)."""
+    layer's output after the final norm. The forward stops after the deepest layer in `layer_ids`
+    (SmolLM2's draft reads layer 27 of 30); no LM head runs."""
     captured = {}
+    last = max(layer_ids)
 
     def keep(i):
-        return lambda module, args, out: captured.__setitem__(i, out[0] if isinstance(out, tuple) else out)
+        def hook(module, args, out):
+            captured[i] = out[0] if isinstance(out, tuple) else out
+            if i == last:
+                raise _LayersDone
+
+        return hook
 
     hooks = [model.model.layers[i].register_forward_hook(keep(i)) for i in layer_ids]
     try:
         model.model(input_ids=ids, attention_mask=attention_mask, use_cache=False)
+    except _LayersDone:
+        pass
     finally:
         for h in hooks:
             h.remove()

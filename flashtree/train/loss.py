@@ -11,7 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 
 @dataclass
@@ -103,18 +102,59 @@ def dflash_loss(hidden: torch.Tensor, lm_head, blocks: Blocks) -> LossOutput:
     b, n, bs = blocks.labels.shape
     w = blocks.weights.view(-1)
     chosen = (w > 0).nonzero().squeeze(1)
-    logits = lm_head(hidden.reshape(b * n * bs, -1)[chosen]).float()  # (M, V)
     labels = blocks.labels.view(-1)[chosen]
-    ce = F.cross_entropy(logits, labels, reduction="none")
-    loss = (ce * w[chosen]).sum() / w.sum().clamp(min=1e-9)
+    dev = hidden.device.type
+    dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else hidden.dtype
+    loss, chosen_correct = FrozenHeadCrossEntropy.apply(
+        hidden.reshape(b * n * bs, -1)[chosen].to(dtype),
+        lm_head.dense_weight(dtype),
+        labels,
+        w[chosen] / w.sum().clamp(min=1e-9),
+    )
     with torch.no_grad():
         correct = torch.zeros(b * n * bs, dtype=torch.bool, device=hidden.device)
-        correct[chosen] = logits.argmax(-1) == labels
+        correct[chosen] = chosen_correct
         accepted = correct.view(b, n, bs)[:, :, 1:].long().cumprod(-1).sum(-1)  # (b, N)
         kept = blocks.keep.sum().clamp(min=1)
         accept_len = float((1 + accepted)[blocks.keep].sum() / kept)
-        accuracy = float(correct[chosen].float().mean()) if chosen.numel() else 0.0
+        accuracy = float(chosen_correct.float().mean()) if chosen.numel() else 0.0
     return LossOutput(loss, accept_len, accuracy)
+
+
+class FrozenHeadCrossEntropy(torch.autograd.Function):
+    """sum_i w_i * CE(h_i @ W^T, y_i) for a frozen W, a chunk of rows at a time: each chunk's logits
+    (fp32, rows x vocab) exist only inside the forward, which also computes d loss / d h, so the
+    (tokens x vocab) logits and their gradient are never stored (~30k x 49k x 4 bytes, twice, per
+    training step before). Also returns whether each row's argmax is its label."""
+
+    CHUNK_ELEMENTS = 1 << 28  # fp32 logits per chunk: 1 GiB
+
+    @staticmethod
+    def forward(ctx, h, weight, labels, w):
+        grad = torch.empty_like(h)
+        loss = torch.zeros((), dtype=torch.float32, device=h.device)
+        correct = torch.empty(h.shape[0], dtype=torch.bool, device=h.device)
+        rows = max(1, FrozenHeadCrossEntropy.CHUNK_ELEMENTS // weight.shape[0])
+        exact = torch.promote_types(h.dtype, torch.float32)  # bf16 logits are summed in fp32
+        with torch.autocast(h.device.type, enabled=False):
+            for s in range(0, h.shape[0], rows):
+                part = slice(s, s + rows)
+                logits = (h[part] @ weight.t()).to(exact)
+                lse = logits.logsumexp(-1)
+                target = logits.gather(1, labels[part, None]).squeeze(1)
+                loss += ((lse - target) * w[part]).sum()
+                correct[part] = logits.argmax(-1) == labels[part]
+                probs = logits.sub_(lse[:, None]).exp_()  # softmax, in place
+                probs.scatter_add_(1, labels[part, None], -torch.ones_like(lse)[:, None])
+                grad[part] = probs.mul_(w[part, None]).to(h.dtype) @ weight
+        ctx.save_for_backward(grad)
+        ctx.mark_non_differentiable(correct)
+        return loss, correct
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_correct):
+        (grad,) = ctx.saved_tensors
+        return grad * grad_loss, None, None, None
 
 
 def gamma_for(block_size: int) -> float:
