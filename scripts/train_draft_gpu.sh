@@ -16,6 +16,10 @@
 #   call n:       `launch` (carry the rest): joins the pieces, starts `pipeline` in its own process
 #                 session (it outlives the call while the machine stays held), then waits;
 #   then:         `wait` (carry nothing), call after call, until the draft and the bench are back.
+# A plan that fits (session 9; the working tree is ~4 MB without the shipped draft):
+#   1. smoke:  whl, tiny.gguf, smoke_prompts.jsonl.gz, cache (its bench reads the prompt cache), part aa;
+#   2. stash:  init.gguf, prompts.jsonl.gz, data (optional, ~19 MB for 15 M tokens);
+#   3. launch: part ab.
 # The machine goes back 30 s after a call ends, taking $STASH with it (sessions 4 and 5 lost runs that
 # way, each time during a gap of the caller). So every call that ends returns what a lost machine would
 # take: the generated data once generation is over (data.tgz.part.*: put them in .stage/draft/data/
@@ -25,7 +29,8 @@
 # `pipeline`: generate responses (GEN_MINUTES; shards already in data/ are kept), train (TRAIN_MINUTES,
 # from init.gguf if staged), write the draft, convert it to the Q8_0 GGUF that ships, then
 # `flashtree bench` on the default pair with it (AR, chain, tree, HF baseline; 10 prompts per set).
-# SEED (default 0) orders the prompt batches: keep it while data/ holds an earlier run's shards.
+# SEED (default 0) orders the prompt batches: keep it, SAMPLED_EVERY and PASSES while data/ holds an
+# earlier run's shards (the fourth run's: SEED=1 SAMPLED_EVERY=0 PASSES=4, shards 0-41 of 108).
 # SAMPLED_EVERY (default 4): in the first pass over the prompts every n-th batch gets sampled
 # responses, the rest greedy (0: all greedy); PASSES (default 1) responses per prompt, those after the
 # first sampled (generation stops at GEN_MINUTES wherever it is). The `smoke` call also times
