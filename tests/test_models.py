@@ -5,6 +5,7 @@ import torch
 
 from flashtree.errors import FlashtreeError
 from flashtree.models.block import BlockLayout
+from flashtree.models.layers import grouped_attention
 from flashtree.models.loader import load_target
 from tests.tiny import hf_model, tiny_gguf
 
@@ -150,3 +151,25 @@ def test_truncate_rewinds_attention_state_and_refuses_recurrent_state(family, ti
     fresh = ours.new_state(64)
     ours(ids, fresh, logits="none")
     torch.testing.assert_close(ours(other, state).logits, ours(other, fresh).logits, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("mask_kind", ["none", "shared", "per_batch"])
+def test_grouped_attention_equals_sdpa_with_grouped_heads(mask_kind):
+    """Query heads folded into rows (the draft's and the trainer's decoding attention) == SDPA's own
+    grouped-query attention: 6 query heads on 2 KV heads, 2 sequences, 5 queries, 9 keys."""
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 6, 5, 8, generator=gen, dtype=torch.float64)
+    keys = torch.randn(2, 2, 9, 8, generator=gen, dtype=torch.float64)
+    values = torch.randn(2, 2, 9, 8, generator=gen, dtype=torch.float64)
+    mask = {
+        "none": None,
+        "shared": torch.rand(5, 9, generator=gen) < 0.6,
+        "per_batch": torch.rand(2, 5, 9, generator=gen) < 0.6,
+    }[mask_kind]
+    if mask is not None:
+        mask[..., 0] = True  # no empty row
+    want_mask = None if mask is None else (mask if mask.ndim == 2 else mask[:, None])
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q, keys, values, attn_mask=want_mask, scale=0.3, enable_gqa=True
+    )
+    torch.testing.assert_close(grouped_attention(q, keys, values, mask, 0.3), want, rtol=1e-12, atol=1e-12)

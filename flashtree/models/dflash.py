@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from flashtree.errors import FlashtreeError
@@ -29,6 +28,7 @@ from flashtree.models.layers import (
     SwiGLU,
     add_rms_norm,
     apply_rotary,
+    grouped_attention,
     rms_norm,
 )
 from flashtree.models.model import DecoderModel
@@ -168,18 +168,8 @@ class DraftLayer(nn.Module):
         mask = None
         if ctx_mask is not None:  # the block always sees itself, in both directions
             mask = torch.cat([ctx_mask, ctx_mask.new_ones(b, b)], dim=1)
-        out = (
-            F.scaled_dot_product_attention(
-                q.transpose(0, 1)[None],
-                keys[None],
-                values[None],
-                attn_mask=mask,
-                scale=self.head_dim**-0.5,
-                enable_gqa=True,
-            )[0]
-            .transpose(0, 1)
-            .reshape(b, -1)
-        )
+        out = grouped_attention(q.transpose(0, 1)[None], keys[None], values[None], mask, self.head_dim**-0.5)
+        out = out[0].transpose(0, 1).reshape(b, -1)
         h, normed = add_rms_norm(x, self.o(out), *self.mlp_norm.args)
         return h + self.mlp(normed)
 

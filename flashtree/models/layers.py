@@ -192,6 +192,27 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat([out, xp], dim=-1) if xp.shape[-1] else out
 
 
+def grouped_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scale: float
+) -> torch.Tensor:
+    """Softmax attention with grouped-query heads: q (B, nh, T, hd), keys and values (B, n_kv, S, hd),
+    mask (B, T, S) or (T, S) bool (True: attend), or None -> (B, nh, T, hd). The nh / n_kv query heads
+    that share a KV head become rows of one attention problem, so SDPA sees no grouping. Why: with a
+    mask and grouped heads, torch 2.11 ran the SmolLM2 draft's fp32 attention on its math path (most
+    likely: 5 strided-batched GEMVs, 0.55 ms of a 4.3 ms tree step on the H200, bench/results/
+    h200-step-2026-12-03/pair-b241d29), and transformers' batched decoding repeated the KV heads; SDPA's
+    fused kernels take a mask, not groups (at the draft's fp32)."""
+    *lead, n_heads, t, hd = q.shape
+    n_kv = keys.shape[-3]
+    group = n_heads // n_kv
+    if mask is not None:  # row r = g * T + i of a KV head's problem is query row i of its head g
+        *mask_lead, _, s = mask.shape
+        mask = mask.unsqueeze(-3).expand(*mask_lead, group, t, s).reshape(*mask_lead, 1, group * t, s)
+    rows = q.reshape(*lead, n_kv, group * t, hd)
+    out = F.scaled_dot_product_attention(rows, keys, values, attn_mask=mask, scale=scale)
+    return out.view(*lead, n_heads, t, hd)
+
+
 class SwiGLU(nn.Module):
     def __init__(self, gate_up: MergedLinear, down: Linear):
         super().__init__()

@@ -5,7 +5,7 @@ tokens/s): its dynamic cache copies every layer's whole KV cache at each step, g
 repeats K/V heads, and finished rows keep running until the longest one ends. This loop runs the same
 transformers modules (their projections, norms, MLPs and RoPE) with
 - one preallocated KV cache per layer, written in place, attention reading only the slots filled so far;
-- grouped-query attention without repeating K/V: a KV head's query heads are folded into its query rows;
+- grouped-query attention without repeating K/V (models.layers.grouped_attention);
 - finished rows dropped from the batch (cache included) once they are a quarter of it.
 It serves attention-only decoders (llama, qwen3); `supports` says whether a model is one.
 """
@@ -13,9 +13,9 @@ It serves attention-only decoders (llama, qwen3); `supports` says whether a mode
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from flashtree.config import SamplingParams
+from flashtree.models.layers import grouped_attention
 from flashtree.sampling import filter_logits
 
 SLOT_ALIGN = 16  # attention reads cache slots in multiples of this (aligned masks for the fused kernels)
@@ -67,18 +67,10 @@ def _attention(attn, x, cos, sin, batch: _Batch, layer: int, mask) -> torch.Tens
     first, end = batch.filled, batch.filled + t
     batch.keys[layer][:, :, first:end] = k
     batch.values[layer][:, :, first:end] = v
-    n_kv = k.shape[1]
-    group = q.shape[1] // n_kv
     read = mask.shape[-1]
-    # (b, kv, group * t, d): the query heads sharing a KV head become rows of one attention problem.
-    out = F.scaled_dot_product_attention(
-        q.reshape(b, n_kv, group * t, head_dim),
-        batch.keys[layer][:, :, :read],
-        batch.values[layer][:, :, :read],
-        attn_mask=mask,
-        scale=attn.scaling,
-    )
-    return attn.o_proj(out.view(b, q.shape[1], t, head_dim).transpose(1, 2).reshape(b, t, -1))
+    keys, values = batch.keys[layer][:, :, :read], batch.values[layer][:, :, :read]
+    out = grouped_attention(q, keys, values, mask, attn.scaling)  # (b, heads, t, d)
+    return attn.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
 
 def _forward(hf_model, ids: torch.Tensor, positions: torch.Tensor, batch: _Batch) -> torch.Tensor:
@@ -93,12 +85,10 @@ def _forward(hf_model, ids: torch.Tensor, positions: torch.Tensor, batch: _Batch
     # row must not be empty, or attention would put NaN into the cache).
     sees = (slots[None, None] <= query_slots[None, :, None]) & batch.real[:, None, :read]
     sees |= slots[None, None] == query_slots[None, :, None]
-    group = model.config.num_attention_heads // model.config.num_key_value_heads
-    mask = sees[:, None, None].expand(-1, 1, group, -1, -1).reshape(ids.shape[0], 1, group * t, read)
     x = model.embed_tokens(ids)
     cos, sin = model.rotary_emb(x, positions)
     for i, layer in enumerate(model.layers):
-        x = x + _attention(layer.self_attn, layer.input_layernorm(x), cos, sin, batch, i, mask)
+        x = x + _attention(layer.self_attn, layer.input_layernorm(x), cos, sin, batch, i, sees)
         x = x + layer.mlp(layer.post_attention_layernorm(x))
     batch.filled += t
     return hf_model.lm_head(model.norm(x[:, -1]))
