@@ -9,8 +9,9 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from flashtree import kernels  # noqa: E402
-from flashtree.kernels.rotary import rotary  # noqa: E402
+from flashtree.kernels.rotary import rotary, rotary_store  # noqa: E402
 from flashtree.models.layers import Rotary, apply_rotary  # noqa: E402
+from flashtree.models.state import KVCache  # noqa: E402
 
 
 def torch_rotary(x, cos, sin):
@@ -48,4 +49,47 @@ def test_apply_rotary_takes_the_kernel_only_where_it_gives_the_same_result(monke
     assert len(calls) == 1
     apply_rotary(x.requires_grad_(), cos, sin)  # training: autograd needs the torch ops
     apply_rotary(x.detach().bfloat16(), cos, sin)  # mixed dtypes: torch would promote
+    assert len(calls) == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize(
+    "heads,kv_heads,head_dim,rot", [(4, 2, 64, 64), (6, 2, 32, 16)], ids=["full", "partial"]
+)
+@pytest.mark.parametrize("tokens", [1, 7])
+def test_rotary_store_is_rotary_and_index_copy_bit_for_bit(tokens, heads, kv_heads, head_dim, rot, dtype):
+    """The fused launch == rotary on q and k plus the cache's two index copies, with q, k, v strided
+    views of one merged projection output (as the attention layer hands them over) and slots out of
+    order; the rest of the cache untouched."""
+    gen = torch.Generator().manual_seed(tokens + heads)
+    width = (heads + 2 * kv_heads) * head_dim
+    merged = (torch.randn(tokens, width, generator=gen) * 3).to(dtype)
+    q = merged[:, : heads * head_dim].view(tokens, heads, head_dim)
+    k = merged[:, heads * head_dim : (heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
+    v = merged[:, (heads + kv_heads) * head_dim :].view(tokens, kv_heads, head_dim)
+    cos, sin = Rotary(rot, 1e4).cos_sin(torch.randint(0, 5000, (tokens,), generator=gen), dtype)
+    slots = torch.randperm(40, generator=gen)[:tokens]
+    k_cache, v_cache = (torch.randn(kv_heads, 40, head_dim, generator=gen).to(dtype) for _ in range(2))
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    want_k.index_copy_(1, slots, torch_rotary(k, cos, sin).transpose(0, 1))
+    want_v.index_copy_(1, slots, v.transpose(0, 1))
+    got_q = rotary_store(q, k, v, cos, sin, k_cache, v_cache, slots)
+    assert torch.equal(got_q, torch_rotary(q, cos, sin))
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+
+
+def test_kv_cache_takes_the_fused_launch_only_where_it_gives_the_same_result(monkeypatch):
+    calls = []
+    monkeypatch.setattr(kernels, "triton_kernels_for", lambda x: True)
+    monkeypatch.setattr("flashtree.kernels.rotary.rotary_store", lambda *a: calls.append(a) or a[0])
+    cos, sin = Rotary(16, 1e4).cos_sin(torch.arange(3), torch.float32)
+    q, k, v = torch.randn(3, 4, 16), torch.randn(3, 2, 16), torch.randn(3, 2, 16)
+    cache = KVCache(torch.zeros(2, 8, 16), torch.zeros(2, 8, 16))
+    cache.write_rotated(torch.arange(3), q, k, v, cos, sin)
+    assert len(calls) == 1
+    cache.write_rotated(torch.arange(3), q.requires_grad_(), k, v, cos, sin)  # autograd: torch ops
+    bf16 = torch.zeros(2, 8, 16, dtype=torch.bfloat16)
+    bf16_cache = KVCache(bf16, bf16.clone())
+    with pytest.raises(RuntimeError):  # a cache of another dtype: torch's index_copy refuses it too
+        bf16_cache.write_rotated(torch.arange(3), q.detach(), k, v, cos, sin)
     assert len(calls) == 1

@@ -28,25 +28,57 @@ def rounded(v, BF16: tl.constexpr):
 
 
 @triton.jit
-def _rotary_kernel(
-    x_ptr, cos_ptr, sin_ptr, out_ptr, stride_t, stride_h, H, D: tl.constexpr, ROT: tl.constexpr,
-    BD: tl.constexpr, BF16: tl.constexpr,
-):  # fmt: skip
-    """Program (t, h): head h of token t, its first ROT dims rotated, the rest copied."""
-    t = tl.program_id(0)
-    h = tl.program_id(1)
+def _rotated_row(
+    row, cos_ptr, sin_ptr, t, D: tl.constexpr, ROT: tl.constexpr, BD: tl.constexpr, BF16: tl.constexpr
+):
+    """One head of token t at `row`: its first ROT dims rotated, the rest as they are; (BD,) fp32
+    holding values of the tensor's dtype (so the store's cast is exact)."""
     d = tl.arange(0, BD)
     half = ROT // 2
     rotating = d < ROT
-    row = x_ptr + t * stride_t + h * stride_h
     x = tl.load(row + d, mask=d < D, other=0.0).to(tl.float32)
     partner = tl.load(row + tl.where(d < half, d + half, d - half), mask=rotating, other=0.0).to(tl.float32)
     rotated = tl.where(d < half, -partner, partner)  # cat([-x2, x1])
     cos = tl.load(cos_ptr + t * ROT + d, mask=rotating, other=0.0).to(tl.float32)
     sin = tl.load(sin_ptr + t * ROT + d, mask=rotating, other=0.0).to(tl.float32)
     y = rounded(rounded(x * cos, BF16) + rounded(rotated * sin, BF16), BF16)
-    out = tl.where(rotating, y, x)  # values of x's dtype: the store's cast is exact
+    return tl.where(rotating, y, x)
+
+
+@triton.jit
+def _rotary_kernel(
+    x_ptr, cos_ptr, sin_ptr, out_ptr, stride_t, stride_h, H, D: tl.constexpr, ROT: tl.constexpr,
+    BD: tl.constexpr, BF16: tl.constexpr,
+):  # fmt: skip
+    """Program (t, h): head h of token t."""
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    d = tl.arange(0, BD)
+    out = _rotated_row(x_ptr + t * stride_t + h * stride_h, cos_ptr, sin_ptr, t, D, ROT, BD, BF16)
     tl.store(out_ptr + (t * H + h) * D + d, out.to(out_ptr.dtype.element_ty), mask=d < D)
+
+
+@triton.jit
+def _rotary_store_kernel(
+    q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, slots_ptr,
+    q_st, q_sh, k_st, k_sh, v_st, v_sh, cache_sh, cache_ss, NQ, D: tl.constexpr, ROT: tl.constexpr,
+    BD: tl.constexpr, BF16: tl.constexpr,
+):  # fmt: skip
+    """Program (t, h): query head h of token t (h < NQ), else KV head h - NQ: its rotated K and its V
+    stored at the token's cache slot."""
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    d = tl.arange(0, BD)
+    if h < NQ:
+        out = _rotated_row(q_ptr + t * q_st + h * q_sh, cos_ptr, sin_ptr, t, D, ROT, BD, BF16)
+        tl.store(q_out_ptr + (t * NQ + h) * D + d, out.to(q_out_ptr.dtype.element_ty), mask=d < D)
+    else:
+        j = h - NQ
+        at = j * cache_sh + tl.load(slots_ptr + t) * cache_ss + d
+        k = _rotated_row(k_ptr + t * k_st + j * k_sh, cos_ptr, sin_ptr, t, D, ROT, BD, BF16)
+        tl.store(k_cache_ptr + at, k.to(k_cache_ptr.dtype.element_ty), mask=d < D)
+        v = tl.load(v_ptr + t * v_st + j * v_sh + d, mask=d < D)
+        tl.store(v_cache_ptr + at, v, mask=d < D)
 
 
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -60,3 +92,23 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
         BD=triton.next_power_of_2(d), BF16=x.dtype == torch.bfloat16, enable_fp_fusion=False,
     )  # fmt: skip
     return out
+
+
+def rotary_store(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+) -> torch.Tensor:  # fmt: skip
+    """One launch for an attention layer's RoPE and cache write: q (T, heads, hd) rotated into a new
+    tensor (returned), k (T, n_kv, hd) rotated and v as it is stored at `slots` (T,) of the caches
+    (n_kv, max_ctx, hd), unit stride along hd and slots. The same bits as two `rotary` calls and two
+    index copies (four launches: a small model's decode step is bound by launches)."""
+    t, nq, d = q.shape
+    n_kv = k.shape[1]
+    q_out = torch.empty(t, nq, d, dtype=q.dtype, device=q.device)
+    _rotary_store_kernel[(t, nq + n_kv)](
+        q, k, v, cos.contiguous(), sin.contiguous(), q_out, k_cache, v_cache, slots,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), nq, D=d, ROT=cos.shape[-1], BD=triton.next_power_of_2(d),
+        BF16=q.dtype == torch.bfloat16, enable_fp_fusion=False,
+    )  # fmt: skip
+    return q_out

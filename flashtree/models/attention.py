@@ -8,7 +8,7 @@ from torch import nn
 
 from flashtree import kernels
 from flashtree.kernels.attention import tree_attention
-from flashtree.models.layers import Linear, MergedLinear, apply_rotary, rms_norm
+from flashtree.models.layers import Linear, MergedLinear, rms_norm
 from flashtree.models.pass_ import ForwardPass
 from flashtree.models.state import KVCache
 
@@ -48,9 +48,7 @@ class Attention(nn.Module):
             q = rms_norm(q, self.q_norm, self.eps)
             k = rms_norm(k, self.k_norm, self.eps)
         cos, sin = fp.rope()
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-
-        kv.write(fp.slots, k, v)
+        q = kv.write_rotated(fp.slots, q, k, v, cos, sin)
         decode = t == 1 or not fp.commit  # an AR step or a verify (any size); prefill is the rest
         if kernels.triton_kernels_for(q) and decode and not torch.is_grad_enabled():
             # every row computed as the AR step computes it (see kernels/attention.py)

@@ -176,11 +176,17 @@ class Rotary(nn.Module):
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
+def rotary_kernel_fits(x: torch.Tensor, cos: torch.Tensor) -> bool:
+    """Whether the Triton rotary kernels compute apply_rotary's bits for x: inference on the GPU, x and
+    cos of one dtype (else torch promotes), fp32 or bf16, unit stride along head_dim."""
+    kernel_dtypes = cos.dtype == x.dtype in (torch.float32, torch.bfloat16)
+    return kernels.triton_kernels_for(x) and not x.requires_grad and kernel_dtypes and x.stride(-1) == 1
+
+
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: (T, heads, head_dim); cos/sin: (T, rot). Dims past `rot` pass through unchanged. On the GPU
     (inference) one Triton launch computes the same bits (kernels/rotary.py)."""
-    kernel_dtypes = cos.dtype == x.dtype in (torch.float32, torch.bfloat16)  # else torch promotes
-    if kernels.triton_kernels_for(x) and not x.requires_grad and kernel_dtypes and x.stride(-1) == 1:
+    if rotary_kernel_fits(x, cos):
         from flashtree.kernels.rotary import rotary
 
         return rotary(x, cos, sin)
