@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from flashtree import kernels
 from flashtree.models.block import BlockLayout
 
 NEG_INF = float("-inf")
@@ -52,6 +53,11 @@ def build_tree(
     depth_l, vocab = draft_logits.shape
     k = min(top_k, vocab)
     logp, tok = torch.log_softmax(draft_logits.float() / temperature, dim=-1).topk(k, dim=-1)  # (L, k)
+    if kernels.triton_kernels_for(draft_logits) and fills_budget(k, depth_l, budget):
+        from flashtree.kernels.ddtree import ddtree  # the same tree in one launch
+
+        tokens, parents, depths, visible = ddtree(root, logp, tok, budget, CHAIN_BONUS if chain_seed else 0.0)
+        return DraftTree(tokens, BlockLayout(parents=parents, depths=depths, visible=visible))
     dev = draft_logits.device
     width = budget  # candidates kept per depth
     # With chain_seed the greedy chain is slot 0 of every level: the bonus on (slot 0, rank 0) makes

@@ -1,0 +1,41 @@
+"""The one-launch DDTree build vs spec/tree.py's torch path, on CPU through Triton's interpreter: the
+same nodes, parents, depths and ancestor matrix."""
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before the kernel is compiled: run it on CPU tensors
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from flashtree import kernels  # noqa: E402
+from flashtree.spec.tree import build_tree, fills_budget  # noqa: E402
+
+
+@pytest.mark.parametrize("chain_seed", [True, False])
+@pytest.mark.parametrize(
+    "budget,top_k,depth", [(22, 8, 15), (22, 3, 4), (8, 2, 5), (40, 4, 3), (5, 3, 6), (1, 8, 16), (63, 4, 5)]
+)
+@pytest.mark.parametrize("seed", [0, 1])
+def test_kernel_builds_the_torch_paths_tree(monkeypatch, chain_seed, budget, top_k, depth, seed):
+    assert fills_budget(top_k, depth, budget)
+    g = torch.Generator().manual_seed(seed)
+    logits = 3 * torch.randn(depth, 300, generator=g)
+    root = torch.tensor(7)
+    monkeypatch.setattr(kernels, "triton_kernels_for", lambda x: False)
+    want = build_tree(root, logits, budget, top_k, chain_seed)
+    monkeypatch.setattr(kernels, "triton_kernels_for", lambda x: True)
+    got = build_tree(root, logits, budget, top_k, chain_seed)
+    assert torch.equal(got.tokens, want.tokens)
+    assert torch.equal(got.layout.parents, want.layout.parents)
+    assert torch.equal(got.layout.depths, want.layout.depths)
+    assert torch.equal(got.layout.visible, want.layout.visible)
+
+
+def test_kernel_is_used_only_when_the_budget_is_always_filled(monkeypatch):
+    """A tiny vocabulary can hold fewer than `budget` paths: the torch path counts them (a host sync)."""
+    calls = []
+    monkeypatch.setattr(kernels, "triton_kernels_for", lambda x: True)
+    monkeypatch.setattr("flashtree.kernels.ddtree.ddtree", lambda *a: calls.append(a) or None)
+    build_tree(torch.tensor(1), torch.randn(2, 3), 20, 3)  # 3 + 9 paths < 20
+    assert not calls
