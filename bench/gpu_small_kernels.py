@@ -5,7 +5,12 @@
 The CPU tests run these kernels under Triton's interpreter, which is not the compiler; this is the
 check on the device (it needs no model files):
 - rotary (kernels/rotary.py): bit for bit the torch ops of layers.apply_rotary, fp32 and bf16, full and
-  partial rotary, a strided q;
+  partial rotary, a strided q; and rotary_store (RoPE on q and k plus the K/V cache write in one launch)
+  bit for bit rotary + index_copy;
+- the DDTree build (kernels/ddtree.py): the torch path's tree (tokens, parents, depths, visibility) on
+  random fp32 draft logits of SmolLM2's and the 27B's vocabularies;
+- grouped_attention (models/layers.py: query heads folded into rows) within 1e-5 (fp32) / 1.6e-2
+  (bf16) of SDPA's own grouped-query attention at the drafts' shapes;
 - tree conv + SiLU (kernels/tree_conv.py) and the tree Gated DeltaNet (kernels/tree_deltanet.py):
   within 1e-5 of the torch reference in fp32 on a tree with siblings, and each token computed alone
   (from its parent's state: the AR step, also writing its state in place) equal to its row of the
@@ -29,13 +34,14 @@ import torch
 from flashtree import kernels
 from flashtree.kernels import fused
 from flashtree.kernels.attention import SPLIT, tree_attention
-from flashtree.kernels.rotary import rotary
+from flashtree.kernels.rotary import rotary, rotary_store
 from flashtree.kernels.tree_conv import tree_conv_silu
 from flashtree.kernels.tree_deltanet import tree_gated_delta_rule
 from flashtree.models import layers
 from flashtree.models.block import BlockLayout
 from flashtree.models.deltanet import delta_rule_inputs, recurrent_delta_rule
-from flashtree.models.layers import Rotary, apply_rotary
+from flashtree.models.layers import Rotary, apply_rotary, grouped_attention
+from flashtree.spec.tree import CHAIN_BONUS, build_tree
 
 # without a GPU: a dry run on the CPU under TRITON_INTERPRET=1
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -73,6 +79,77 @@ def check_rotary() -> list[dict]:
                     "bitwise": torch.equal(got, reference),
                     "max_abs_diff": (got.float() - reference.float()).abs().max().item(),
                 })  # fmt: skip
+    return rows
+
+
+def check_rotary_store() -> list[dict]:
+    rows = []
+    for dtype in (torch.float32, torch.bfloat16):
+        for heads, kv_heads, head_dim, rot in ((9, 3, 64, 64), (24, 4, 256, 64)):
+            for tokens in (1, 23):
+                gen = torch.Generator().manual_seed(tokens + heads)
+                width = (heads + 2 * kv_heads) * head_dim
+                merged = (torch.randn(tokens, width, generator=gen) * 3).to(DEVICE, dtype)
+                q = merged[:, : heads * head_dim].view(tokens, heads, head_dim)
+                q_end, k_end = heads * head_dim, (heads + kv_heads) * head_dim
+                k = merged[:, q_end:k_end].view(tokens, kv_heads, head_dim)
+                v = merged[:, k_end:].view(tokens, kv_heads, head_dim)
+                positions = torch.randint(0, 200_000, (tokens,), generator=gen)
+                cos, sin = (c.to(DEVICE) for c in Rotary(rot, 1e7).cos_sin(positions, dtype))
+                slots = torch.randperm(600, generator=gen)[:tokens].to(DEVICE)
+                caches = [torch.randn(kv_heads, 600, head_dim, generator=gen) for _ in range(2)]
+                caches = [c.to(DEVICE, dtype) for c in caches]
+                want_k, want_v = (c.clone() for c in caches)
+                want_k.index_copy_(1, slots, torch_rotary(k, cos, sin).transpose(0, 1))
+                want_v.index_copy_(1, slots, v.transpose(0, 1))
+                got_q = rotary_store(q, k, v, cos, sin, *caches, slots)
+                bitwise = torch.equal(got_q, torch_rotary(q, cos, sin)) and torch.equal(caches[0], want_k)
+                rows.append({
+                    "kernel": "rotary_store", "dtype": str(dtype), "shape": [tokens, heads, head_dim],
+                    "rot": rot,
+                    "bitwise": bitwise and torch.equal(caches[1], want_v),
+                })  # fmt: skip
+    return rows
+
+
+def check_ddtree() -> list[dict]:
+    rows = []
+    for vocab, depth, budget, top_k in ((49152, 15, 22, 8), (248320, 15, 22, 8), (49152, 15, 63, 8)):
+        for chain_seed in (True, False):
+            gen = torch.Generator().manual_seed(vocab + budget)
+            logits = (3 * torch.randn(depth, vocab, generator=gen)).to(DEVICE)
+            root = torch.tensor(7, device=DEVICE)
+            want = torch_path(build_tree, root, logits, budget, top_k, chain_seed)
+            got = build_tree(root, logits, budget, top_k, chain_seed)
+            same = [torch.equal(a, b) for a, b in ((got.tokens, want.tokens), (got.layout.parents,
+                    want.layout.parents), (got.layout.depths, want.layout.depths),
+                    (got.layout.visible, want.layout.visible))]  # fmt: skip
+            rows.append({"kernel": "ddtree", "vocab": vocab, "budget": budget, "chain_seed": chain_seed,
+                         "bonus": CHAIN_BONUS if chain_seed else 0.0, "same_tree": all(same)})  # fmt: skip
+    return rows
+
+
+def check_grouped_attention() -> list[dict]:
+    rows = []
+    for dtype in (torch.float32, torch.bfloat16):
+        for heads, kv_heads, head_dim, keys_n in ((9, 3, 64, 528), (32, 8, 128, 4112)):
+            gen = torch.Generator().manual_seed(heads)
+            q = torch.randn(1, heads, 16, head_dim, generator=gen).to(DEVICE, dtype)
+            kv = [torch.randn(1, kv_heads, keys_n, head_dim, generator=gen) for _ in range(2)]
+            kv = [t.to(DEVICE, dtype) for t in kv]
+            mask = (torch.rand(16, keys_n, generator=gen) < 0.7).to(DEVICE)
+            mask[:, -16:] = True
+            got = grouped_attention(q, *kv, mask, head_dim**-0.5)
+            want = torch.nn.functional.scaled_dot_product_attention(
+                q, *kv, attn_mask=mask, scale=head_dim**-0.5, enable_gqa=True
+            )
+            diff = (got.float() - want.float()).abs().max().item()
+            rows.append({
+                "kernel": "grouped_attention", "dtype": str(dtype), "heads": [heads, kv_heads],
+                "keys": keys_n, "max_abs_diff": diff,
+                # two attention kernels: fp32 sums in another order; bf16 outputs (|x| < 1) 2 ulp apart
+                "within_rounding": diff <= (1e-5 if dtype == torch.float32 else 1.6e-2),
+            })  # fmt: skip
     return rows
 
 
@@ -238,19 +315,29 @@ def check_attention() -> list[dict]:
 def main(out_dir: Path) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     name = torch.cuda.get_device_name(DEVICE) if DEVICE.type == "cuda" else "cpu (TRITON_INTERPRET)"
-    result = {"device": name, "torch": torch.__version__, "rotary": check_rotary()}
+    result = {"device": name, "torch": torch.__version__, "rotary": check_rotary() + check_rotary_store()}
+    result["ddtree"], result["grouped_attention"] = check_ddtree(), check_grouped_attention()
     recurrent = [check_tree_conv(), check_tree_deltanet(), *check_attention()]
     result.update({row["kernel"]: row for row in recurrent})
     result["fused"] = check_fused()
     (out_dir / "small_kernels.json").write_text(json.dumps(result, indent=2) + "\n")
     for row in result["rotary"]:
-        print(f"rotary {row['dtype']:<15} {row['shape']} rot {row['rot']:<4} bitwise {row['bitwise']}")
+        print(f"{row['kernel']:<13} {row['dtype']:<15} {row['shape']} rot {row['rot']:<4} "
+              f"bitwise {row['bitwise']}")  # fmt: skip
     for row in recurrent:
         print(f"{row['kernel']:<14} max |err| {row['max_abs_err']:.2e}  rows bitwise {row['rows_bitwise']}")
     for row in result["fused"]:
         print(f"{row['kernel']:<16} max |diff| {row['max_abs_diff']:.2e}  within rounding "
               f"{row['within_rounding']}  rows bitwise {row['rows_bitwise']}")  # fmt: skip
+    for row in result["ddtree"]:
+        print(f"ddtree vocab {row['vocab']} budget {row['budget']} chain {row['chain_seed']}: "
+              f"same tree {row['same_tree']}")  # fmt: skip
+    for row in result["grouped_attention"]:
+        print(f"grouped_attention {row['dtype']:<15} heads {row['heads']} keys {row['keys']}: "
+              f"max |diff| {row['max_abs_diff']:.2e} within rounding {row['within_rounding']}")  # fmt: skip
     failures = [r for r in result["rotary"] if not r["bitwise"]]
+    failures += [r for r in result["ddtree"] if not r["same_tree"]]
+    failures += [r for r in result["grouped_attention"] if not r["within_rounding"]]
     failures += [r for r in result["fused"] if not (r["within_rounding"] and r["rows_bitwise"])]
     failures += [r for r in recurrent if not (r["ok"] and r["rows_bitwise"])]
     print("FAILURES" if failures else "all ok", len(failures))
