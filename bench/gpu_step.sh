@@ -15,8 +15,8 @@
 #   step     flashtree bench-step on the 27B: packed weights (the quantized kernels), then dense bf16
 #            (STEP_WEIGHTS=packed: the first only); packed runs once per STEP_ARITH (default int8;
 #            "int8 bf16": both arithmetics, FLASHTREE_QMM_ARITH)
-#   stage-a  stash the SmolLM2 GGUF's first half (carry .stage/draft/smollm2.part.aa; with the 12 MB
-#            shipped draft in the working tree the call stays just under its 64 MiB)
+#   stage-a  stash the SmolLM2 GGUF's first half (carry .stage/draft/smollm2.part.aa, 49 MB: move the
+#            20.6 MB shipped draft out of the working tree for this call and the next, prep stashed it)
 #   pair     join the second half (carry .stage/draft/smollm2.part.ab), then `flashtree bench` on the
 #            default pair: AR / chain / tree / HF baseline, 10 prompts per set, 256 new tokens
 #   profile-pair  bench/gpu_profile_steps.py on the default pair (after pair): kernels per graphed step
