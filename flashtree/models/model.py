@@ -22,9 +22,18 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.mixer, self.mlp, self.mixer_norm, self.mlp_norm = mixer, mlp, mixer_norm, mlp_norm
 
-    def forward(self, x: torch.Tensor, state: KVCache | DeltaNetState, fp: ForwardPass) -> torch.Tensor:
-        h, normed = add_rms_norm(x, self.mixer(self.mixer_norm(x), state, fp), *self.mlp_norm.args)
-        return h + self.mlp(normed)
+    def forward(
+        self, x: torch.Tensor, pending: torch.Tensor | None, state: KVCache | DeltaNetState, fp: ForwardPass
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The layer's input is x + pending (pending None: x): the previous layer's MLP output joins the
+        residual stream inside this layer's first RMSNorm (one fused launch, kernels/fused.py), not in
+        an add of its own. Returns (the input, the residual after the mixer, the MLP output to add)."""
+        if pending is None:
+            normed = self.mixer_norm(x)
+        else:
+            x, normed = add_rms_norm(x, pending, *self.mixer_norm.args)
+        h, normed = add_rms_norm(x, self.mixer(normed, state, fp), *self.mlp_norm.args)
+        return x, h, self.mlp(normed)
 
 
 @dataclass
@@ -102,10 +111,6 @@ class DecoderModel(nn.Module):
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.embedding[tokens]
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Final norm + LM head, fp32 logits."""
-        return self.lm_head(self.norm(hidden)).float()
-
     @torch.inference_mode()
     def forward(
         self,
@@ -125,18 +130,25 @@ class DecoderModel(nn.Module):
         exact = n_keys is None
         n_keys = state.seq_len + t if exact else n_keys
         fp = ForwardPass(state.position, n_keys, exact, layout, commit, self.rotary, self.dtype)
-        x = self.embed(tokens)
+        x, pending = self.embed(tokens), None
         captured = {}
         for i, layer in enumerate(self.layers):
-            x = layer(x, state.layers[i], fp)
-            if i in capture:
-                captured[i] = x
+            layer_input, x, pending = layer(x, pending, state.layers[i], fp)
+            if i - 1 in capture:
+                captured[i - 1] = layer_input  # layer i - 1's output
         if commit:
             state.commit_all(t)
         else:
             state.pending = t
-        feats = torch.cat([captured[i] for i in capture], dim=-1) if capture else None
+        last, head = len(self.layers) - 1, None
         if logits == "none":
-            return ForwardOutput(None, feats)
-        h = x[-1:] if logits == "last" else x
-        return ForwardOutput(self.logits(h), feats)
+            if last in capture:
+                captured[last] = x + pending
+        else:  # the last layer's MLP output joins the stream inside the final norm: one launch
+            rows = slice(None) if logits == "all" or last in capture else slice(-1, None)
+            out, normed = add_rms_norm(x[rows], pending[rows], *self.norm.args)
+            if last in capture:
+                captured[last] = out
+            head = normed if logits == "all" else normed[-1:]
+        feats = torch.cat([captured[i] for i in capture], dim=-1) if capture else None
+        return ForwardOutput(None if head is None else self.lm_head(head).float(), feats)
