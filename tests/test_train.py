@@ -422,6 +422,8 @@ def test_tiny_run_lowers_loss_raises_accept_len_and_resumes(tiny, tiny_data, tmp
     assert acc1 > acc0 + 0.5, (acc0, acc1)
     logged = [json.loads(line) for line in (tmp_path / "train_log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in logged] == list(range(35, 61, 5))
+    phases = ("ms_features", "ms_forward", "ms_backward", "ms_optimizer")
+    assert all(r[p] >= 0 for r in logged for p in phases)  # where each step's time went
     assert logged[-1]["lr"] < 0.05 * cfg.lr  # the cosine ran to its end
 
 

@@ -50,6 +50,35 @@ class TrainConfig:
     log_every: int = 10
 
 
+class PhaseClock:
+    """Milliseconds of each phase of a training step (the target's features, the draft's forward and
+    loss, backward, optimizer), logged with every step so that a run's log says where its time went.
+    On the GPU CUDA events on the stream: no synchronization beyond the step's own loss read-back."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.marks: list[tuple[str, object]] = [("start", self._now())]
+
+    def _now(self):
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def mark(self, phase: str) -> None:
+        self.marks.append((phase, self._now()))
+
+    def milliseconds(self) -> dict[str, float]:
+        """{"ms_<phase>": ...}; on the GPU, call once the step's work is done (the loss was read)."""
+        if self.cuda:
+            self.marks[-1][1].synchronize()
+        out = {}
+        for (_, a), (phase, b) in zip(self.marks, self.marks[1:], strict=False):
+            out[f"ms_{phase}"] = a.elapsed_time(b) if self.cuda else (b - a) * 1e3
+        return out
+
+
 def lr_at(step: int, progress: float, cfg: TrainConfig) -> float:
     """Linear warmup over the first steps, times a cosine from 1 to 0 over the run's progress (0..1).
     A time-limited run measures progress in training seconds, so its schedule always fits its time,
@@ -122,8 +151,10 @@ class Trainer:
 
     def train_step(self, indices: list[int]) -> dict:
         cfg = self.cfg
+        clock = PhaseClock(self.device)
         ids, attention, response = D.collate(self.seqs, indices, self.device)
         features = hf_features(self.hf, ids, attention.long(), self.draft.config.target_layer_ids)
+        clock.mark("features")
         generator = torch.Generator().manual_seed(cfg.seed * 1_000_003 + self.step)
         anchors, keep = sample_anchors(response, cfg.anchors, generator)
         blocks = make_blocks(
@@ -135,16 +166,20 @@ class Trainer:
         with torch.autocast(self.device.type, torch.bfloat16, enabled=self.device.type == "cuda"):
             hidden = draft_hidden(self.draft, features, blocks.ids, blocks.positions, blocks.mask)
             out = dflash_loss(hidden, self.draft.target.lm_head, blocks)
+        clock.mark("forward")
         self.optimizer.zero_grad(set_to_none=True)
         out.loss.backward()
+        clock.mark("backward")
         torch.nn.utils.clip_grad_norm_(self.draft.parameters(), cfg.grad_clip)
         self.optimizer.step()
+        clock.mark("optimizer")
         self.step += 1
         return {
             "loss": float(out.loss.detach()),  # also waits for the GPU, so step times are real
             "accept_len": out.accept_len,
             "accuracy": out.accuracy,
             "lr": lr,
+            **clock.milliseconds(),
         }
 
     def run(self) -> None:
@@ -174,9 +209,11 @@ class Trainer:
         row |= {k: sum(w[k] for w in window) / len(window) for k in window[0]}
         with open(log_path, "a", encoding="utf-8") as f:
             f.write(json.dumps(row) + "\n")
+        phases = " ".join(f"{k[3:]} {v:.0f}" for k, v in row.items() if k.startswith("ms_"))
         self.log(
             f"train: step {self.step} ({row['progress']:.0%}) loss {row['loss']:.3f} accept "
-            f"{row['accept_len']:.2f} acc {row['accuracy']:.3f} lr {row['lr']:.2e} ({row['train_s']:.0f}s)"
+            f"{row['accept_len']:.2f} acc {row['accuracy']:.3f} lr {row['lr']:.2e} ({row['train_s']:.0f}s; "
+            f"ms: {phases})"
         )
 
 
