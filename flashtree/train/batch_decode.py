@@ -1,9 +1,10 @@
 """Batched decoding of thousands of prompts at once: the responses the draft trainer learns from.
 
-Transformers' `generate` spent ~90 ms a step on a 2048-prompt batch of SmolLM2 on the H200 (~20k
-tokens/s): its dynamic cache copies every layer's whole KV cache at each step, grouped-query attention
-repeats K/V heads, and finished rows keep running until the longest one ends. This loop runs the same
-transformers modules (their projections, norms, MLPs and RoPE) with
+Transformers' `generate` decoded 14.4k tokens/s for 2048 prompts of a SmolLM2-shaped model on the
+H200, this loop 54.6k (bench/results/h200-batch-decode-2026-12-03): its dynamic cache copies every
+layer's whole KV cache at each step, grouped-query attention repeats K/V heads, and finished rows keep
+running until the longest one ends. This loop runs the same transformers modules (their projections,
+norms, MLPs and RoPE) with
 - one preallocated KV cache per layer, written in place, attention reading only the slots filled so far;
 - grouped-query attention without repeating K/V (models.layers.grouped_attention);
 - finished rows dropped from the batch (cache included) once they are a quarter of it.
@@ -35,7 +36,7 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 class _Batch:
     """The rows still decoding: their KV caches (one (rows, kv_heads, slots, head_dim) pair per layer),
-    which slots hold real tokens, the next position of each row and the original row index."""
+    which slots hold real tokens (not left padding) and each row's index in the original batch."""
 
     def __init__(self, hf_model, n_rows: int, n_slots: int, device, dtype):
         c = hf_model.config
