@@ -85,6 +85,11 @@ def test_hf_features_equal_our_captured_layers(tiny_root, seed):
     for row, n in enumerate(lengths):
         ours = model(ids[row, :n], model.new_state(32), capture=(0, 1)).features
         torch.testing.assert_close(feats[row, :n], ours, atol=1e-5, rtol=1e-5)
+    ran = []  # layers above the deepest captured one do not run
+    hook = hf.model.layers[1].register_forward_pre_hook(lambda *a: ran.append(1))
+    torch.testing.assert_close(hf_features(hf, ids, attention, (0,)), feats[..., : model.config.hidden])
+    hook.remove()
+    assert not ran
 
 
 # --- blocks, masks, loss -------------------------------------------------------------------------------

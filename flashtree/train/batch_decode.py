@@ -4,7 +4,7 @@ Transformers' `generate` decoded 14.4k tokens/s for 2048 prompts of a SmolLM2-sh
 H200, this loop 54.6k (bench/results/h200-batch-decode-2026-12-03): its dynamic cache copies every
 layer's whole KV cache at each step, grouped-query attention repeats K/V heads, and finished rows keep
 running until the longest one ends. This loop runs the same transformers modules (their projections,
-norms, MLPs and RoPE) with
+norms, MLPs and RoPE frequencies; RoPE itself is ours, layers.apply_rotary) with
 - one preallocated KV cache per layer, written in place, attention reading only the slots filled so far;
 - grouped-query attention without repeating K/V (models.layers.grouped_attention);
 - finished rows dropped from the batch (cache included) once they are a quarter of it.
@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from flashtree.config import SamplingParams
-from flashtree.models.layers import grouped_attention
+from flashtree.models.layers import apply_rotary, grouped_attention
 from flashtree.sampling import filter_logits
 
 SLOT_ALIGN = 16  # attention reads cache slots in multiples of this (aligned masks for the fused kernels)
@@ -25,13 +25,6 @@ SLOT_ALIGN = 16  # attention reads cache slots in multiples of this (aligned mas
 def supports(hf_model) -> bool:
     """Every decoder layer is plain softmax attention (no linear attention / DeltaNet layers)."""
     return all(hasattr(layer, "self_attn") for layer in hf_model.model.layers)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE as transformers applies it (halves rotated); x (b, heads, t, d), cos/sin (b, t, d)."""
-    cos, sin = cos[:, None], sin[:, None]
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
 
 
 class _Batch:
@@ -63,7 +56,9 @@ def _attention(attn, x, cos, sin, batch: _Batch, layer: int, mask) -> torch.Tens
     k = attn.k_proj(x).view(b, t, -1, head_dim)
     if hasattr(attn, "q_norm"):  # qwen3: per-head norms before RoPE
         q, k = attn.q_norm(q), attn.k_norm(k)
-    q, k = _rotate(q.transpose(1, 2), cos, sin), _rotate(k.transpose(1, 2), cos, sin)
+    rope = [c.reshape(b * t, head_dim) for c in (cos, sin)]  # transformers' cos/sin: (b, t, head_dim)
+    q, k = (apply_rotary(y.reshape(b * t, -1, head_dim), *rope).view(b, t, -1, head_dim) for y in (q, k))
+    q, k = q.transpose(1, 2), k.transpose(1, 2)
     v = attn.v_proj(x).view(b, t, -1, head_dim).transpose(1, 2)
     first, end = batch.filled, batch.filled + t
     batch.keys[layer][:, :, first:end] = k
