@@ -33,8 +33,9 @@
 # earlier run's shards (the fourth run's: SEED=1 SAMPLED_EVERY=0 PASSES=4, shards 0-41 of 108).
 # SAMPLED_EVERY (default 4): in the first pass over the prompts every n-th batch gets sampled
 # responses, the rest greedy (0: all greedy); PASSES (default 1) responses per prompt, those after the
-# first sampled (generation stops at GEN_MINUTES wherever it is). The `smoke` call also times
-# response generation, batch_decode vs transformers' generate (bench/gpu_batch_decode.py, $OUT).
+# first sampled (generation stops at GEN_MINUTES wherever it is). The `smoke` call also checks the
+# decode path's Triton kernels against their torch paths (bench/gpu_small_kernels.py, $OUT), and the
+# pipeline ends with a profile of the graphed AR / chain / tree steps (bench/gpu_profile_steps.py).
 set -uo pipefail
 S=.stage/draft
 STASH=/root/stash
@@ -100,7 +101,7 @@ smoke)
   python3 -m flashtree convert /tmp/smoke /tmp/smoke.gguf --type q8_0 || exit 1
   python3 -m flashtree bench --target $STAGE/tiny.gguf --draft /tmp/smoke.gguf --n 1 --max-tokens 24 \
     --baseline hf --out /tmp/smoke-bench --device cuda || exit 1
-  python3 bench/gpu_batch_decode.py --out $OUT/batch_decode.json
+  python3 bench/gpu_small_kernels.py $OUT/small_kernels 2>&1 | tail -n 30  # the decode path's kernels
   ;;
 launch)
   stash && install
@@ -110,7 +111,7 @@ launch)
     mkdir -p $RUN && cat $STAGE/data/data.tgz.part.* | tar -xzf - -C $RUN && ls $RUN/data | wc -l
   fi
   # The pipeline runs from its own copy: later calls re-sync the working tree under it.
-  rm -rf $STASH/src && mkdir -p $STASH/src && cp -r flashtree scripts $STASH/src/
+  rm -rf $STASH/src && mkdir -p $STASH/src/bench && cp -r flashtree scripts $STASH/src/ && cp bench/*.py $STASH/src/bench/
   cd $STASH/src
   setsid nohup bash scripts/train_draft_gpu.sh pipeline > $STASH/log 2>&1 < /dev/null &
   for _ in $(seq "${WAIT_SECONDS:-540}"); do sleep 1; pipeline_running || break; done
@@ -129,6 +130,7 @@ pipeline)  # run from $STASH/src
   python3 -m flashtree convert $RUN $DRAFT_GGUF --type q8_0 || exit 1
   python3 -m flashtree bench --target $GGUF --draft $DRAFT_GGUF --n 10 --max-tokens 256 --modes ar,chain,tree \
     --budget 22 --baseline hf --seed 0 --out $BENCH --device cuda
+  python3 bench/gpu_profile_steps.py $BENCH/profile_steps $GGUF $DRAFT_GGUF 2>&1 | grep -v USDT | tail -n 60
   touch $STASH/done
   ;;
 wait)  # until the pipeline is done, the draft is written (returned at once: the bench may not
