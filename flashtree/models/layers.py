@@ -216,7 +216,7 @@ def grouped_attention(
         mask = mask.unsqueeze(-3).expand(*mask_lead, group, t, s).reshape(*mask_lead, 1, group * t, s)
     rows = q.reshape(*lead, n_kv, group * t, hd)
     out = F.scaled_dot_product_attention(rows, keys, values, attn_mask=mask, scale=scale)
-    return out.view(*lead, n_heads, t, hd)
+    return out.reshape(*lead, n_heads, t, hd)  # CUDA kernels may hand back a strided layout
 
 
 class SwiGLU(nn.Module):
