@@ -19,7 +19,14 @@ from flashtree.bench.datasets import dataset_path, load_prompts, parse_dataset_n
 from flashtree.bench.hf_baseline import HFBaseline, group_v_heads, hf_model_from
 from flashtree.bench.report import summarize, write_report
 from flashtree.bench.roofline import measure_ceilings, weight_bytes
-from flashtree.bench.run import check_identity, command_line, engine_runner, first_difference, parse_modes
+from flashtree.bench.run import (
+    check_identity,
+    command_line,
+    engine_runner,
+    first_difference,
+    git_info,
+    parse_modes,
+)
 from flashtree.cli import app
 from flashtree.convert.hf import tile_v_heads
 from flashtree.convert.synth import synth_draft, synth_model
@@ -343,3 +350,11 @@ def test_hf_baseline_generates_what_our_ar_engine_generates(tiny_root):
     assert stats.mode == "hf" and stats.n_prompt == 20 and stats.n_generated == len(theirs)
     assert stats.steps == len(theirs) - 1 and stats.mean_accept_len == 1.0
     assert stats.prefill_s > 0 and stats.decode_s > 0 and math.isfinite(stats.decode_tok_s)
+
+
+def test_git_info_reads_the_checkout_unless_the_caller_names_the_commit(monkeypatch):
+    monkeypatch.delenv("FLASHTREE_GIT_COMMIT", raising=False)
+    here = git_info()
+    assert here["commit"] is None or re.fullmatch("[0-9a-f]{40}", here["commit"])
+    monkeypatch.setenv("FLASHTREE_GIT_COMMIT", "bd1996c")  # the device machine's copy: a stale .git, or none
+    assert git_info() == {"commit": "bd1996c", "dirty": False}

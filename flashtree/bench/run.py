@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import os
 import platform
 import shlex
 import subprocess
@@ -192,6 +193,10 @@ def command_line(options: dict) -> str:
 
 
 def git_info() -> dict:
+    """The checkout's commit and whether tracked files differ from it. FLASHTREE_GIT_COMMIT overrides
+    both: the device machine's copy of the tree may carry a stale .git, or none."""
+    if commit := os.environ.get("FLASHTREE_GIT_COMMIT"):
+        return {"commit": commit, "dirty": False}
     root = Path(flashtree.__file__).resolve().parent.parent
 
     def git(*args: str) -> str | None:

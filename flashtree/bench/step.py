@@ -13,7 +13,6 @@ AR roofline ratio = (weight bytes read per token / copy bandwidth) / AR step tim
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import time
 from collections.abc import Callable
@@ -305,7 +304,7 @@ def run_bench_step(
         results["arithmetic"] = ARITHMETIC
     return {
         "schema": SCHEMA,
-        "git": git_info() | _commit_override(),
+        "git": git_info(),
         "device": device_info(device),
         "versions": versions(),
         "ceilings": ceilings.as_dict(),
@@ -322,12 +321,6 @@ def run_bench_step(
         "context_tokens": CONTEXT,
         **results,
     }
-
-
-def _commit_override() -> dict:
-    """The device machine gets a copy of the tree without .git: the caller passes the commit."""
-    commit = os.environ.get("FLASHTREE_GIT_COMMIT")
-    return {"commit": commit} if commit else {}
 
 
 def _ms(value) -> str:

@@ -12,6 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
+from flashtree import kernels
+from flashtree.kernels.cross_entropy import cross_entropy_rows
+
 
 @dataclass
 class Blocks:
@@ -139,7 +142,13 @@ class FrozenHeadCrossEntropy(torch.autograd.Function):
         with torch.autocast(h.device.type, enabled=False):
             for s in range(0, h.shape[0], rows):
                 part = slice(s, s + rows)
-                logits = (h[part] @ weight.t()).to(exact)
+                logits = h[part] @ weight.t()
+                if kernels.triton_kernels_for(h):  # in place, in the logits' dtype (fp32 inside)
+                    part_loss, correct[part] = cross_entropy_rows(logits, labels[part], w[part])
+                    loss += part_loss
+                    grad[part] = logits @ weight
+                    continue
+                logits = logits.to(exact)
                 lse = logits.logsumexp(-1)
                 target = logits.gather(1, labels[part, None]).squeeze(1)
                 loss += ((lse - target) * w[part]).sum()
