@@ -19,12 +19,14 @@ check on the device (it needs no model files):
   bf16 unit in the last place of the torch path (fp32: 2e-6 relative), the residual sum bit for bit,
   and a row alone equal to its row of 23 bit for bit;
 - decode/verify attention (kernels/attention.py) at the 27B's heads (bf16) and SmolLM2's (fp32), after
-  600 committed tokens (3 splits): the masked SDPA within rounding, and every node of a tree equal to
+  600 committed tokens, in caches of 664 slots (one-tile splits) and 16,384 (256-position splits of
+  several tiles): the masked SDPA within rounding, and every node of a tree equal to
   the AR step at its position (its path's K/V committed) bit for bit, with more splits launched too.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import sys
 from pathlib import Path
@@ -33,7 +35,7 @@ import torch
 
 from flashtree import kernels
 from flashtree.kernels import fused
-from flashtree.kernels.attention import SPLIT, tree_attention
+from flashtree.kernels.attention import MAX_SPLIT, SPLITS_PER_CACHE, split_positions, tree_attention
 from flashtree.kernels.rotary import rotary, rotary_store
 from flashtree.kernels.tree_conv import tree_conv_silu
 from flashtree.kernels.tree_deltanet import tree_gated_delta_rule
@@ -276,12 +278,14 @@ def check_attention() -> list[dict]:
     t, start = layout.size, 600
     paths, depths = layout.paths().to(torch.int32), layout.depths.to(torch.int32)
     chain_path = torch.zeros(1, 1, dtype=torch.int32, device=DEVICE)
-    for name, (n_kv, n_heads, hd, dtype) in {
-        "27B heads bf16": (4, 24, 256, torch.bfloat16),
-        "SmolLM2 heads fp32": (3, 9, 64, torch.float32),
-    }.items():
+    heads = {"27B heads bf16": (4, 24, 256, torch.bfloat16), "SmolLM2 heads fp32": (3, 9, 64, torch.float32)}
+    for (name, (n_kv, n_heads, hd, dtype)), slots in itertools.product(
+        heads.items(),
+        (start + 64, MAX_SPLIT * SPLITS_PER_CACHE),  # one-tile splits; splits of several tiles
+    ):
+        name = f"{name} cache {slots}"
         gen = torch.Generator().manual_seed(hd)
-        k, v = (torch.randn(n_kv, start + 64, hd, generator=gen).to(DEVICE, dtype) for _ in range(2))
+        k, v = (torch.randn(n_kv, slots, hd, generator=gen).to(DEVICE, dtype) for _ in range(2))
         q = torch.randn(t, n_heads, hd, generator=gen).to(DEVICE, dtype)
         start_t = torch.tensor(start, device=DEVICE)
         got = tree_attention(q, k, v, start_t, paths, depths, start + t, hd**-0.5)
@@ -293,7 +297,8 @@ def check_attention() -> list[dict]:
             attn_mask=mask, scale=hd**-0.5, enable_gqa=True,
         )[0].transpose(0, 1)  # fmt: skip
         err = (got.float() - want).abs().max().item()
-        alone = torch.equal(tree_attention(q, k, v, start_t, paths, depths, start + 3 * SPLIT, hd**-0.5), got)
+        more = start + 3 * split_positions(slots, hd)  # keys: more (empty) splits launched
+        alone = torch.equal(tree_attention(q, k, v, start_t, paths, depths, more, hd**-0.5), got)
         for node in range(t):
             depth = int(layout.depths[node])
             ks, vs = k.clone(), v.clone()

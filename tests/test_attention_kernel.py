@@ -1,6 +1,7 @@
 """kernels/attention.py (decode/verify attention) on CPU through Triton's interpreter: the masked SDPA of
 the torch path to fp32 rounding, and every verify row equal to the AR step at its position bit for bit
-(keys at their positions, not at the tree's block slots), however many splits the call launches."""
+(keys at their positions, not at the tree's block slots), however many splits the call launches. Split
+sizes follow the cache's length: one tile (a short cache) or several (a long one)."""
 
 import os
 
@@ -10,7 +11,13 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from flashtree.kernels.attention import SPLIT, tree_attention  # noqa: E402
+from flashtree.kernels.attention import (  # noqa: E402
+    MAX_SPLIT,
+    SPLITS_PER_CACHE,
+    split_positions,
+    tile_positions,
+    tree_attention,
+)
 from flashtree.models.block import BlockLayout  # noqa: E402
 
 TREES = {
@@ -18,17 +25,21 @@ TREES = {
     "chain": [-1, 0, 1, 2],
     "tree": [-1, 0, 1, 0, 3, 1, 5, 2, 0],  # siblings, branches back up
 }
-# (kv heads, query heads, head_dim, committed tokens): one split, three (a partial one), GQA 1 and 3
-SHAPES = {"short": (2, 6, 32, 37), "long": (1, 1, 24, SPLIT * 2 + 90)}
+# (kv heads, query heads, head_dim, committed tokens, cache slots): one split of one tile; three splits
+# (a partial one) of one tile; three of two tiles each (the cache is long: 256-position splits); GQA 1, 3
+SHAPES = {
+    "short": (2, 6, 32, 37, 90),
+    "long": (1, 1, 24, 2 * 128 + 90, 400),
+    "long-cache": (1, 1, 24, 2 * MAX_SPLIT + 90, MAX_SPLIT * SPLITS_PER_CACHE),
+}
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
 
 
 def case(shape, tree, dtype, seed=0):
-    n_kv, n_heads, hd, start = SHAPES[shape]
+    n_kv, n_heads, hd, start, slots = SHAPES[shape]  # the cache is longer than what is read
     layout = BlockLayout.from_parents(torch.tensor(TREES[tree]))
     t = layout.size
     gen = torch.Generator().manual_seed(seed)
-    slots = start + t + 40  # the cache is longer than what is read
     k, v = (torch.randn(n_kv, slots, hd, generator=gen).to(dtype) for _ in range(2))
     q = torch.randn(t, n_heads, hd, generator=gen).to(dtype)
     return q, k, v, start, layout
@@ -76,8 +87,9 @@ def test_verify_rows_are_the_ar_steps_bit_for_bit(shape, dtype):
     """Each tree node vs one AR step at its position after its path was committed (its ancestors' K/V
     moved to their positions, as commit_path does), and vs a call with more (empty) splits."""
     q, k, v, start, layout = case(shape, "tree", DTYPES[dtype], seed=1)
+    hd = q.shape[-1]
     got = run(q, k, v, start, layout)
-    assert torch.equal(run(q, k, v, start, layout, n_keys=start + 3 * SPLIT), got)
+    assert torch.equal(run(q, k, v, start, layout, n_keys=start + 3 * split_positions(k.shape[1], hd)), got)
     paths = layout.paths()
     for node in range(layout.size):
         depth = int(layout.depths[node])
@@ -86,3 +98,15 @@ def test_verify_rows_are_the_ar_steps_bit_for_bit(shape, dtype):
             ks[:, start + j], vs[:, start + j] = k[:, start + paths[node, j]], v[:, start + paths[node, j]]
         step = run(q[node : node + 1], ks, vs, start + depth, BlockLayout.chain(1))
         assert torch.equal(step[0], got[node]), node
+
+
+def test_split_sizes_follow_the_cache_between_one_tile_and_the_maximum():
+    assert tile_positions(64) == 64 and tile_positions(256) == 16
+    assert split_positions(600, 64) == 64  # a short cache: one tile a split
+    assert split_positions(8192, 64) == 128 and split_positions(8192, 256) == 128
+    assert split_positions(256 * 1024, 256) == MAX_SPLIT  # long contexts: the largest splits
+    for slots in (90, 400, 5000, 70000):
+        for hd in (24, 64, 128, 256):
+            split, tile = split_positions(slots, hd), tile_positions(hd)
+            assert split % tile == 0 and split & (split - 1) == 0
+            assert split in (MAX_SPLIT, tile) or slots <= split * SPLITS_PER_CACHE

@@ -15,7 +15,7 @@ from matplotlib.image import imread
 from typer.testing import CliRunner
 
 from flashtree.bench import datasets
-from flashtree.bench.datasets import dataset_path, load_prompts, parse_dataset_names, read_records
+from flashtree.bench.datasets import Prompt, dataset_path, load_prompts, parse_dataset_names, read_records
 from flashtree.bench.hf_baseline import HFBaseline, group_v_heads, hf_model_from
 from flashtree.bench.report import summarize, write_report
 from flashtree.bench.roofline import measure_ceilings, weight_bytes
@@ -26,12 +26,13 @@ from flashtree.bench.run import (
     first_difference,
     git_info,
     parse_modes,
+    run_all,
 )
 from flashtree.cli import app
 from flashtree.convert.hf import tile_v_heads
 from flashtree.convert.synth import synth_draft, synth_model
 from flashtree.errors import FlashtreeError
-from flashtree.generate import Engine
+from flashtree.generate import Engine, GenerationStats
 from flashtree.models.loader import load_target
 from flashtree.spec.decoder import SpecDecoder
 from tests.tiny import hf_model, tiny_gguf
@@ -358,3 +359,29 @@ def test_git_info_reads_the_checkout_unless_the_caller_names_the_commit(monkeypa
     assert here["commit"] is None or re.fullmatch("[0-9a-f]{40}", here["commit"])
     monkeypatch.setenv("FLASHTREE_GIT_COMMIT", "bd1996c")  # the device machine's copy: a stale .git, or none
     assert git_info() == {"commit": "bd1996c", "dirty": False}
+
+
+def test_runners_warm_up_on_the_shortest_and_the_longest_prompt_before_the_timed_runs():
+    """Graphs are captured per KV-length bucket: the warm-up must reach the shortest prompts' buckets
+    and the longest's, so that no timed run pays a capture."""
+    calls = []
+
+    def runner(mode):
+        def run(ids, max_tokens):
+            calls.append((mode, len(ids)))
+            return [1, 2], GenerationStats(mode, n_prompt=len(ids), n_generated=2, decode_s=1.0)
+
+        return run
+
+    lengths = [5, 2, 9, 4]
+    prompts = [Prompt("gsm8k", str(i), "x") for i in range(len(lengths))]
+    encoded = [[0] * n for n in lengths]
+    tokenizer = type("Tok", (), {"decode": staticmethod(lambda ids: "ab")})
+    rows = run_all({"ar": runner("ar"), "tree": runner("tree")}, prompts, encoded, 8, tokenizer)
+    warm = [("ar", 2), ("ar", 9), ("tree", 2), ("tree", 9)]
+    assert calls == warm + [(mode, n) for n in lengths for mode in ("ar", "tree")]
+    timed = [(m, str(i)) for i in range(len(lengths)) for m in ("ar", "tree")]
+    assert [(r["mode"], r["prompt_id"]) for r in rows] == timed
+    calls.clear()
+    run_all({"ar": runner("ar")}, prompts[:1], encoded[:1], 8, tokenizer)
+    assert calls == [("ar", 5), ("ar", 5)]  # one prompt: one warm-up

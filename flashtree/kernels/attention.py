@@ -10,11 +10,12 @@ in block order, not at their positions: summing keys by slot would group them di
 step, where the same keys sit at their positions.
 
 So row t (at position start + depth[t]) walks its positions 0 .. start + depth[t]: committed ones at
-their own slots, its ancestors' at start + path[t][position - start]. Positions are cut into splits of
-SPLIT (position-aligned, so the same for every call), each split in blocks of TILE_VALUES / head_dim
-positions (online softmax in fp32, the same tiles for every row); a second kernel combines the splits
-in order. A split past a row's last position is empty (m = -inf, l = 0) and adds exact zeros, so the
-number of splits launched (from the fixed key bucket of a CUDA graph) does not matter either.
+their own slots, its ancestors' at start + path[t][position - start]. Positions are cut into splits
+(position-aligned, of a size fixed by the cache: the same for every call of an engine, split_positions),
+each split in blocks of TILE_VALUES / head_dim positions (online softmax in fp32, the same tiles for
+every row); a second kernel combines the splits in order. A split past a row's last position is empty
+(m = -inf, l = 0) and adds exact zeros, so the number of splits launched (from the fixed key bucket of
+a CUDA graph) does not matter either.
 Query heads of one KV head (GQA) share a program: (G padded to 16, head_dim) x (head_dim, block) dots.
 Cost: every row of a verify reads the committed K/V again (from L2 while it holds a layer's: ~33 MB for
 the 27B at 8K tokens); sharing those reads between rows is left for long contexts.
@@ -26,8 +27,25 @@ import torch
 import triton
 import triton.language as tl
 
-SPLIT = 256  # positions per split: a program's share of a long context
+MAX_SPLIT = 256  # positions per split at most: a program's share of a long context
+SPLITS_PER_CACHE = 64  # a whole cache is cut into at most this many splits (unless a tile is longer)
 TILE_VALUES = 4096  # K or V values per inner step: 64 positions of a 64-dim head, 16 of a 256-dim one
+
+
+def tile_positions(head_dim: int) -> int:
+    """Positions per inner step, from the head size only."""
+    return min(MAX_SPLIT, max(16, TILE_VALUES // triton.next_power_of_2(head_dim)))
+
+
+def split_positions(slots: int, head_dim: int) -> int:
+    """Positions per split for a KV cache of `slots` slots: a power of two from one tile to MAX_SPLIT
+    cutting the whole cache into at most SPLITS_PER_CACHE splits. It depends on the cache only, so the
+    AR step and every verify of an engine split alike (their rows agree bit for bit). Why not always
+    MAX_SPLIT: at a few hundred keys a step's attention was then a handful of programs each walking
+    4 tiles in turn (SmolLM2, 3 KV heads, on the H200: ~10 us a layer, 27% of the AR step's kernel time).
+    """
+    want = triton.next_power_of_2(triton.cdiv(slots, SPLITS_PER_CACHE))
+    return min(MAX_SPLIT, max(tile_positions(head_dim), want))
 
 
 @triton.jit
@@ -121,8 +139,8 @@ def tree_attention(
     n_kv = k_cache.shape[0]
     group = n_heads // n_kv
     bd = triton.next_power_of_2(hd)
-    block = min(SPLIT, max(16, TILE_VALUES // bd))  # from the head size only: the same every call
-    n_splits = triton.cdiv(n_keys, SPLIT)
+    split = split_positions(k_cache.shape[1], hd)
+    n_splits = triton.cdiv(n_keys, split)
     m = torch.empty(t, n_heads, n_splits, dtype=torch.float32, device=q.device)
     lsum = torch.empty_like(m)
     acc = torch.empty(t, n_heads, n_splits, bd, dtype=torch.float32, device=q.device)
@@ -130,7 +148,8 @@ def tree_attention(
         q, k_cache, v_cache, path, depths, start, m, lsum, acc, t, n_heads, n_splits,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         scale,
-        G=group, BG=max(16, triton.next_power_of_2(group)), HD=hd, BD=bd, SPLIT_N=SPLIT, BLOCK=block,
+        G=group, BG=max(16, triton.next_power_of_2(group)), HD=hd, BD=bd, SPLIT_N=split,
+        BLOCK=tile_positions(hd),
         IEEE=q.dtype == torch.float32, num_warps=8 if bd >= 256 else 4,
     )  # fmt: skip
     out = torch.empty(t, n_heads, hd, dtype=q.dtype, device=q.device)
