@@ -30,7 +30,7 @@
 # from init.gguf if staged), write the draft, convert it to the Q8_0 GGUF that ships, then
 # `flashtree bench` on the default pair with it (AR, chain, tree, HF baseline; 10 prompts per set).
 # SEED (default 0) orders the prompt batches: keep it, SAMPLED_EVERY and PASSES while data/ holds an
-# earlier run's shards (the fourth run's: SEED=1 SAMPLED_EVERY=0 PASSES=4, shards 0-41 of 108).
+# earlier run's shards (the fourth and fifth runs': SEED=1 SAMPLED_EVERY=0 PASSES=4, shards 0-63 of 108).
 # SAMPLED_EVERY (default 4): in the first pass over the prompts every n-th batch gets sampled
 # responses, the rest greedy (0: all greedy); PASSES (default 1) responses per prompt, those after the
 # first sampled (generation stops at GEN_MINUTES wherever it is). The `smoke` call also checks the
