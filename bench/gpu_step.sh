@@ -19,6 +19,7 @@
 #            20.6 MB shipped draft out of the working tree for this call and the next, prep stashed it)
 #   pair     join the second half (carry .stage/draft/smollm2.part.ab), then `flashtree bench` on the
 #            default pair: AR / chain / tree / HF baseline, 10 prompts per set, 256 new tokens
+#            (PAIR_ARGS="--modes ar,tree": fewer modes, no baseline)
 #   profile-pair  bench/gpu_profile_steps.py on the default pair (after pair): kernels per graphed step
 set -u
 STASH=/root/stash
@@ -62,8 +63,10 @@ step() {
 pair() {
     cat "$STASH/smollm2.part.aa" .stage/draft/smollm2.part.ab >"$GGUF"
     echo "$GGUF_MD5  $GGUF" | md5sum -c || exit 1
-    $FT bench --target "$GGUF" --draft "$STASH/draft.gguf" --n 10 --max-tokens 256 --modes ar,chain,tree \
-        --budget 22 --baseline hf --seed 0 --out "$OUT/pair" --device cuda 2>&1 | grep -v USDT | tail -40
+    # shellcheck disable=SC2086  # PAIR_ARGS: several options
+    $FT bench --target "$GGUF" --draft "$STASH/draft.gguf" --n 10 --max-tokens 256 \
+        ${PAIR_ARGS:---modes ar,chain,tree --baseline hf} \
+        --budget 22 --seed 0 --out "$OUT/pair" --device cuda 2>&1 | grep -v USDT | tail -40
 }
 
 for stage in "$@"; do
