@@ -103,7 +103,8 @@ def test_verify_rows_are_the_ar_steps_bit_for_bit(shape, dtype):
 def test_split_sizes_follow_the_cache_between_one_tile_and_the_maximum():
     assert tile_positions(64) == 64 and tile_positions(256) == 16
     assert split_positions(600, 64) == 64  # a short cache: one tile a split
-    assert split_positions(8192, 64) == 128 and split_positions(8192, 256) == 128
+    assert split_positions(2048, 64) == 64 and split_positions(2048, 256) == 64
+    assert split_positions(8192, 64) == MAX_SPLIT and split_positions(8192, 256) == MAX_SPLIT
     assert split_positions(256 * 1024, 256) == MAX_SPLIT  # long contexts: the largest splits
     for slots in (90, 400, 5000, 70000):
         for hd in (24, 64, 128, 256):

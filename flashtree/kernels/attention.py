@@ -28,7 +28,9 @@ import triton
 import triton.language as tl
 
 MAX_SPLIT = 256  # positions per split at most: a program's share of a long context
-SPLITS_PER_CACHE = 64  # a whole cache is cut into at most this many splits (unless a tile is longer)
+SPLITS_PER_CACHE = 32  # a whole cache is cut into at most this many splits (unless a tile is longer):
+# caches of 8K slots and more keep the 256-position splits measured on the 27B (a verify writes
+# rows x heads x splits partial outputs, so more splits cost it bytes)
 TILE_VALUES = 4096  # K or V values per inner step: 64 positions of a 64-dim head, 16 of a 256-dim one
 
 
