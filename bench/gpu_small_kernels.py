@@ -19,7 +19,7 @@ check on the device (it needs no model files):
   bf16 unit in the last place of the torch path (fp32: 2e-6 relative), the residual sum bit for bit,
   and a row alone equal to its row of 23 bit for bit;
 - decode/verify attention (kernels/attention.py) at the 27B's heads (bf16) and SmolLM2's (fp32), after
-  600 committed tokens, in caches of 664 slots (one-tile splits) and 8,192 (256-position splits of
+  600 committed tokens, in caches of 664 slots (splits of one or two tiles) and 8,192 (256-position splits of
   several tiles): the masked SDPA within rounding, and every node of a tree equal to
   the AR step at its position (its path's K/V committed) bit for bit, with more splits launched too.
 """
