@@ -80,14 +80,14 @@ def test_hf_features_equal_our_captured_layers(tiny_root, seed):
     hf = hf_model_from(model)
     lengths = [11, 7]
     ids = torch.randint(0, model.config.vocab, (2, 11), generator=torch.Generator().manual_seed(seed))
-    attention = (torch.arange(11)[None, :] < torch.tensor(lengths)[:, None]).long()  # right padding
-    feats = hf_features(hf, ids, attention, (0, 1))  # the last layer too: hooks, not hidden_states
+    ids[1, 7:] = 0  # right padding: features of the real positions do not depend on it
+    feats = hf_features(hf, ids, (0, 1))  # the last layer too: hooks, not hidden_states
     for row, n in enumerate(lengths):
         ours = model(ids[row, :n], model.new_state(32), capture=(0, 1)).features
         torch.testing.assert_close(feats[row, :n], ours, atol=1e-5, rtol=1e-5)
     ran = []  # layers above the deepest captured one do not run
     hook = hf.model.layers[1].register_forward_pre_hook(lambda *a: ran.append(1))
-    torch.testing.assert_close(hf_features(hf, ids, attention, (0,)), feats[..., : model.config.hidden])
+    torch.testing.assert_close(hf_features(hf, ids, (0,)), feats[..., : model.config.hidden])
     hook.remove()
     assert not ran
 
@@ -357,8 +357,8 @@ def test_shards_round_trip_and_short_responses_are_dropped(tmp_path):
     seqs = D.load_sequences(tmp_path, min_response=16)
     assert [t.tolist() for t in seqs.tokens] == [[1, 2, 3] + [5] * 20, [8, 9] + [10] * 16]
     assert seqs.prompt_lens == [3, 2] and seqs.n_response_tokens == 36
-    ids, attention, response = D.collate(seqs, [1, 0], "cpu")
-    assert ids.shape == (2, 23) and attention.sum(1).tolist() == [18, 23]
+    ids, response = D.collate(seqs, [1, 0], "cpu")
+    assert ids.shape == (2, 23) and ids[0, 18:].tolist() == [0] * 5
     assert response[0].tolist() == [False] * 2 + [True] * 16 + [False] * 5
 
 

@@ -181,18 +181,17 @@ def epoch_batches(seqs: Sequences, batch_size: int, epoch: int, seed: int) -> li
     return batches
 
 
-def collate(seqs: Sequences, indices: list[int], device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Right-padded ids (b, S), attention mask (b, S) and response mask (b, S)."""
+def collate(seqs: Sequences, indices: list[int], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded ids (b, S) and the response mask (b, S). Right padding needs no attention mask: a
+    causal model's real tokens see only earlier positions, all real (hf_target.hf_features)."""
     width = max(len(seqs.tokens[i]) for i in indices)
     ids = torch.zeros(len(indices), width, dtype=torch.long)
-    attention = torch.zeros(len(indices), width, dtype=torch.bool)
     response = torch.zeros(len(indices), width, dtype=torch.bool)
     for row, i in enumerate(indices):
         seq, p = seqs.tokens[i], seqs.prompt_lens[i]
         ids[row, : len(seq)] = seq
-        attention[row, : len(seq)] = True
         response[row, p : len(seq)] = True
-    return ids.to(device), attention.to(device), response.to(device)
+    return ids.to(device), response.to(device)
 
 
 def iterate_batches(seqs: Sequences, batch_size: int, seed: int, start_step: int) -> Iterator[list[int]]:

@@ -14,11 +14,16 @@ class _LayersDone(Exception):
 
 
 @torch.no_grad()
-def hf_features(model, ids: torch.Tensor, attention_mask: torch.Tensor, layer_ids) -> torch.Tensor:
-    """Outputs of the decoder layers in `layer_ids`, concatenated: (b, S, n_layers * H), the same as
-    DecoderModel's `capture`. Read with forward hooks: `output_hidden_states` hands back the last
-    layer's output after the final norm. The forward stops after the deepest layer in `layer_ids`
-    (SmolLM2's draft reads layer 27 of 30); no LM head runs."""
+def hf_features(model, ids: torch.Tensor, layer_ids) -> torch.Tensor:
+    """Outputs of the decoder layers in `layer_ids` for right-padded `ids`, concatenated: (b, S, n_layers
+    * H), the same as DecoderModel's `capture` at every real position. Read with forward hooks:
+    `output_hidden_states` hands back the last layer's output after the final norm. The forward stops
+    after the deepest layer in `layer_ids` (SmolLM2's draft reads layer 27 of 30); no LM head runs.
+
+    No attention mask: with right padding a real token's causal context is all real, and the padded
+    tail's features are never read (a block sees the features before its anchor, a response token). So
+    SDPA can run its causal kernels instead of a masked one on a (b, 1, S, S) padding mask built every
+    step (this forward took 39-45 ms of a training step on the H200; the change is not timed yet)."""
     captured = {}
     last = max(layer_ids)
 
@@ -32,7 +37,7 @@ def hf_features(model, ids: torch.Tensor, attention_mask: torch.Tensor, layer_id
 
     hooks = [model.model.layers[i].register_forward_hook(keep(i)) for i in layer_ids]
     try:
-        model.model(input_ids=ids, attention_mask=attention_mask, use_cache=False)
+        model.model(input_ids=ids, use_cache=False)
     except _LayersDone:
         pass
     finally:

@@ -152,8 +152,8 @@ class Trainer:
     def train_step(self, indices: list[int]) -> dict:
         cfg = self.cfg
         clock = PhaseClock(self.device)
-        ids, attention, response = D.collate(self.seqs, indices, self.device)
-        features = hf_features(self.hf, ids, attention.long(), self.draft.config.target_layer_ids)
+        ids, response = D.collate(self.seqs, indices, self.device)
+        features = hf_features(self.hf, ids, self.draft.config.target_layer_ids)
         clock.mark("features")
         generator = torch.Generator().manual_seed(cfg.seed * 1_000_003 + self.step)
         anchors, keep = sample_anchors(response, cfg.anchors, generator)
