@@ -12,20 +12,15 @@ import torch  # noqa: E402
 from test_fused_kernels import close  # noqa: E402
 
 from flashtree import kernels  # noqa: E402
-from flashtree.kernels.cross_entropy import GRAD_BLOCK, STATS_BLOCK, cross_entropy_rows  # noqa: E402
+from flashtree.kernels.cross_entropy import (  # noqa: E402
+    GRAD_BLOCK,
+    STATS_BLOCK,
+    cross_entropy_rows_torch,
+)
+from flashtree.kernels.cross_entropy import cross_entropy_rows_triton as cross_entropy_rows  # noqa: E402
 from flashtree.train.loss import FrozenHeadCrossEntropy  # noqa: E402
 
 VOCAB = STATS_BLOCK + GRAD_BLOCK + 77  # three stats blocks, two gradient blocks, both ending inside one
-
-
-def torch_rows(logits, labels, w):
-    """The torch path's arithmetic on one chunk: loss, correct, gradient rows (in the logits' dtype)."""
-    x = logits.float()
-    lse = x.logsumexp(-1)
-    loss = ((lse - x.gather(1, labels[:, None]).squeeze(1)) * w).sum()
-    probs = (x - lse[:, None]).exp()
-    probs.scatter_add_(1, labels[:, None], -torch.ones_like(lse)[:, None])
-    return loss, x.argmax(-1) == labels, (probs * w[:, None]).to(logits.dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -37,12 +32,13 @@ def test_rows_equal_the_torch_path(dtype):
     labels[0] = logits[0].float().argmax()  # a row whose label is its argmax
     labels[1] = VOCAB - 1  # the last column, inside the masked tail
     w = torch.rand(rows, generator=gen)
-    want_loss, want_correct, want_grad = torch_rows(logits, labels, w)
+    want_loss, want_correct, want_grad = cross_entropy_rows_torch(logits.clone(), labels, w)
     got = logits.clone()
-    loss, correct = cross_entropy_rows(got, labels, w)
+    loss, correct, grad = cross_entropy_rows(got, labels, w)
+    assert grad is got  # in place
     torch.testing.assert_close(loss, want_loss, rtol=1e-6, atol=0)
     assert correct.tolist() == want_correct.tolist() and correct[0]
-    close(got, want_grad)
+    close(got, want_grad.to(dtype))
 
 
 def test_argmax_is_the_first_maximum_across_and_within_lanes():
@@ -52,10 +48,10 @@ def test_argmax_is_the_first_maximum_across_and_within_lanes():
     for row, cols in enumerate([(5, 5 + STATS_BLOCK, VOCAB - 1), (STATS_BLOCK + 9, 9), (VOCAB - 1,)]):
         logits[row, list(cols)] = 7.0
     labels = torch.tensor([5, 9, VOCAB - 1])
-    _, correct = cross_entropy_rows(logits.clone(), labels, torch.ones(3))
+    _, correct, _ = cross_entropy_rows(logits.clone(), labels, torch.ones(3))
     assert correct.tolist() == [True, True, True]
     later = torch.tensor([5 + STATS_BLOCK, STATS_BLOCK + 9, 0])  # a later maximum; a lower logit
-    _, correct = cross_entropy_rows(logits.clone(), later, torch.ones(3))
+    _, correct, _ = cross_entropy_rows(logits.clone(), later, torch.ones(3))
     assert correct.tolist() == [False, False, False]
 
 

@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from flashtree import kernels
+
 STATS_BLOCK = 2048
 GRAD_BLOCK = 4096
 FAR_BELOW = -1e30  # a running max that no logit is under; exp(FAR_BELOW - m) is 0 for any real m
@@ -65,10 +67,19 @@ def _softmax_grad_kernel(logits_ptr, lse_ptr, labels_ptr, w_ptr, V, stride, BLOC
 
 def cross_entropy_rows(
     logits: torch.Tensor, labels: torch.Tensor, w: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """For (rows, V) logits (unit last stride), int64 labels and fp32 weights: returns the weighted
-    cross-entropy sum_i w_i * (lse_i - x_i,label) (fp32 scalar) and whether each row's first argmax
-    is its label; `logits` is overwritten by d loss / d logits = (softmax - onehot(label)) * w."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For (rows, V) logits, int64 labels and fp32 row weights: the weighted cross-entropy
+    sum_i w_i * (lse_i - x_i,label) (fp32 scalar), whether each row's first argmax is its label, and
+    d loss / d logits = (softmax - onehot(label)) * w, which may overwrite `logits`: on the GPU the
+    kernels (in the logits' dtype), elsewhere the torch path (fp32 or wider)."""
+    if kernels.triton_kernels_for(logits):
+        return cross_entropy_rows_triton(logits, labels, w)
+    return cross_entropy_rows_torch(logits, labels, w)
+
+
+def cross_entropy_rows_triton(
+    logits: torch.Tensor, labels: torch.Tensor, w: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     rows, vocab = logits.shape
     assert logits.stride(1) == 1
     lse = torch.empty(rows, dtype=torch.float32, device=logits.device)
@@ -81,4 +92,16 @@ def cross_entropy_rows(
     _softmax_grad_kernel[(rows, triton.cdiv(vocab, GRAD_BLOCK))](
         logits, lse, labels, w, vocab, logits.stride(0), BLOCK=GRAD_BLOCK, num_warps=8
     )
-    return ((lse - target) * w).sum(), argmax == labels
+    return ((lse - target) * w).sum(), argmax == labels, logits
+
+
+def cross_entropy_rows_torch(
+    logits: torch.Tensor, labels: torch.Tensor, w: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    x = logits.to(torch.promote_types(logits.dtype, torch.float32))  # bf16 logits are summed in fp32
+    lse = x.logsumexp(-1)
+    loss = ((lse - x.gather(1, labels[:, None]).squeeze(1)) * w).sum()
+    correct = x.argmax(-1) == labels
+    probs = x.sub_(lse[:, None]).exp_()  # softmax, in place
+    probs.scatter_add_(1, labels[:, None], -torch.ones_like(lse)[:, None])
+    return loss, correct, probs.mul_(w[:, None])

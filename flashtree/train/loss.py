@@ -12,7 +12,6 @@ from dataclasses import dataclass
 
 import torch
 
-from flashtree import kernels
 from flashtree.kernels.cross_entropy import cross_entropy_rows
 
 
@@ -138,24 +137,13 @@ class FrozenHeadCrossEntropy(torch.autograd.Function):
         loss = torch.zeros((), dtype=torch.float32, device=h.device)
         correct = torch.empty(h.shape[0], dtype=torch.bool, device=h.device)
         rows = max(1, FrozenHeadCrossEntropy.CHUNK_ELEMENTS // weight.shape[0])
-        exact = torch.promote_types(h.dtype, torch.float32)  # bf16 logits are summed in fp32
         with torch.autocast(h.device.type, enabled=False):
             for s in range(0, h.shape[0], rows):
                 part = slice(s, s + rows)
                 logits = h[part] @ weight.t()
-                if kernels.triton_kernels_for(h):  # in place, in the logits' dtype (fp32 inside)
-                    part_loss, correct[part] = cross_entropy_rows(logits, labels[part], w[part])
-                    loss += part_loss
-                    grad[part] = logits @ weight
-                    continue
-                logits = logits.to(exact)
-                lse = logits.logsumexp(-1)
-                target = logits.gather(1, labels[part, None]).squeeze(1)
-                loss += ((lse - target) * w[part]).sum()
-                correct[part] = logits.argmax(-1) == labels[part]
-                probs = logits.sub_(lse[:, None]).exp_()  # softmax, in place
-                probs.scatter_add_(1, labels[part, None], -torch.ones_like(lse)[:, None])
-                grad[part] = probs.mul_(w[part, None]).to(h.dtype) @ weight
+                part_loss, correct[part], d_logits = cross_entropy_rows(logits, labels[part], w[part])
+                loss += part_loss
+                grad[part] = d_logits.to(h.dtype) @ weight
         ctx.save_for_backward(grad)
         ctx.mark_non_differentiable(correct)
         return loss, correct
