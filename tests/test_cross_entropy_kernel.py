@@ -16,8 +16,8 @@ from flashtree.kernels.cross_entropy import (  # noqa: E402
     GRAD_BLOCK,
     STATS_BLOCK,
     cross_entropy_rows_torch,
+    cross_entropy_rows_triton,
 )
-from flashtree.kernels.cross_entropy import cross_entropy_rows_triton as cross_entropy_rows  # noqa: E402
 from flashtree.train.loss import FrozenHeadCrossEntropy  # noqa: E402
 
 VOCAB = STATS_BLOCK + GRAD_BLOCK + 77  # three stats blocks, two gradient blocks, both ending inside one
@@ -34,7 +34,7 @@ def test_rows_equal_the_torch_path(dtype):
     w = torch.rand(rows, generator=gen)
     want_loss, want_correct, want_grad = cross_entropy_rows_torch(logits.clone(), labels, w)
     got = logits.clone()
-    loss, correct, grad = cross_entropy_rows(got, labels, w)
+    loss, correct, grad = cross_entropy_rows_triton(got, labels, w)
     assert grad is got  # in place
     torch.testing.assert_close(loss, want_loss, rtol=1e-6, atol=0)
     assert correct.tolist() == want_correct.tolist() and correct[0]
@@ -48,10 +48,10 @@ def test_argmax_is_the_first_maximum_across_and_within_lanes():
     for row, cols in enumerate([(5, 5 + STATS_BLOCK, VOCAB - 1), (STATS_BLOCK + 9, 9), (VOCAB - 1,)]):
         logits[row, list(cols)] = 7.0
     labels = torch.tensor([5, 9, VOCAB - 1])
-    _, correct, _ = cross_entropy_rows(logits.clone(), labels, torch.ones(3))
+    _, correct, _ = cross_entropy_rows_triton(logits.clone(), labels, torch.ones(3))
     assert correct.tolist() == [True, True, True]
     later = torch.tensor([5 + STATS_BLOCK, STATS_BLOCK + 9, 0])  # a later maximum; a lower logit
-    _, correct, _ = cross_entropy_rows(logits.clone(), later, torch.ones(3))
+    _, correct, _ = cross_entropy_rows_triton(logits.clone(), later, torch.ones(3))
     assert correct.tolist() == [False, False, False]
 
 
