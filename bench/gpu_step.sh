@@ -17,10 +17,13 @@
 #            "int8 bf16": both arithmetics, FLASHTREE_QMM_ARITH)
 #   stage-a  stash the SmolLM2 GGUF's first half (carry .stage/draft/smollm2.part.aa, 49 MB: move the
 #            20.6 MB shipped draft out of the working tree for this call and the next, prep stashed it)
+#   dense    bench/gpu_dense_matmul.py --sweep: the fp32 decode-step kernel checked, swept, vs cuBLAS
 #   pair     join the second half (carry .stage/draft/smollm2.part.ab), then `flashtree bench` on the
 #            default pair: AR / chain / tree / HF baseline, 10 prompts per set, 256 new tokens
-#            (PAIR_ARGS="--modes ar,tree": fewer modes, no baseline)
+#            (PAIR_ARGS="--modes ar,tree": fewer modes, no baseline; PAIR_NAME: its folder in $OUT,
+#            default pair, so that runs under other settings, e.g. FLASHTREE_DENSE_KERNEL=0, sit side by side)
 #   profile-pair  bench/gpu_profile_steps.py on the default pair (after pair): kernels per graphed step
+#            (in $OUT/profile_$PAIR_NAME)
 set -u
 STASH=/root/stash
 mkdir -p "$STASH" "$OUT"
@@ -61,12 +64,12 @@ step() {
 }
 
 pair() {
-    cat "$STASH/smollm2.part.aa" .stage/draft/smollm2.part.ab >"$GGUF"
+    [ -f "$GGUF" ] || cat "$STASH/smollm2.part.aa" .stage/draft/smollm2.part.ab >"$GGUF"
     echo "$GGUF_MD5  $GGUF" | md5sum -c || exit 1
     # shellcheck disable=SC2086  # PAIR_ARGS: several options
     $FT bench --target "$GGUF" --draft "$STASH/draft.gguf" --n 10 --max-tokens 256 \
         ${PAIR_ARGS:---modes ar,chain,tree --baseline hf} \
-        --budget 22 --seed 0 --out "$OUT/pair" --device cuda 2>&1 | grep -v USDT | tail -40
+        --budget 22 --seed 0 --out "$OUT/${PAIR_NAME:-pair}" --device cuda 2>&1 | grep -v USDT | tail -40
 }
 
 for stage in "$@"; do
@@ -76,6 +79,7 @@ for stage in "$@"; do
     kernels) python3 bench/gpu_kernels.py "$OUT" --stages "${KERNEL_STAGES:-checks,sweep,shapes}" \
         --name "kernels_${FLASHTREE_QMM_ARITH:-int8}" 2>&1 | tee "$OUT/kernels_${FLASHTREE_QMM_ARITH:-int8}.log" ;;
     small) python3 bench/gpu_small_kernels.py "$OUT" 2>&1 | tee "$OUT/small.log" ;;
+    dense) python3 bench/gpu_dense_matmul.py "$OUT" --sweep 2>&1 | tee "$OUT/dense.log" ;;
     graphs) python3 bench/gpu_graphs.py "$OUT" 2>&1 | tee "$OUT/graphs.log" ;;
     graphs-quant)
         mkdir -p "$OUT/quant" && FLASHTREE_QUANT_KERNELS=1 python3 bench/gpu_graphs.py "$OUT/quant" 2>&1 \
@@ -88,8 +92,8 @@ for stage in "$@"; do
     step) step ;;
     stage-a) cp .stage/draft/smollm2.part.aa "$STASH/" ;;
     pair) pair ;;
-    profile-pair) python3 bench/gpu_profile_steps.py "$OUT/profile_pair" "$GGUF" "$STASH/draft.gguf" 2>&1 \
-        | grep -v USDT | tee "$OUT/profile_pair.log" ;;
-    *) echo "unknown stage $stage (prep|kernels|small|graphs|graphs-quant|probe|step|stage-a|pair|profile-pair)" >&2; exit 2 ;;
+    profile-pair) python3 bench/gpu_profile_steps.py "$OUT/profile_${PAIR_NAME:-pair}" "$GGUF" "$STASH/draft.gguf" \
+        2>&1 | grep -v USDT | tee "$OUT/profile_${PAIR_NAME:-pair}.log" ;;
+    *) echo "unknown stage $stage (prep|kernels|small|dense|graphs|graphs-quant|probe|step|stage-a|pair|profile-pair)" >&2; exit 2 ;;
     esac
 done

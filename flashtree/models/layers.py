@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from flashtree import kernels
-from flashtree.kernels import fused
+from flashtree.kernels import dense_matmul, fused
 
 
 class Linear(nn.Module):
@@ -31,6 +31,10 @@ class Linear(nn.Module):
         return self.weight[rows].to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # decode/verify/draft rows of an fp32 model on the GPU: our batch-invariant kernel (a verify
+        # row equals the AR step's bit for bit; kernels/dense_matmul.py)
+        if _fused_kernels(x) and dense_matmul.fits(x, self.weight):
+            return dense_matmul.dense_linear(x, self.weight)
         return F.linear(x, self.weight)
 
 

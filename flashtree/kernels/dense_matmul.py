@@ -1,0 +1,134 @@
+"""Dense fp32 y = x @ W^T for the few rows of a decode step (M <= 64): the matmuls of small targets and
+of drafts, which the GPU computes in fp32 (models/loader.py: FP32_MAX_PARAMS).
+
+Why our own: on the default pair (SmolLM2-135M, 576-wide) every matrix is a few MB, so a step is bound by
+launch latency, not bytes, and cuBLAS's fp32 GEMM for 16-23 rows took ~5 us a launch against its GEMV's
+~3 us at one row: 1.41 ms of the 2.93 ms tree step in 272 launches (bench/results/h200-launch-cuts-
+2026-12-03/profile_pair.log). cuBLAS also picks other kernels for 1 and for 23 rows, so a verify row is
+not computed as the AR step computes it; losslessness then rests on fp32 rounding differences never
+flipping a greedy near-tie. Here every row is computed by one instruction sequence whatever M is: the
+program's (BN, BM) tile accumulates fp32 FMA dots (`input_precision="ieee"`: no TF32) over K in a fixed
+order, K-splits come from the matrix shape only, and their partial sums are added in split order
+(qmatmul's `_finish`: by the tile's last program, or a second launch). So row m of an M-row call equals a
+1-row call on x[m] bit for bit (checked on the H200 by bench/gpu_dense_matmul.py, on the CPU under
+TRITON_INTERPRET=1 by the tests).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from flashtree.errors import FlashtreeError
+from flashtree.kernels.qmatmul import _finish, _sum_splits_kernel, tile_counters
+
+MAX_ROWS = 64  # above this many rows (prefill): cuBLAS, compute-bound there
+# FLASHTREE_DENSE_KERNEL=0: cuBLAS for every row count (the comparison in bench/gpu_dense_matmul.py)
+ENABLED = os.environ.get("FLASHTREE_DENSE_KERNEL", "1") != "0"
+
+
+@dataclass(frozen=True)
+class DenseTiles:
+    rows: int  # BN: output features per program
+    k_block: int  # BK: K values per loop step
+    warps: int
+    stages: int
+    programs: int  # K-splits are added until about this many programs run (from the shape only)
+    fused_sum: int = 1  # K-splits added by the tile's last program (1) or by a second launch (0)
+
+
+DEFAULT_TILES = DenseTiles(rows=32, k_block=64, warps=4, stages=2, programs=512)
+
+
+def tiles_from_env() -> DenseTiles:
+    """DEFAULT_TILES, or FLASHTREE_DENSE_TILES (JSON [rows, k_block, warps, stages, programs(,
+    fused_sum)]), the way a tuning sweep hands its choice to a benchmark run."""
+    text = os.environ.get("FLASHTREE_DENSE_TILES")
+    if not text:
+        return DEFAULT_TILES
+    try:
+        return DenseTiles(*map(int, json.loads(text)))
+    except (ValueError, TypeError) as e:
+        raise FlashtreeError(
+            f"FLASHTREE_DENSE_TILES: expected JSON [rows, k_block, warps, stages, programs(, fused_sum)] ({e})"
+        ) from None
+
+
+TILES = tiles_from_env()
+
+
+def k_splits(n_tiles: int, n_units: int, programs: int) -> tuple[int, int]:
+    """(splits, K blocks per split) for a matrix of n_tiles row tiles and n_units K blocks: from its shape
+    only, so that every M adds the same partial sums in the same order."""
+    wanted = min(n_units, max(1, programs // n_tiles))
+    per_split = triton.cdiv(n_units, wanted)
+    return triton.cdiv(n_units, per_split), per_split
+
+
+@triton.jit(do_not_specialize=["M", "N", "K", "stride_x", "stride_w", "per_split", "n_splits"])
+def _dense_kernel(
+    y_ptr, part_ptr, counter_ptr, x_ptr, w_ptr, M, N, K, stride_x, stride_w, per_split, n_splits,
+    BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, FUSED_SUM: tl.constexpr,
+):  # fmt: skip
+    """Program (i, s): output features [i * BN, i * BN + BN) of all M <= BM rows, over K blocks
+    [s * per_split, s * per_split + per_split): acc (BN, BM) += W tile (BN, BK) . x^T tile (BK, BM), one
+    fp32 FMA dot per K block in K order."""
+    rows = tl.program_id(0) * BN + tl.arange(0, BN)
+    row_ok = rows < N
+    split = tl.program_id(1)
+    ms = tl.arange(0, BM)
+    ks = tl.arange(0, BK)
+    w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_w
+    x_cols = x_ptr + ms[None, :] * stride_x
+    acc = tl.zeros((BN, BM), tl.float32)
+    first = split * per_split
+    last = tl.minimum(first + per_split, tl.cdiv(K, BK))
+    for unit in range(first, last):
+        k = unit * BK + ks
+        w = tl.load(w_rows + k[None, :], mask=row_ok[:, None] & (k < K)[None, :], other=0.0)
+        xt = tl.load(x_cols + k[:, None], mask=(ms < M)[None, :] & (k < K)[:, None], other=0.0)
+        acc = tl.dot(w, xt, acc, input_precision="ieee")
+    at, ok = ms[None, :] * N + rows[:, None], row_ok[:, None] & (ms < M)[None, :]
+    _finish(y_ptr, part_ptr, counter_ptr, acc, at, ok, split, n_splits, M * N, FUSED_SUM)
+
+
+def fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether dense_linear takes this product: fp32 x and W, at most MAX_ROWS rows of x."""
+    return (
+        ENABLED
+        and x.dtype == torch.float32
+        and weight.dtype == torch.float32
+        and x.numel() // max(1, x.shape[-1]) <= MAX_ROWS
+    )
+
+
+def dense_linear(x: torch.Tensor, weight: torch.Tensor, tiles: DenseTiles | None = None) -> torch.Tensor:
+    """x (..., K) @ weight (N, K)^T -> (..., N), fp32, for at most MAX_ROWS rows of x (see the module doc).
+    Works on CUDA tensors, and on CPU tensors under TRITON_INTERPRET=1."""
+    tiles = tiles or TILES
+    n, k = weight.shape
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    if weight.stride(-1) != 1:
+        raise FlashtreeError("dense_linear: the weight's rows must be contiguous")
+    m = x2.shape[0]
+    bm = max(16, triton.next_power_of_2(m))  # the dot's smallest width; M = 1 padded with zero rows
+    n_tiles = triton.cdiv(n, tiles.rows)
+    n_splits, per_split = k_splits(n_tiles, triton.cdiv(k, tiles.k_block), tiles.programs)
+    y = torch.empty(m, n, dtype=torch.float32, device=x.device)
+    parts = y if n_splits == 1 else torch.empty(n_splits, m, n, dtype=torch.float32, device=x.device)
+    _dense_kernel[(n_tiles, n_splits)](
+        y, parts, tile_counters(x.device, n_tiles), x2, weight, m, n, k, x2.stride(0), weight.stride(0),
+        per_split, n_splits, BN=tiles.rows, BM=bm, BK=tiles.k_block, FUSED_SUM=bool(tiles.fused_sum),
+        num_warps=tiles.warps, num_stages=tiles.stages,
+    )  # fmt: skip
+    if n_splits > 1 and not tiles.fused_sum:
+        block = 1024
+        _sum_splits_kernel[(triton.cdiv(m * n, block),)](y, parts, m * n, n_splits, BLOCK=block)
+    return y.view(*x.shape[:-1], n)

@@ -1,0 +1,97 @@
+"""The fp32 decode-step matmul kernel (kernels/dense_matmul.py) under TRITON_INTERPRET=1: the product
+within fp32 rounding, each row independent of the others bit for bit, and the layers taking it only
+where it applies."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from flashtree import kernels
+from flashtree.kernels import dense_matmul
+from flashtree.kernels.dense_matmul import DenseTiles, dense_linear, k_splits
+from flashtree.models.layers import Linear
+
+TILES = {
+    "default": dense_matmul.DEFAULT_TILES,
+    "splits-fused": DenseTiles(rows=16, k_block=32, warps=4, stages=1, programs=64, fused_sum=1),
+    "splits-second-launch": DenseTiles(rows=16, k_block=32, warps=4, stages=1, programs=64, fused_sum=0),
+}
+TOL = 2e-6  # relative to the largest output: fp32 sums of up to 200 products
+
+
+@pytest.mark.parametrize("tiles", TILES.values(), ids=list(TILES))
+@pytest.mark.parametrize("n,k", [(40, 96), (70, 200), (16, 64)])
+def test_dense_linear_is_the_product_and_each_row_its_own(n, k, tiles):
+    gen = torch.Generator().manual_seed(n * k)
+    w = torch.randn(n, k, generator=gen)
+    x = torch.randn(23, k, generator=gen)
+    got = dense_linear(x, w, tiles)
+    want = x.double() @ w.double().t()
+    assert got.dtype == torch.float32 and got.shape == (23, n)
+    assert (got.double() - want).abs().max() <= TOL * want.abs().max()
+    # every row alone (the AR step) and inside any batch (a verify or a draft block) is the same bits
+    for m in (1, 5, 16):
+        assert torch.equal(dense_linear(x[:m], w, tiles), got[:m])
+    for i in (0, 7, 22):
+        assert torch.equal(dense_linear(x[i : i + 1], w, tiles), got[i : i + 1])
+
+
+def test_splits_come_from_the_shape_only():
+    assert k_splits(n_tiles=2, n_units=9, programs=64) == (9, 1)
+    assert k_splits(n_tiles=64, n_units=9, programs=64) == (1, 9)
+    assert k_splits(n_tiles=16, n_units=9, programs=64) == (3, 3)
+    splits, per_split = k_splits(n_tiles=3, n_units=10, programs=16)
+    assert (splits - 1) * per_split < 10 <= splits * per_split
+
+
+def test_dense_linear_keeps_leading_dims_and_reads_strided_rows():
+    gen = torch.Generator().manual_seed(1)
+    w = torch.randn(24, 48, generator=gen)
+    merged = torch.randn(2, 3, 100, generator=gen)
+    x = merged[..., 10:58]  # rows with a stride, as a head view of a merged projection
+    got = dense_linear(x, w)
+    assert got.shape == (2, 3, 24)
+    torch.testing.assert_close(got, x @ w.t(), atol=1e-5, rtol=1e-5)
+
+
+def test_linear_takes_the_kernel_only_for_fp32_decode_rows_outside_autograd(monkeypatch):
+    calls = []
+    monkeypatch.setattr(kernels, "triton_kernels_for", lambda x: True)
+    monkeypatch.setattr(dense_matmul, "dense_linear", lambda x, w: calls.append(x) or F.linear(x, w))
+    layer = Linear(torch.randn(8, 16))
+    with torch.no_grad():
+        layer(torch.randn(1, 23, 16))
+        assert len(calls) == 1
+        layer(torch.randn(65, 16))  # a prefill chunk: cuBLAS
+        Linear(torch.randn(8, 16).bfloat16())(torch.randn(3, 16).bfloat16())  # bf16 models: torch / packed
+        monkeypatch.setattr(dense_matmul, "ENABLED", False)  # FLASHTREE_DENSE_KERNEL=0
+        layer(torch.randn(3, 16))
+    monkeypatch.setattr(dense_matmul, "ENABLED", True)
+    layer(torch.randn(3, 16, requires_grad=True))  # training: autograd needs the torch op
+    assert len(calls) == 1
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_verify_rows_equal_the_ar_steps_with_every_kernel(family, tiny_root, monkeypatch):
+    """Every decode-path kernel inside the model (dense matmul, norms, rotary, attention): each chain
+    node of a tree verify gives the logits of the AR step for its token bit for bit, so speculative
+    greedy output equals plain decoding by construction, not by fp32 rounding luck."""
+    from flashtree.models.block import BlockLayout
+    from flashtree.models.loader import load_target
+    from tests.tiny import tiny_gguf
+
+    monkeypatch.setattr(kernels, "triton_kernels_for", lambda x: True)
+    model, _ = load_target(tiny_gguf(family, 0, tiny_root), device="cpu", dtype=torch.float32)
+    ids = torch.randint(0, 320, (30,), generator=torch.Generator().manual_seed(2))
+    parents = torch.tensor([-1, 0, 1, 0, 3, 4, 2])
+    chain = [20, 21, 22]  # = nodes 0, 1, 2 of the tree
+    with torch.no_grad():
+        state = model.new_state(64)
+        model(ids[:20], state, logits="none")
+        tree = model(ids[20:27], state, BlockLayout.from_parents(parents), commit=False).logits
+        state = model.new_state(64)
+        model(ids[:20], state, logits="none")
+        steps = torch.cat([model(ids[i : i + 1], state).logits for i in chain])
+    assert torch.equal(tree[:3], steps)
