@@ -6,12 +6,17 @@ launch latency, not bytes, and cuBLAS's fp32 GEMM for 16-23 rows took ~5 us a la
 ~3 us at one row: 1.41 ms of the 2.93 ms tree step in 272 launches (bench/results/h200-launch-cuts-
 2026-12-03/profile_pair.log). cuBLAS also picks other kernels for 1 and for 23 rows, so a verify row is
 not computed as the AR step computes it; losslessness then rests on fp32 rounding differences never
-flipping a greedy near-tie. Here every row is computed by one instruction sequence whatever M is: the
-program's (BN, BM) tile accumulates fp32 FMA dots (`input_precision="ieee"`: no TF32) over K in a fixed
-order, K-splits come from the matrix shape only, and their partial sums are added in split order
-(qmatmul's `_finish`: by the tile's last program, or a second launch). So row m of an M-row call equals a
-1-row call on x[m] bit for bit (checked on the H200 by bench/gpu_dense_matmul.py, on the CPU under
-TRITON_INTERPRET=1 by the tests).
+flipping a greedy near-tie (on the H200 cuBLAS's rows of 15-64-row calls differ from its 1-row calls:
+bench/results/h200-dense-matmul-2026-12-04). Here every row is computed by one instruction sequence
+whatever M is: the program's (BN, BM) tile accumulates tensor-core dots over K in a fixed order, K-splits
+come from the matrix shape only, and their partial sums are added in split order (qmatmul's `_finish`:
+by the tile's last program, or a second launch). So row m of an M-row call equals a 1-row call on x[m]
+bit for bit (checked on the H200 by bench/gpu_dense_matmul.py, on the CPU under TRITON_INTERPRET=1 by the
+tests).
+
+The dots are tf32x3: each fp32 operand split into a TF32 part and a TF32 remainder, three TF32 products
+(the remainders' product dropped), ~fp32 accuracy (the checks bound it at 2e-6 of the largest output).
+fp32 FMA dots (`input_precision="ieee"`) were 1.1-8x slower than cuBLAS at every shape of the pair.
 """
 
 from __future__ import annotations
@@ -55,7 +60,8 @@ def tiles_from_env() -> DenseTiles:
         return DenseTiles(*map(int, json.loads(text)))
     except (ValueError, TypeError) as e:
         raise FlashtreeError(
-            f"FLASHTREE_DENSE_TILES: expected JSON [rows, k_block, warps, stages, programs(, fused_sum)] ({e})"
+            "FLASHTREE_DENSE_TILES: expected JSON [rows, k_block, warps, stages, programs(, fused_sum)]"
+            f" ({e})"
         ) from None
 
 
@@ -77,7 +83,7 @@ def _dense_kernel(
 ):  # fmt: skip
     """Program (i, s): output features [i * BN, i * BN + BN) of all M <= BM rows, over K blocks
     [s * per_split, s * per_split + per_split): acc (BN, BM) += W tile (BN, BK) . x^T tile (BK, BM), one
-    fp32 FMA dot per K block in K order."""
+    tf32x3 dot per K block in K order."""
     rows = tl.program_id(0) * BN + tl.arange(0, BN)
     row_ok = rows < N
     split = tl.program_id(1)
@@ -92,7 +98,7 @@ def _dense_kernel(
         k = unit * BK + ks
         w = tl.load(w_rows + k[None, :], mask=row_ok[:, None] & (k < K)[None, :], other=0.0)
         xt = tl.load(x_cols + k[:, None], mask=(ms < M)[None, :] & (k < K)[:, None], other=0.0)
-        acc = tl.dot(w, xt, acc, input_precision="ieee")
+        acc = tl.dot(w, xt, acc, input_precision="tf32x3")
     at, ok = ms[None, :] * N + rows[:, None], row_ok[:, None] & (ms < M)[None, :]
     _finish(y_ptr, part_ptr, counter_ptr, acc, at, ok, split, n_splits, M * N, FUSED_SUM)
 
