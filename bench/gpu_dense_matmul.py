@@ -10,7 +10,9 @@ sweep, and the default pair's matrices timed against cuBLAS.
   weight called in a row inside one CUDA graph (as a step's layers: the copies total more than L2, so
   weights come from memory), us per call, for cuBLAS (F.linear) and for our kernel at DEFAULT_TILES
   and, with --sweep, at each tile of SWEEP; the per-step total weights each shape by its calls in one
-  default-pair step (30 target layers and the LM head; the draft's 5 layers, its fc and its LM head);
+  default-pair step (30 target layers and the LM head; the draft's 5 layers, its fc and its LM head),
+  and each shape's fastest tile for a speculative step (draft + verify calls) is written as
+  `tiles_by_shape`, the JSON that FLASHTREE_DENSE_TILES takes (kernels/dense_matmul.SHAPE_TILES);
 - the device's copy bandwidth and fp32 matmul rate, measured in the same run.
 """
 
@@ -43,9 +45,9 @@ TOL = 2e-6
 SWEEP = [
     DenseTiles(rows, k_block, warps, stages, programs, fused)
     for rows, k_block, warps, stages, programs, fused in itertools.product(
-        (32, 64, 128), (32, 64), (4,), (1, 3), (264, 1056), (1,)
+        (16, 32, 64), (32, 64, 128), (4,), (1, 2), (64, 264), (1,)
     )
-] + [DenseTiles(128, 64, 8, 3, 264), DenseTiles(128, 32, 8, 3, 1056), DenseTiles(64, 64, 4, 2, 512, 0)]
+] + [DenseTiles(64, 64, 4, 1, 264, 0), DenseTiles(16, 64, 4, 1, 264, 0), DenseTiles(128, 64, 8, 1, 264)]
 COPIES_BYTES = 256 << 20  # a graph's weight copies: more than the H200's 50 MB L2
 
 
@@ -121,6 +123,16 @@ def step_totals(timings: list[dict], keys: list[str]) -> dict:
     return totals
 
 
+def tiles_by_shape(timings: list[dict], keys: list[str]) -> dict[str, list[int]]:
+    """Per shape "NxK", the tile with the least time over a speculative step's calls (draft + verify)."""
+    chosen = {}
+    for name, n, k, _, draft_calls, verify_calls in SHAPES:
+        at = {r["phase"]: r for r in timings if r["shape"] == name}
+        step_us = {key: draft_calls * at["draft"][key] + verify_calls * at["verify"][key] for key in keys}
+        chosen[f"{n}x{k}"] = json.loads(min(keys, key=step_us.get))
+    return chosen
+
+
 def main(out_dir: str, sweep: bool) -> int:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -136,9 +148,15 @@ def main(out_dir: str, sweep: bool) -> int:
     best = min(keys[1:], key=lambda key: sum(totals[key].values()))
     print("per step (us): cublas", totals["cublas_us"], "default", totals[keys[1]])
     print("best", best, totals[best])
+    by_shape = tiles_by_shape(timings, keys[1:])
+    shape_key = {name: f"{n}x{k}" for name, n, k, *_ in SHAPES}
+    for r in timings:
+        r["by_shape_us"] = r[json.dumps(by_shape[shape_key[r["shape"]]])]
+    totals["by_shape_us"] = step_totals(timings, ["by_shape_us"])["by_shape_us"]
+    print("tiles by shape", json.dumps(by_shape), totals["by_shape_us"])
     result = {
         "ceilings": dataclasses.asdict(ceilings), "checks": checks, "timings": timings,
-        "step_totals_us": totals, "best_tiles": best, "default_tiles": keys[1],
+        "step_totals_us": totals, "best_tiles": best, "default_tiles": keys[1], "tiles_by_shape": by_shape,
         "device": torch.cuda.get_device_name(),
     }  # fmt: skip
     (out / "dense_matmul.json").write_text(json.dumps(result, indent=1))

@@ -80,7 +80,7 @@ for stage in "$@"; do
         --name "kernels_${FLASHTREE_QMM_ARITH:-int8}" 2>&1 | tee "$OUT/kernels_${FLASHTREE_QMM_ARITH:-int8}.log" ;;
     small) python3 bench/gpu_small_kernels.py "$OUT" 2>&1 | tee "$OUT/small.log" ;;
     dense) python3 bench/gpu_dense_matmul.py "$OUT" --sweep 2>&1 | tee "$OUT/dense.log"
-        cp "$OUT/dense_matmul.json" "$STASH/" ;;  # best_tiles: FLASHTREE_DENSE_TILES for a later pair
+        cp "$OUT/dense_matmul.json" "$STASH/" ;;  # tiles_by_shape: FLASHTREE_DENSE_TILES for a later pair
     graphs) python3 bench/gpu_graphs.py "$OUT" 2>&1 | tee "$OUT/graphs.log" ;;
     graphs-quant)
         mkdir -p "$OUT/quant" && FLASHTREE_QUANT_KERNELS=1 python3 bench/gpu_graphs.py "$OUT/quant" 2>&1 \

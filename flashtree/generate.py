@@ -135,8 +135,10 @@ class Engine:
         default, SmolLM2-135M-Instruct, and (unless a draft is given) the draft shipped for it."""
         from flashtree import defaults
         from flashtree.gguf.tokenizer import Tokenizer
+        from flashtree.kernels import dense_matmul
         from flashtree.kernels.qlinear import use_arithmetic
         from flashtree.kernels.qmatmul import choose_arithmetic
+        from flashtree.models.layers import use_dense_kernel
         from flashtree.models.loader import load_target
 
         if target is None:
@@ -152,7 +154,9 @@ class Engine:
         spec = spec or SpecConfig()
         mode = mode or ("ar" if draft_model is None else spec.mode)
         spec = SpecConfig(**{**spec.__dict__, "mode": mode})
-        use_arithmetic(model, choose_arithmetic(speculative=draft_model is not None and mode != "ar"))
+        speculative = draft_model is not None and mode != "ar"
+        use_arithmetic(model, choose_arithmetic(speculative))
+        use_dense_kernel(model, dense_matmul.choose(speculative))
         return cls(model, tokenizer, draft_model, spec, max_ctx)
 
     def encode(self, text: str, chat: bool = True, system: str | None = None) -> list[int]:

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from flashtree import kernels
+from flashtree.errors import FlashtreeError
 from flashtree.kernels import dense_matmul
 from flashtree.kernels.dense_matmul import DenseTiles, dense_linear, k_splits
 from flashtree.models.layers import Linear
@@ -66,11 +67,51 @@ def test_linear_takes_the_kernel_only_for_fp32_decode_rows_outside_autograd(monk
         assert len(calls) == 1
         layer(torch.randn(65, 16))  # a prefill chunk: cuBLAS
         Linear(torch.randn(8, 16).bfloat16())(torch.randn(3, 16).bfloat16())  # bf16 models: torch / packed
-        monkeypatch.setattr(dense_matmul, "ENABLED", False)  # FLASHTREE_DENSE_KERNEL=0
+        layer.dense_kernel = False  # plain decoding: cuBLAS (use_dense_kernel)
         layer(torch.randn(3, 16))
-    monkeypatch.setattr(dense_matmul, "ENABLED", True)
+    layer.dense_kernel = True
     layer(torch.randn(3, 16, requires_grad=True))  # training: autograd needs the torch op
     assert len(calls) == 1
+
+
+def test_engine_load_takes_the_kernel_for_speculative_decoding_only(monkeypatch, tiny_root, tmp_path):
+    """The target's dense matrices (and so the draft's shared LM head) run the batch-invariant kernel
+    when the engine decodes speculatively, cuBLAS when it does not; FLASHTREE_DENSE_KERNEL overrides.
+    The draft's own matrices keep the kernel (nothing is verified against them; it is the faster one
+    at a draft block's 16 rows)."""
+    from spec_util import random_draft_dir
+
+    from flashtree.generate import Engine
+    from tests.tiny import tiny_gguf
+
+    def kernel_flags(model):
+        return {m.dense_kernel for m in model.modules() if isinstance(m, Linear)}
+
+    monkeypatch.delenv("FLASHTREE_DENSE_KERNEL", raising=False)
+    target = tiny_gguf("llama", 0, tiny_root)
+    draft = random_draft_dir(target, tmp_path)
+    engine = Engine.load(target, draft, max_ctx=64, device="cpu")
+    assert kernel_flags(engine.target) == {True}
+    assert kernel_flags(engine.draft) == {True}
+    assert kernel_flags(Engine.load(target, draft, mode="ar", max_ctx=64, device="cpu").target) == {False}
+    assert kernel_flags(Engine.load(target, "none", max_ctx=64, device="cpu").target) == {False}
+    monkeypatch.setenv("FLASHTREE_DENSE_KERNEL", "1")
+    assert kernel_flags(Engine.load(target, "none", max_ctx=64, device="cpu").target) == {True}
+    monkeypatch.setenv("FLASHTREE_DENSE_KERNEL", "0")
+    assert kernel_flags(Engine.load(target, draft, max_ctx=64, device="cpu").target) == {False}
+
+
+def test_tiles_are_chosen_per_matrix_shape_and_overridable(monkeypatch):
+    monkeypatch.setattr(dense_matmul, "TILES", {"default": TILES["default"], "40x96": TILES["splits-fused"]})
+    assert dense_matmul.tiles_for(40, 96) == TILES["splits-fused"]
+    assert dense_matmul.tiles_for(96, 40) == TILES["default"]
+    override = '{"default": [16, 32, 4, 1, 64, 0], "8x8": [32, 64, 4, 2, 9]}'
+    monkeypatch.setenv("FLASHTREE_DENSE_TILES", override)
+    parsed = dense_matmul.tiles_from_env()
+    assert parsed["default"] == TILES["splits-second-launch"] and parsed["8x8"] == DenseTiles(32, 64, 4, 2, 9)
+    monkeypatch.setenv("FLASHTREE_DENSE_TILES", "[1, 2]")
+    with pytest.raises(FlashtreeError, match="FLASHTREE_DENSE_TILES"):
+        dense_matmul.tiles_from_env()
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])

@@ -240,12 +240,15 @@ def versions() -> dict:
 
 def model_info(base: Engine) -> tuple[dict, dict | None]:
     from flashtree.kernels.qlinear import arithmetic_of
+    from flashtree.models.layers import Linear
 
     c = base.target.config
     arithmetic = arithmetic_of(base.target)
+    dense_kernel = base.target.lm_head.dense_kernel if isinstance(base.target.lm_head, Linear) else False
+    weights = f"dense, {'batch-invariant kernel' if dense_kernel else 'cuBLAS'} on CUDA"
     target = {"name": c.name, "arch": c.arch, "dtype": str(base.target.dtype).removeprefix("torch."),
               "weight_bytes": weight_bytes(base.target),
-              "weights": f"packed, {arithmetic} arithmetic" if arithmetic else "dense"}  # fmt: skip
+              "weights": f"packed, {arithmetic} arithmetic" if arithmetic else weights}  # fmt: skip
     if base.draft is None:
         return target, None
     d = base.draft.config

@@ -33,8 +33,15 @@ from flashtree.errors import FlashtreeError
 from flashtree.kernels.qmatmul import _finish, _sum_splits_kernel, tile_counters
 
 MAX_ROWS = 64  # above this many rows (prefill): cuBLAS, compute-bound there
-# FLASHTREE_DENSE_KERNEL=0: cuBLAS for every row count (the comparison in bench/gpu_dense_matmul.py)
-ENABLED = os.environ.get("FLASHTREE_DENSE_KERNEL", "1") != "0"
+
+
+def choose(speculative: bool) -> bool:
+    """Whether an engine's target computes its decode rows with this kernel (layers.use_dense_kernel
+    sets it): FLASHTREE_DENSE_KERNEL=1/0 if set; else for speculative decoding, where a verify row must
+    equal the AR step's, and not for plain decoding, where cuBLAS's one-row GEMV is faster (3.6 vs 5-6
+    us a launch on the pair's matrices: bench/results/h200-dense-matmul-2026-12-04)."""
+    forced = os.environ.get("FLASHTREE_DENSE_KERNEL")
+    return forced != "0" if forced is not None else speculative
 
 
 @dataclass(frozen=True)
@@ -47,25 +54,35 @@ class DenseTiles:
     fused_sum: int = 1  # K-splits added by the tile's last program (1) or by a second launch (0)
 
 
-DEFAULT_TILES = DenseTiles(rows=32, k_block=64, warps=4, stages=2, programs=512)
+DEFAULT_TILES = DenseTiles(rows=64, k_block=64, warps=4, stages=1, programs=264)
+# Per matrix shape "NxK" (a matrix's tiles never depend on M: batch invariance), from the sweep of
+# bench/gpu_dense_matmul.py on the H200 (fastest summed over 1, 16 and 23 rows); other shapes take
+# DEFAULT_TILES, the best single tile of the first sweep.
+SHAPE_TILES: dict[str, DenseTiles] = {}
 
 
-def tiles_from_env() -> DenseTiles:
-    """DEFAULT_TILES, or FLASHTREE_DENSE_TILES (JSON [rows, k_block, warps, stages, programs(,
-    fused_sum)]), the way a tuning sweep hands its choice to a benchmark run."""
+def tiles_from_env() -> dict[str, DenseTiles]:
+    """{"default": DEFAULT_TILES} | SHAPE_TILES, with overrides from FLASHTREE_DENSE_TILES (JSON {"default"
+    or "NxK": [rows, k_block, warps, stages, programs(, fused_sum)]}), the way a tuning sweep hands its
+    choice to a benchmark run."""
+    tiles = {"default": DEFAULT_TILES} | SHAPE_TILES
     text = os.environ.get("FLASHTREE_DENSE_TILES")
     if not text:
-        return DEFAULT_TILES
+        return tiles
     try:
-        return DenseTiles(*map(int, json.loads(text)))
-    except (ValueError, TypeError) as e:
+        return tiles | {key: DenseTiles(*map(int, value)) for key, value in json.loads(text).items()}
+    except (ValueError, TypeError, AttributeError) as e:
         raise FlashtreeError(
-            "FLASHTREE_DENSE_TILES: expected JSON [rows, k_block, warps, stages, programs(, fused_sum)]"
-            f" ({e})"
+            'FLASHTREE_DENSE_TILES: expected JSON {"default" or "NxK": [rows, k_block, warps, stages,'
+            f" programs(, fused_sum)]}} ({e})"
         ) from None
 
 
 TILES = tiles_from_env()
+
+
+def tiles_for(n: int, k: int) -> DenseTiles:
+    return TILES.get(f"{n}x{k}", TILES["default"])
 
 
 def k_splits(n_tiles: int, n_units: int, programs: int) -> tuple[int, int]:
@@ -106,8 +123,7 @@ def _dense_kernel(
 def fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether dense_linear takes this product: fp32 x and W, at most MAX_ROWS rows of x."""
     return (
-        ENABLED
-        and x.dtype == torch.float32
+        x.dtype == torch.float32
         and weight.dtype == torch.float32
         and x.numel() // max(1, x.shape[-1]) <= MAX_ROWS
     )
@@ -116,8 +132,8 @@ def fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def dense_linear(x: torch.Tensor, weight: torch.Tensor, tiles: DenseTiles | None = None) -> torch.Tensor:
     """x (..., K) @ weight (N, K)^T -> (..., N), fp32, for at most MAX_ROWS rows of x (see the module doc).
     Works on CUDA tensors, and on CPU tensors under TRITON_INTERPRET=1."""
-    tiles = tiles or TILES
     n, k = weight.shape
+    tiles = tiles or tiles_for(n, k)
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()

@@ -20,6 +20,7 @@ class Linear(nn.Module):
     def __init__(self, weight: torch.Tensor):
         super().__init__()
         self.weight = nn.Parameter(weight, requires_grad=False)
+        self.dense_kernel = True  # decode rows of fp32 weights on the GPU: see use_dense_kernel
 
     @property
     def out_features(self) -> int:
@@ -33,9 +34,19 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # decode/verify/draft rows of an fp32 model on the GPU: our batch-invariant kernel (a verify
         # row equals the AR step's bit for bit; kernels/dense_matmul.py)
-        if _fused_kernels(x) and dense_matmul.fits(x, self.weight):
+        if self.dense_kernel and _fused_kernels(x) and dense_matmul.fits(x, self.weight):
             return dense_matmul.dense_linear(x, self.weight)
         return F.linear(x, self.weight)
+
+
+def use_dense_kernel(model: nn.Module, on: bool) -> int:
+    """Compute the decode rows of `model`'s dense fp32 matrices on the GPU with our batch-invariant kernel
+    (on) or with cuBLAS (dense_matmul.choose decides per engine), before any CUDA graph captures them.
+    Returns how many matrices are dense."""
+    dense = [m for m in model.modules() if isinstance(m, Linear)]
+    for m in dense:
+        m.dense_kernel = on
+    return len(dense)
 
 
 class LinearPart:
