@@ -9,8 +9,9 @@ check on the device (it needs no model files):
   bit for bit rotary + index_copy;
 - the DDTree build (kernels/ddtree.py): the torch path's tree (tokens, parents, depths, visibility) on
   random fp32 draft logits of SmolLM2's and the 27B's vocabularies;
-- grouped_attention (models/layers.py: query heads folded into rows) within 1e-5 (fp32) / 1.6e-2
-  (bf16) of SDPA's own grouped-query attention at the drafts' shapes;
+- grouped_attention (models/layers.py: query heads folded into rows) and block_attention (the draft
+  block's attention on the GPU, kernels/attention.py) within 1e-5 (fp32) / 1.6e-2 (bf16) of SDPA's own
+  grouped-query attention at the drafts' shapes;
 - tree conv + SiLU (kernels/tree_conv.py) and the tree Gated DeltaNet (kernels/tree_deltanet.py):
   within 1e-5 of the torch reference in fp32 on a tree with siblings, and each token computed alone
   (from its parent's state: the AR step, also writing its state in place) equal to its row of the
@@ -35,7 +36,13 @@ import torch
 
 from flashtree import kernels
 from flashtree.kernels import fused
-from flashtree.kernels.attention import MAX_SPLIT, SPLITS_PER_CACHE, split_positions, tree_attention
+from flashtree.kernels.attention import (
+    MAX_SPLIT,
+    SPLITS_PER_CACHE,
+    block_attention,
+    split_positions,
+    tree_attention,
+)
 from flashtree.kernels.rotary import rotary, rotary_store
 from flashtree.kernels.tree_conv import tree_conv_silu
 from flashtree.kernels.tree_deltanet import tree_gated_delta_rule
@@ -141,17 +148,25 @@ def check_grouped_attention() -> list[dict]:
             kv = [t.to(DEVICE, dtype) for t in kv]
             mask = (torch.rand(16, keys_n, generator=gen) < 0.7).to(DEVICE)
             mask[:, -16:] = True
-            got = grouped_attention(q, *kv, mask, head_dim**-0.5)
-            want = torch.nn.functional.scaled_dot_product_attention(
-                q, *kv, attn_mask=mask, scale=head_dim**-0.5, enable_gqa=True
-            )
-            diff = (got.float() - want.float()).abs().max().item()
-            rows.append({
-                "kernel": "grouped_attention", "dtype": str(dtype), "heads": [heads, kv_heads],
-                "keys": keys_n, "max_abs_diff": diff,
-                # two attention kernels: fp32 sums in another order; bf16 outputs (|x| < 1) 2 ulp apart
-                "within_rounding": diff <= (1e-5 if dtype == torch.float32 else 1.6e-2),
-            })  # fmt: skip
+            # the draft's block attention: one mask for every row (the live context slots), then the block
+            live = mask[0, :-16]
+            block_mask = torch.cat([live[None].expand(16, -1), mask[:, -16:]], dim=1)
+            q_rows = q[0].transpose(0, 1).contiguous()  # (16, heads, head_dim)
+            block = block_attention(q_rows, kv[0][0], kv[1][0], live, head_dim**-0.5).transpose(0, 1)[None]
+            for kernel, got, kernel_mask in (
+                ("grouped_attention", grouped_attention(q, *kv, mask, head_dim**-0.5), mask),
+                ("block_attention", block, block_mask),
+            ):
+                want = torch.nn.functional.scaled_dot_product_attention(
+                    q, *kv, attn_mask=kernel_mask, scale=head_dim**-0.5, enable_gqa=True
+                )
+                diff = (got.float() - want.float()).abs().max().item()
+                rows.append({
+                    "kernel": kernel, "dtype": str(dtype), "heads": [heads, kv_heads],
+                    "keys": keys_n, "max_abs_diff": diff,
+                    # other attention kernels: fp32 sums in another order; bf16 outputs (|x| < 1) 2 ulp apart
+                    "within_rounding": diff <= (1e-5 if dtype == torch.float32 else 1.6e-2),
+                })  # fmt: skip
     return rows
 
 

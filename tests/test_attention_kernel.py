@@ -14,6 +14,7 @@ import torch.nn.functional as F  # noqa: E402
 from flashtree.kernels.attention import (  # noqa: E402
     MAX_SPLIT,
     SPLITS_PER_CACHE,
+    block_attention,
     split_positions,
     tile_positions,
     tree_attention,
@@ -111,3 +112,27 @@ def test_split_sizes_follow_the_cache_between_one_tile_and_the_maximum():
             split, tile = split_positions(slots, hd), tile_positions(hd)
             assert split % tile == 0 and split & (split - 1) == 0
             assert split in (MAX_SPLIT, tile) or slots <= split * SPLITS_PER_CACHE
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=list(DTYPES))
+@pytest.mark.parametrize("n_ctx", [5, 150])
+def test_block_attention_is_the_draft_blocks_masked_softmax(n_ctx, dtype):
+    """A draft block: every row over the live context keys and the whole block (no causal order). Dead
+    slots include whole splits (the first 70 and the last 30 of 150: a split of masked keys only adds
+    nothing) and the kernel's masked scores never leak."""
+    from flashtree.models.layers import grouped_attention
+
+    n_kv, n_heads, hd, b = 3, 9, 32, 16
+    gen = torch.Generator().manual_seed(n_ctx)
+    q = torch.randn(b, n_heads, hd, generator=gen).to(dtype)
+    keys, values = (torch.randn(n_kv, n_ctx + b, hd, generator=gen).to(dtype) for _ in range(2))
+    live = torch.rand(n_ctx, generator=gen) < 0.7
+    if n_ctx > 100:
+        live[:70] = False
+        live[-30:] = False
+    got = block_attention(q, keys, values, live, hd**-0.5)
+    mask = torch.cat([live[None, :].expand(b, -1), torch.ones(b, b, dtype=torch.bool)], dim=1)
+    want = grouped_attention(q.transpose(0, 1)[None].float(), keys[None].float(), values[None].float(), mask,
+                             hd**-0.5)[0].transpose(0, 1)  # fmt: skip
+    tol = 1e-5 if dtype == torch.float32 else 1.6e-2
+    torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)

@@ -51,6 +51,27 @@ def test_incremental_context_equals_full_recompute(qwen3, tiny_root):
         )
 
 
+def test_propose_with_the_attention_kernel_is_the_torch_path(qwen3, tiny_root, monkeypatch):
+    """On the GPU the draft's block attention runs kernels/attention.block_attention (here under
+    TRITON_INTERPRET=1, with every other decode kernel): the same logits as the torch path's SDPA."""
+    from flashtree import kernels
+    from flashtree.kernels import attention
+
+    gguf, target = qwen3
+    draft = random_draft(gguf, target, tiny_root, layers=2)
+    feats = target_features(target, draft, 60)
+    ring = draft.new_context(24, spare=16)  # wrapped, with dead slots
+    for lo in range(0, 60, 7):
+        draft.append_context(ring, feats[lo : lo + 7])
+    want = draft.propose(ring, torch.tensor(3), 16)
+    monkeypatch.setattr(kernels, "triton_kernels_for", lambda x: True)
+    calls = []
+    kernel = attention.block_attention
+    monkeypatch.setattr(attention, "block_attention", lambda *a: calls.append(a) or kernel(*a))
+    torch.testing.assert_close(draft.propose(ring, torch.tensor(3), 16), want, atol=1e-5, rtol=1e-5)
+    assert len(calls) == 2  # both layers took the kernel
+
+
 def test_ring_keeps_the_last_positions_only(qwen3, tiny_root):
     """A ring of 24 positions after 60 committed ones equals attending to positions 36..59 only."""
     gguf, target = qwen3

@@ -51,23 +51,27 @@ def split_positions(slots: int, head_dim: int) -> int:
 
 
 @triton.jit
-def _dot(a, b, IEEE: tl.constexpr):
-    """a @ b of fp32 tiles, fp32 accumulation. IEEE: products exact (fp32 models); else tf32 tensor
-    cores, exact for values that came from bf16 (7 mantissa bits; tf32 keeps 10)."""
-    if IEEE:
-        return tl.dot(a, b, input_precision="ieee")
+def _dot(a, b, F32: tl.constexpr):
+    """a @ b of fp32 tiles on tensor cores, fp32 accumulation. F32 (fp32 models): tf32x3, each operand
+    a TF32 part plus a TF32 remainder, ~fp32 accuracy (exact-product FMA dots, "ieee", ran several
+    times slower in the fp32 matmul: bench/results/h200-dense-matmul-2026-12-04); else tf32, exact for
+    values that came from bf16 (7 mantissa bits; tf32 keeps 10)."""
+    if F32:
+        return tl.dot(a, b, input_precision="tf32x3")
     return tl.dot(a, b, input_precision="tf32")
 
 
 @triton.jit
 def _split_kernel(
-    q_ptr, k_ptr, v_ptr, path_ptr, depth_ptr, start_ptr, m_ptr, l_ptr, acc_ptr,
+    q_ptr, k_ptr, v_ptr, path_ptr, depth_ptr, start_ptr, key_ok_ptr, m_ptr, l_ptr, acc_ptr,
     n_rows, n_heads, n_splits, stride_qt, stride_qh, stride_kh, stride_ks, stride_vh, stride_vs, scale,
     G: tl.constexpr, BG: tl.constexpr, HD: tl.constexpr, BD: tl.constexpr, SPLIT_N: tl.constexpr,
-    BLOCK: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK: tl.constexpr, F32: tl.constexpr, KEY_MASK: tl.constexpr,
 ):  # fmt: skip
     """Program (t, kv head, split): the G query heads of row t over the split's positions. Writes the
-    split's running max m, sum l and unnormalized output acc (fp32) per query head."""
+    split's running max m, sum l and unnormalized output acc (fp32) per query head. KEY_MASK: committed
+    positions p with key_ok[p] false are left out (their score -1e30, not -inf: a split of masked keys
+    only then has a finite max and finite sums, which the combine weighs by exp(-1e30 - max) = 0)."""
     t, kvh, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     start = tl.load(start_ptr)
     n_pos = start + tl.load(depth_ptr + t) + 1  # positions row t sees
@@ -92,14 +96,17 @@ def _split_kernel(
         kv_ok = valid[:, None] & (d < HD)[None, :]
         k = tl.load(k_ptr + kvh * stride_kh + slot[:, None] * stride_ks + d[None, :], mask=kv_ok, other=0.0)
         k = k.to(tl.float32)
-        scores = _dot(q, tl.trans(k), IEEE)
+        scores = _dot(q, tl.trans(k), F32)
+        if KEY_MASK:
+            key_ok = tl.load(key_ok_ptr + pos, mask=valid & (rel < 0), other=1) != 0
+            scores = tl.where(key_ok[None, :], scores, -1e30)
         scores = tl.where(valid[None, :], scores * scale, float("-inf"))  # (BG, BLOCK)
         m_new = tl.maximum(m, tl.max(scores, axis=1))  # finite: a split's first block has a position
         alpha = tl.exp(m - m_new)
         p = tl.exp(scores - m_new[:, None])
         denom = denom * alpha + tl.sum(p, axis=1)
         v = tl.load(v_ptr + kvh * stride_vh + slot[:, None] * stride_vs + d[None, :], mask=kv_ok, other=0.0)
-        acc = acc * alpha[:, None] + _dot(p, v.to(tl.float32), IEEE)
+        acc = acc * alpha[:, None] + _dot(p, v.to(tl.float32), F32)
         m = m_new
     out = (t * n_heads + heads) * n_splits + s  # (row, head, split)
     tl.store(m_ptr + out, m, mask=g < G)
@@ -134,9 +141,10 @@ def tree_attention(
     depths: torch.Tensor,  # (T,) int32
     n_keys: int,  # slots that may be read (start + T, or a CUDA graph's bucket): sizes the split grid
     scale: float,
+    key_ok: torch.Tensor | None = None,  # (>= start,) bool: committed slots to attend to (None: all)
 ) -> torch.Tensor:
-    """softmax(q K^T * scale) V of every row over its committed keys and its ancestors (itself
-    included), (T, n_heads, head_dim) in q's dtype."""
+    """softmax(q K^T * scale) V of every row over its committed keys (those of `key_ok`) and its
+    ancestors (itself included), (T, n_heads, head_dim) in q's dtype."""
     t, n_heads, hd = q.shape
     n_kv = k_cache.shape[0]
     group = n_heads // n_kv
@@ -147,13 +155,46 @@ def tree_attention(
     lsum = torch.empty_like(m)
     acc = torch.empty(t, n_heads, n_splits, bd, dtype=torch.float32, device=q.device)
     _split_kernel[(t, n_kv, n_splits)](
-        q, k_cache, v_cache, path, depths, start, m, lsum, acc, t, n_heads, n_splits,
+        q, k_cache, v_cache, path, depths, start, start if key_ok is None else key_ok.view(torch.uint8), m,
+        lsum, acc, t,
+        n_heads, n_splits,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         scale,
         G=group, BG=max(16, triton.next_power_of_2(group)), HD=hd, BD=bd, SPLIT_N=split,
         BLOCK=tile_positions(hd),
-        IEEE=q.dtype == torch.float32, num_warps=8 if bd >= 256 else 4,
+        F32=q.dtype == torch.float32, KEY_MASK=key_ok is not None, num_warps=8 if bd >= 256 else 4,
     )  # fmt: skip
     out = torch.empty(t, n_heads, hd, dtype=q.dtype, device=q.device)
     _combine_kernel[(t * n_heads,)](out, m, lsum, acc, n_splits, HD=hd, BD=bd, num_warps=1)
     return out
+
+
+def block_attention(
+    q: torch.Tensor,  # (B, n_heads, head_dim): a draft block's rows
+    keys: torch.Tensor,  # (n_kv, S + B, head_dim): S context keys, then the block's own B
+    values: torch.Tensor,
+    key_ok: torch.Tensor,  # (S,) bool: the context keys to attend to
+    scale: float,
+) -> torch.Tensor:
+    """A DFlash draft block's attention: every row over the live context keys and all B block keys (no
+    causal order inside a block), (B, n_heads, head_dim). It is tree_attention with each row's "path"
+    the whole block. Why not SDPA: its fp32 kernel for the SmolLM2 draft's 16 rows x ~500 keys took
+    38 us a layer on the H200 (0.19 ms of a 2.7 ms tree step, bench/results/h200-dense-matmul-2026-12-04)."""
+    b = q.shape[0]
+    s = keys.shape[1] - b
+    start, path, depths = _whole_block(b, s, q.device)
+    return tree_attention(q, keys, values, start, path, depths, s + b, scale, key_ok)
+
+
+_BLOCKS: dict[tuple[int, int, torch.device], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+
+def _whole_block(b: int, s: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(start = s, paths: every row sees block nodes 0..b-1, depths b-1), made once per shape (on a
+    draft step's eager first run, before a CUDA graph captures the step)."""
+    key = (b, s, device)
+    if key not in _BLOCKS:
+        path = torch.arange(b, dtype=torch.int32, device=device).expand(b, b).contiguous()
+        depths = torch.full((b,), b - 1, dtype=torch.int32, device=device)
+        _BLOCKS[key] = torch.full((), s, dtype=torch.long, device=device), path, depths
+    return _BLOCKS[key]

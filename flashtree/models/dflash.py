@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from flashtree import kernels
 from flashtree.errors import FlashtreeError
 from flashtree.models.layers import (
     Linear,
@@ -157,7 +158,8 @@ class DraftLayer(nn.Module):
         return apply_rotary(rms_norm(k, self.k_norm, self.eps), cos, sin), v
 
     def forward(self, x, cos, sin, ctx_k, ctx_v, ctx_mask):
-        """x: (B, H) block; ctx_k/ctx_v: (n_kv, S, hd) cached context; ctx_mask: (B, S) bool or None."""
+        """x: (B, H) block; ctx_k/ctx_v: (n_kv, S, hd) cached context; ctx_mask: (B, S) bool or None, its
+        rows all alike unless the layer has a sliding window (as `propose` builds it)."""
         b = x.shape[0]
         xn = self.attn_norm(x)
         q = rms_norm(self.q(xn).view(b, self.n_heads, self.head_dim), self.q_norm, self.eps)
@@ -165,11 +167,18 @@ class DraftLayer(nn.Module):
         k, v = self.keys_values(xn, cos, sin)
         keys = torch.cat([ctx_k, k.transpose(0, 1)], dim=1)  # (n_kv, S + B, hd)
         values = torch.cat([ctx_v, v.transpose(0, 1)], dim=1)
-        mask = None
-        if ctx_mask is not None:  # the block always sees itself, in both directions
-            mask = torch.cat([ctx_mask, ctx_mask.new_ones(b, b)], dim=1)
-        out = grouped_attention(q.transpose(0, 1)[None], keys[None], values[None], mask, self.head_dim**-0.5)
-        out = out[0].transpose(0, 1).reshape(b, -1)
+        scale = self.head_dim**-0.5
+        one_mask = self.window is None and ctx_mask is not None  # every row sees the live context slots
+        if one_mask and kernels.triton_kernels_for(q) and not q.requires_grad:  # not SDPA's slow fp32 kernel
+            from flashtree.kernels.attention import block_attention
+
+            out = block_attention(q, keys, values, ctx_mask[0], scale).reshape(b, -1)
+        else:
+            mask = None
+            if ctx_mask is not None:  # the block always sees itself, in both directions
+                mask = torch.cat([ctx_mask, ctx_mask.new_ones(b, b)], dim=1)
+            out = grouped_attention(q.transpose(0, 1)[None], keys[None], values[None], mask, scale)
+            out = out[0].transpose(0, 1).reshape(b, -1)
         h, normed = add_rms_norm(x, self.o(out), *self.mlp_norm.args)
         return h + self.mlp(normed)
 
