@@ -134,9 +134,16 @@ def run_bench(tiny_pair, out, *args):
     return CliRunner().invoke(app, argv)
 
 
-def test_tiny_run_writes_the_schema_and_passes_the_identity_check(tiny_pair, tmp_path):
+def test_tiny_run_writes_the_schema_and_passes_the_identity_check(tiny_pair, tmp_path, monkeypatch):
+    from flashtree.bench import run as bench_run
+
+    loaded = []
+    load = bench_run.engine_from_options
+    monkeypatch.setattr(bench_run, "engine_from_options", lambda *a: loaded.append(load(*a)) or loaded[-1])
     result = run_bench(tiny_pair, tmp_path, "--modes", "ar,chain,tree", "--baseline", "hf")
     assert result.exit_code == 0, result.output
+    # every mode (AR too) runs in the speculative engine's kernels: its AR is what tree must reproduce
+    assert loaded[0].mode == "tree" and loaded[0].target.lm_head.dense_kernel
     results = json.loads((tmp_path / "results.json").read_text())
 
     assert results["schema"] == "flashtree-bench/1"

@@ -244,8 +244,9 @@ def model_info(base: Engine) -> tuple[dict, dict | None]:
 
     c = base.target.config
     arithmetic = arithmetic_of(base.target)
-    dense_kernel = base.target.lm_head.dense_kernel if isinstance(base.target.lm_head, Linear) else False
-    weights = f"dense, {'batch-invariant kernel' if dense_kernel else 'cuBLAS'} on CUDA"
+    weights = "dense"
+    if base.device.type == "cuda" and isinstance(base.target.lm_head, Linear):  # decode rows' matmuls
+        weights += ", batch-invariant kernel" if base.target.lm_head.dense_kernel else ", cuBLAS"
     target = {"name": c.name, "arch": c.arch, "dtype": str(base.target.dtype).removeprefix("torch."),
               "weight_bytes": weight_bytes(base.target),
               "weights": f"packed, {arithmetic} arithmetic" if arithmetic else weights}  # fmt: skip
@@ -314,7 +315,11 @@ def bench_command(
     prompts = [p for name in parse_dataset_names(datasets) for p in load_prompts(name, n, seed, raw)]
 
     # The loading engine only lends its target, tokenizer and draft to the per-mode engines: tiny cache.
-    base = engine_from_options(target, draft, "ar", 1, device, block_size, budget)
+    # Loaded as a speculative engine when a chain/tree mode runs (mode None: tree with a draft), so that
+    # every mode, the AR baseline included, computes in the speculative engine's arithmetic (packed
+    # weights) and matmul kernel (dense fp32 weights): its AR is what chain/tree must reproduce.
+    speculative = any(m != "ar" for m in mode_list)
+    base = engine_from_options(target, draft, None if speculative else "ar", 1, device, block_size, budget)
     encoded = [base.encode(p.text, chat=not raw) for p in prompts]
     max_ctx = context_for(prompts, encoded, max_tokens, base.target.config.context_length)
     runners = make_runners(base, mode_list, baseline, max_ctx)
