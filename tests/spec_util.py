@@ -9,6 +9,7 @@ import torch
 from flashtree.config import SamplingParams, SpecConfig
 from flashtree.convert.synth import synth_draft
 from flashtree.generate import Engine, GenerationStats
+from flashtree.models.block import BlockLayout
 from flashtree.models.dflash import load_draft
 
 
@@ -95,3 +96,17 @@ def generate(
         for t in step
     ]
     return out, stats
+
+
+def verify_and_ar_logits(model, ids: torch.Tensor, parents: list[int], prefix: int, chain_len: int = 3):
+    """After a prefill of ids[:prefix]: the logits of a tree verify of the next len(parents) ids (not
+    committed), and of AR steps over the first chain_len of them (the tree's nodes 0, 1, ... must be a
+    chain from the root), for comparing a verify's rows with the AR steps."""
+    state = model.new_state(64)
+    model(ids[:prefix], state, logits="none")
+    layout = BlockLayout.from_parents(torch.tensor(parents))
+    tree = model(ids[prefix : prefix + len(parents)], state, layout, commit=False).logits
+    state = model.new_state(64)
+    model(ids[:prefix], state, logits="none")
+    steps = torch.cat([model(ids[i : i + 1], state).logits for i in range(prefix, prefix + chain_len)])
+    return tree, steps

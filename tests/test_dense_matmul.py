@@ -119,20 +119,13 @@ def test_verify_rows_equal_the_ar_steps_with_every_kernel(family, tiny_root, mon
     """Every decode-path kernel inside the model (dense matmul, norms, rotary, attention): each chain
     node of a tree verify gives the logits of the AR step for its token bit for bit, so speculative
     greedy output equals plain decoding by construction, not by fp32 rounding luck."""
-    from flashtree.models.block import BlockLayout
     from flashtree.models.loader import load_target
+    from tests.spec_util import verify_and_ar_logits
     from tests.tiny import tiny_gguf
 
     monkeypatch.setattr(kernels, "triton_kernels_for", lambda x: True)
     model, _ = load_target(tiny_gguf(family, 0, tiny_root), device="cpu", dtype=torch.float32)
     ids = torch.randint(0, 320, (30,), generator=torch.Generator().manual_seed(2))
-    parents = torch.tensor([-1, 0, 1, 0, 3, 4, 2])
-    chain = [20, 21, 22]  # = nodes 0, 1, 2 of the tree
-    with torch.no_grad():
-        state = model.new_state(64)
-        model(ids[:20], state, logits="none")
-        tree = model(ids[20:27], state, BlockLayout.from_parents(parents), commit=False).logits
-        state = model.new_state(64)
-        model(ids[:20], state, logits="none")
-        steps = torch.cat([model(ids[i : i + 1], state).logits for i in chain])
+    with torch.no_grad():  # nodes 0, 1, 2: a chain
+        tree, steps = verify_and_ar_logits(model, ids, [-1, 0, 1, 0, 3, 4, 2], 20)
     assert torch.equal(tree[:3], steps)

@@ -71,27 +71,17 @@ def test_qwen35_decode_and_verify_with_the_kernels_match_the_torch_path(tiny_roo
     steps and a tree verify after a prefill give the torch path's logits, and the verify's chain rows
     give the AR steps' logits."""
     from flashtree import kernels
-    from flashtree.models.block import BlockLayout
     from flashtree.models.loader import load_target
+    from tests.spec_util import verify_and_ar_logits
     from tests.tiny import tiny_gguf
 
     model, _ = load_target(tiny_gguf("qwen35", 0, tiny_root), device="cpu", dtype=torch.float32)
     ids = torch.randint(0, 320, (30,), generator=torch.Generator().manual_seed(0))
-    parents = torch.tensor([-1, 0, 1, 0, 3, 4])
-    chain = [20, 21, 22]  # = nodes 0, 1, 2 of the tree
+    parents = [-1, 0, 1, 0, 3, 4]  # nodes 0, 1, 2: a chain
 
-    def run():
-        state = model.new_state(64)
-        model(ids[:20], state, logits="none")
-        tree = model(ids[20:26], state, BlockLayout.from_parents(parents), commit=False).logits
-        state = model.new_state(64)
-        model(ids[:20], state, logits="none")
-        steps = torch.cat([model(ids[i : i + 1], state).logits for i in chain])
-        return tree, steps
-
-    torch_tree, torch_steps = run()
+    torch_tree, torch_steps = verify_and_ar_logits(model, ids, parents, 20)
     monkeypatch.setattr(kernels, "triton_kernels_for", lambda x: True)
-    kernel_tree, kernel_steps = run()
+    kernel_tree, kernel_steps = verify_and_ar_logits(model, ids, parents, 20)
     torch.testing.assert_close(kernel_tree, torch_tree, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(kernel_steps, torch_steps, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(kernel_tree[:3], kernel_steps, atol=1e-5, rtol=1e-5)

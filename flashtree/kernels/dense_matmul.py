@@ -55,10 +55,18 @@ class DenseTiles:
 
 
 DEFAULT_TILES = DenseTiles(rows=64, k_block=64, warps=4, stages=1, programs=264)
-# Per matrix shape "NxK" (a matrix's tiles never depend on M: batch invariance), from the sweep of
-# bench/gpu_dense_matmul.py on the H200 (fastest summed over 1, 16 and 23 rows); other shapes take
-# DEFAULT_TILES, the best single tile of the first sweep.
-SHAPE_TILES: dict[str, DenseTiles] = {}
+# Per matrix shape "NxK" (a matrix's tiles never depend on M: batch invariance): the SmolLM2-135M pair's,
+# each the fastest over a speculative step's calls (draft block of 16 rows + verify of 23) in the sweep
+# of bench/gpu_dense_matmul.py on the H200 (bench/results/h200-dense-matmul-2026-12-04/aef6cb2); other
+# shapes take DEFAULT_TILES, the best single tile of the first tf32x3 sweep.
+SHAPE_TILES: dict[str, DenseTiles] = {
+    "960x576": DenseTiles(16, 32, 4, 2, 264),  # q/k/v
+    "576x576": DenseTiles(16, 128, 4, 1, 264),  # o
+    "3072x576": DenseTiles(64, 64, 4, 1, 264, fused_sum=0),  # gate/up
+    "576x1536": DenseTiles(16, 32, 4, 2, 264),  # down
+    "576x2880": DenseTiles(32, 32, 4, 2, 264),  # the draft's fc
+    "49152x576": DenseTiles(64, 64, 4, 1, 264, fused_sum=0),  # LM head
+}
 
 
 def tiles_from_env() -> dict[str, DenseTiles]:
