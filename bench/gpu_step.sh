@@ -19,7 +19,7 @@
 #            20.6 MB shipped draft out of the working tree for this call and the next, prep stashed it)
 #   dense    bench/gpu_dense_matmul.py --sweep: the fp32 decode-step kernel checked, swept, vs cuBLAS
 #   pair     join the second half (carry .stage/draft/smollm2.part.ab), then `flashtree bench` on the
-#            default pair: AR / chain / tree / HF baseline, 10 prompts per set, 256 new tokens
+#            default pair: AR / chain / tree / HF and plain-AR baselines, 10 prompts per set, 256 new tokens
 #            (PAIR_ARGS="--modes ar,tree": fewer modes, no baseline; PAIR_NAME: its folder in $OUT,
 #            default pair, so that runs under other settings, e.g. FLASHTREE_DENSE_KERNEL=0, sit side by side)
 #   profile-pair  bench/gpu_profile_steps.py on the default pair (after pair): kernels per graphed step
@@ -68,7 +68,7 @@ pair() {
     echo "$GGUF_MD5  $GGUF" | md5sum -c || exit 1
     # shellcheck disable=SC2086  # PAIR_ARGS: several options
     $FT bench --target "$GGUF" --draft "$STASH/draft.gguf" --n 10 --max-tokens 256 \
-        ${PAIR_ARGS:---modes ar,chain,tree --baseline hf} \
+        ${PAIR_ARGS:---modes ar,chain,tree --baseline hf,plain} \
         --budget 22 --seed 0 --out "$OUT/${PAIR_NAME:-pair}" --device cuda 2>&1 | grep -v USDT | tail -40
 }
 

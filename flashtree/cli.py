@@ -124,7 +124,11 @@ def bench(
     modes: str = typer.Option("ar,chain,tree", "--modes", help="Comma-separated: ar, chain, tree."),
     budget: int = typer.Option(22, "--budget", help="DDTree nodes (tree mode)."),
     block_size: int | None = typer.Option(None, "--block-size"),
-    baseline: str | None = typer.Option(None, "--baseline", help="hf: transformers on the same weights."),
+    baseline: str | None = typer.Option(
+        None,
+        "--baseline",
+        help="Comma-separated: hf (transformers on the same weights), plain (our plain AR).",
+    ),
     raw: bool = typer.Option(False, "--raw", help="Raw completion prompts, no chat template."),
     seed: int = typer.Option(0, "--seed"),
     device: str | None = DeviceOpt,

@@ -28,7 +28,7 @@
 # (code 3); a pipeline that fails ends `launch` / `wait` at once.
 # `pipeline`: generate responses (GEN_MINUTES; shards already in data/ are kept), train (TRAIN_MINUTES,
 # from init.gguf if staged), write the draft, convert it to the Q8_0 GGUF that ships, then
-# `flashtree bench` on the default pair with it (AR, chain, tree, HF baseline; 10 prompts per set).
+# `flashtree bench` on the default pair with it (AR, chain, tree, HF and plain-AR baselines; 10 prompts per set).
 # SEED (default 0) orders the prompt batches: keep it, SAMPLED_EVERY and PASSES while data/ holds an
 # earlier run's shards (the fourth and fifth runs': SEED=1 SAMPLED_EVERY=0 PASSES=4, shards 0-63 of 108).
 # SAMPLED_EVERY (default 4): in the first pass over the prompts every n-th batch gets sampled
@@ -100,7 +100,7 @@ smoke)
     --passes 2 --train-minutes 0.1 --batch 4 --anchors 8 --device cuda || exit 1
   python3 -m flashtree convert /tmp/smoke /tmp/smoke.gguf --type q8_0 || exit 1
   python3 -m flashtree bench --target $STAGE/tiny.gguf --draft /tmp/smoke.gguf --n 1 --max-tokens 24 \
-    --baseline hf --out /tmp/smoke-bench --device cuda || exit 1
+    --baseline hf,plain --out /tmp/smoke-bench --device cuda || exit 1
   python3 bench/gpu_small_kernels.py $OUT/small_kernels 2>&1 | tail -n 30  # the decode path's kernels
   ;;
 launch)
@@ -129,7 +129,7 @@ pipeline)  # run from $STASH/src
     --train-minutes "${TRAIN_MINUTES:-12}" --batch 32 --anchors 64 --lr "${LR:-6e-4}" --device cuda || exit 1
   python3 -m flashtree convert $RUN $DRAFT_GGUF --type q8_0 || exit 1
   python3 -m flashtree bench --target $GGUF --draft $DRAFT_GGUF --n 10 --max-tokens 256 --modes ar,chain,tree \
-    --budget 22 --baseline hf --seed 0 --out $BENCH --device cuda
+    --budget 22 --baseline hf,plain --seed 0 --out $BENCH --device cuda
   python3 bench/gpu_profile_steps.py $BENCH/profile_steps $GGUF $DRAFT_GGUF 2>&1 | grep -v USDT | tail -n 60
   touch $STASH/done
   ;;

@@ -25,6 +25,7 @@ from flashtree.bench.run import (
     engine_runner,
     first_difference,
     git_info,
+    parse_baselines,
     parse_modes,
     run_all,
 )
@@ -111,6 +112,9 @@ def test_bad_choices_are_user_errors():
     with pytest.raises(FlashtreeError, match="--n must be between 1 and 164"):
         load_prompts("humaneval", 165, seed=0)
     assert parse_modes("ar, tree,ar") == ["ar", "tree"]
+    with pytest.raises(FlashtreeError, match="--baseline: unknown"):
+        parse_baselines("hf,vllm")
+    assert parse_baselines("plain, hf") == ["plain", "hf"] and parse_baselines(None) == []
     assert list(datasets.DATASETS) == ["humaneval", "gsm8k", "math500"]
 
 
@@ -250,6 +254,30 @@ def fake_row(dataset, prompt_id, mode, decode_tok_s, accept_hist, identical=None
             "accept_hist": accept_hist, "identical_to_ar": identical}  # fmt: skip
 
 
+def test_plain_baseline_runs_plain_decodings_kernels_and_puts_the_speculative_ones_back(
+    tiny_pair, monkeypatch
+):
+    """--baseline plain: AR in the kernels Engine.load picks without a draft (cuBLAS for dense fp32 weights)
+    for each call, then the speculative engines' kernels again (every other mode shares the weights)."""
+    from flashtree.bench import run as bench_run
+    from flashtree.commands import engine_from_options
+
+    monkeypatch.delenv("FLASHTREE_DENSE_KERNEL", raising=False)
+    target, draft = tiny_pair
+    base = engine_from_options(str(target), str(draft), None, 1, "cpu")
+    assert base.target.lm_head.dense_kernel  # a speculative engine: the batch-invariant kernel
+    runners = bench_run.make_runners(base, ["ar", "tree"], ["plain"], 64)
+    seen = []
+    generate = Engine.generate
+    monkeypatch.setattr(Engine, "generate", lambda e, *a, **k: seen.append(e.target.lm_head.dense_kernel)
+                        or generate(e, *a, **k))  # fmt: skip
+    out, stats = runners["plain"]([1, 2, 3], 4)
+    assert len(out) == 4 and seen == [False]
+    assert base.target.lm_head.dense_kernel  # put back for the other modes
+    runners["ar"]([1, 2, 3], 4)
+    assert seen == [False, True]
+
+
 def test_summary_markdown_and_plots(tmp_path):
     rows = [
         fake_row("gsm8k", "1", "ar", 10.0, [0, 8]),
@@ -284,6 +312,19 @@ def test_summary_markdown_and_plots(tmp_path):
     assert "copy 10.0 GB/s" in md and "Outputs that differ" not in md
     for png in paths[1:]:
         assert imread(png).shape[:2] == (540, 960)  # 8 x 4.5 inches at 120 dpi
+
+    # with plain decoding's AR as a baseline: the speculative modes against it too
+    rows += [fake_row("gsm8k", "1", "plain", 15.0, [0, 8]), fake_row("gsm8k", "2", "plain", 30.0, [0, 8]),
+             fake_row("math500", "3", "plain", 80.0, [0, 8])]  # fmt: skip
+    results["modes"] = ["ar", "tree", "plain"]
+    results["summary"] = summarize(rows, results["modes"])
+    assert results["summary"]["gsm8k"]["tree"]["speedup_vs_plain"] == 2.0
+    md = write_report(results, tmp_path)[0].read_text()
+    assert (
+        "| Task | AR tok/s | tree tok/s | tree AL | tree speedup | tree / plain AR | plain AR tok/s |" in md
+    )
+    assert "| gsm8k | 15.0 | 45.0 | 2.17 | 3.00× | 2.00× | 22.5 |" in md
+    assert "plain AR in plain decoding's" in md
 
 
 # --- ceilings ---------------------------------------------------------------------------------------------

@@ -35,7 +35,7 @@ from flashtree.errors import FlashtreeError
 from flashtree.generate import Engine, GenerationStats
 
 SCHEMA = "flashtree-bench/1"
-BASELINES = ("hf",)
+BASELINES = ("hf", "plain")
 
 Runner = Callable[[list[int], int], tuple[list[int], GenerationStats]]
 
@@ -48,6 +48,15 @@ def parse_modes(modes: str) -> list[str]:
     return chosen
 
 
+def parse_baselines(baseline: str | None) -> list[str]:
+    """--baseline: none, or a comma-separated choice of BASELINES."""
+    chosen = list(dict.fromkeys(b.strip() for b in (baseline or "").split(",") if b.strip()))
+    unknown = [b for b in chosen if b not in BASELINES]
+    if unknown:
+        raise FlashtreeError(f"--baseline: unknown {unknown!r} (choose from {', '.join(BASELINES)})")
+    return chosen
+
+
 def engine_runner(engine: Engine) -> Runner:
     def run(prompt_ids: list[int], max_tokens: int) -> tuple[list[int], GenerationStats]:
         stats = GenerationStats(engine.mode)
@@ -57,8 +66,39 @@ def engine_runner(engine: Engine) -> Runner:
     return run
 
 
-def make_runners(base: Engine, modes: list[str], baseline: str | None, max_ctx: int) -> dict[str, Runner]:
-    """One runner per mode sharing `base`'s weights, plus the baseline's."""
+def plain_runner(engine: Engine) -> Runner:
+    """AR as plain decoding runs it (`flashtree run --mode ar`): the target's matmuls in the kernels
+    `Engine.load` picks for a non-speculative engine (cuBLAS's GEMV for dense fp32 weights, the int8
+    arithmetic for packed ones), set for each call and put back after it. Its CUDA graphs are its own,
+    captured under those kernels. The speculative engines' AR (mode `ar`) is what chain/tree must
+    reproduce; this is the fastest AR a user gets, the honest denominator of a speedup."""
+    from flashtree.kernels import dense_matmul
+    from flashtree.kernels.qlinear import arithmetic_of, use_arithmetic
+    from flashtree.kernels.qmatmul import choose_arithmetic
+    from flashtree.models.layers import Linear, use_dense_kernel
+
+    run_ar = engine_runner(engine)
+    target = engine.target
+    linears = [m for m in target.modules() if isinstance(m, Linear)]
+
+    def run(prompt_ids: list[int], max_tokens: int) -> tuple[list[int], GenerationStats]:
+        dense, arithmetic = [m.dense_kernel for m in linears], arithmetic_of(target)
+        use_dense_kernel(target, dense_matmul.choose(speculative=False))
+        if arithmetic:
+            use_arithmetic(target, choose_arithmetic(speculative=False))
+        try:
+            return run_ar(prompt_ids, max_tokens)
+        finally:  # the speculative engines' kernels back
+            for m, on in zip(linears, dense, strict=True):
+                m.dense_kernel = on
+            if arithmetic:
+                use_arithmetic(target, arithmetic)
+
+    return run
+
+
+def make_runners(base: Engine, modes: list[str], baselines: list[str], max_ctx: int) -> dict[str, Runner]:
+    """One runner per mode sharing `base`'s weights, plus the baselines'."""
     if base.draft is None and any(m != "ar" for m in modes):
         raise FlashtreeError("--modes chain/tree need a draft: pass --draft DIR (or --modes ar)")
     runners = {}
@@ -66,7 +106,11 @@ def make_runners(base: Engine, modes: list[str], baseline: str | None, max_ctx: 
         draft = base.draft if mode != "ar" else None
         engine = Engine(base.target, base.tokenizer, draft, replace(base.spec, mode=mode), max_ctx)
         runners[mode] = engine_runner(engine)
-    if baseline == "hf":
+    if "plain" in baselines:
+        runners["plain"] = plain_runner(
+            Engine(base.target, base.tokenizer, None, replace(base.spec, mode="ar"), max_ctx)
+        )
+    if "hf" in baselines:
         from flashtree.bench.hf_baseline import HFBaseline
 
         runners["hf"] = HFBaseline(base.target, base.tokenizer.stop_ids, max_ctx).generate
@@ -304,8 +348,7 @@ def bench_command(
 ) -> None:
     options = dict(locals())
     mode_list = parse_modes(modes)
-    if baseline not in (None, *BASELINES):
-        raise FlashtreeError(f"--baseline: unknown {baseline!r} (choose from {', '.join(BASELINES)})")
+    baselines = parse_baselines(baseline)
     if max_tokens < 1:
         raise FlashtreeError(f"--max-tokens must be >= 1, got {max_tokens}")
     out = Path(out)
@@ -322,7 +365,7 @@ def bench_command(
     base = engine_from_options(target, draft, None if speculative else "ar", 1, device, block_size, budget)
     encoded = [base.encode(p.text, chat=not raw) for p in prompts]
     max_ctx = context_for(prompts, encoded, max_tokens, base.target.config.context_length)
-    runners = make_runners(base, mode_list, baseline, max_ctx)
+    runners = make_runners(base, mode_list, baselines, max_ctx)
     ceilings = measure_ceilings(base.device)
     rows = run_all(runners, prompts, encoded, max_tokens, base.tokenizer)
     mismatches = check_identity(rows)
