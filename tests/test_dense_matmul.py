@@ -11,7 +11,8 @@ import torch.nn.functional as F
 from flashtree import kernels
 from flashtree.errors import FlashtreeError
 from flashtree.kernels import dense_matmul
-from flashtree.kernels.dense_matmul import DenseTiles, dense_linear, k_splits
+from flashtree.kernels.dense_matmul import DenseTiles, dense_linear
+from flashtree.kernels.qmatmul import k_splits
 from flashtree.models.layers import Linear
 
 TILES = {
@@ -40,10 +41,11 @@ def test_dense_linear_is_the_product_and_each_row_its_own(n, k, tiles):
 
 
 def test_splits_come_from_the_shape_only():
-    assert k_splits(n_tiles=2, n_units=9, programs=64) == (9, 1)
-    assert k_splits(n_tiles=64, n_units=9, programs=64) == (1, 9)
-    assert k_splits(n_tiles=16, n_units=9, programs=64) == (3, 3)
-    splits, per_split = k_splits(n_tiles=3, n_units=10, programs=16)
+    # (row tiles, K blocks, programs wanted), as dense_linear asks qmatmul.k_splits
+    assert k_splits(2, 9, 64) == (9, 1)
+    assert k_splits(64, 9, 64) == (1, 9)
+    assert k_splits(16, 9, 64) == (3, 3)
+    splits, per_split = k_splits(3, 10, 16)
     assert (splits - 1) * per_split < 10 <= splits * per_split
 
 

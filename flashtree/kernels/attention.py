@@ -155,9 +155,8 @@ def tree_attention(
     lsum = torch.empty_like(m)
     acc = torch.empty(t, n_heads, n_splits, bd, dtype=torch.float32, device=q.device)
     _split_kernel[(t, n_kv, n_splits)](
-        q, k_cache, v_cache, path, depths, start, start if key_ok is None else key_ok.view(torch.uint8), m,
-        lsum, acc, t,
-        n_heads, n_splits,
+        q, k_cache, v_cache, path, depths, start, start if key_ok is None else key_ok.view(torch.uint8),
+        m, lsum, acc, t, n_heads, n_splits,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         scale,
         G=group, BG=max(16, triton.next_power_of_2(group)), HD=hd, BD=bd, SPLIT_N=split,

@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from flashtree.errors import FlashtreeError
-from flashtree.kernels.qmatmul import _finish, _sum_splits_kernel, tile_counters
+from flashtree.kernels.qmatmul import _finish, _sum_splits_kernel, k_splits, tile_counters
 
 MAX_ROWS = 64  # above this many rows (prefill): cuBLAS, compute-bound there
 
@@ -50,7 +50,7 @@ class DenseTiles:
     k_block: int  # BK: K values per loop step
     warps: int
     stages: int
-    programs: int  # K-splits are added until about this many programs run (from the shape only)
+    programs: int  # K-splits are added until about this many programs run (qmatmul.k_splits)
     fused_sum: int = 1  # K-splits added by the tile's last program (1) or by a second launch (0)
 
 
@@ -91,14 +91,6 @@ TILES = tiles_from_env()
 
 def tiles_for(n: int, k: int) -> DenseTiles:
     return TILES.get(f"{n}x{k}", TILES["default"])
-
-
-def k_splits(n_tiles: int, n_units: int, programs: int) -> tuple[int, int]:
-    """(splits, K blocks per split) for a matrix of n_tiles row tiles and n_units K blocks: from its shape
-    only, so that every M adds the same partial sums in the same order."""
-    wanted = min(n_units, max(1, programs // n_tiles))
-    per_split = triton.cdiv(n_units, wanted)
-    return triton.cdiv(n_units, per_split), per_split
 
 
 @triton.jit(do_not_specialize=["M", "N", "K", "stride_x", "stride_w", "per_split", "n_splits"])

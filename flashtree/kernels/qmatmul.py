@@ -844,10 +844,11 @@ def tile_key(m: int, arithmetic: str = "int8") -> str:
     return "m1" if m == 1 else f"m{columns}"
 
 
-def k_splits(n_rows: int, n_units: int) -> tuple[int, int]:
-    """(splits, units per split) of each row's units: from the matrix shape only, so that every M adds
-    the same partial sums in the same order (batch invariance)."""
-    wanted = min(n_units, max(1, SPLIT_TARGET // n_rows))
+def k_splits(n_rows: int, n_units: int, target: int | None = None) -> tuple[int, int]:
+    """(splits, units per split) of each row's units, about `target` (default SPLIT_TARGET) (row, split)
+    pairs in all (the dense kernel passes row tiles and programs): from the matrix shape only, so that
+    every M adds the same partial sums in the same order (batch invariance)."""
+    wanted = min(n_units, max(1, (target or SPLIT_TARGET) // n_rows))
     per_split = triton.cdiv(n_units, wanted)
     return triton.cdiv(n_units, per_split), per_split
 
