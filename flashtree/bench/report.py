@@ -99,7 +99,7 @@ def peer_table(summary: dict, modes: list[str]) -> str:
             line += [_fmt(s["decode_tok_s"]), _fmt(s["mean_accept_len"], 2), _fmt(s.get("speedup"), 2, "×")]
             if vs_plain:
                 line.append(_fmt(s.get("speedup_vs_plain"), 2, "×"))
-        line += [_fmt(by_mode[m]["decode_tok_s"]) for m in peers]
+        line += [_fmt(by_mode.get(m, {}).get("decode_tok_s")) for m in peers]
         lines.append(line)
     return _table(header, lines)
 

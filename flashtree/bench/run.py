@@ -185,12 +185,15 @@ def add_logit_gaps(rows: list[dict], mismatches: list[dict], target, prompt_ids:
         m["logit_gap"] = gaps[m["dataset"], m["prompt_id"], m["mode"]]
 
 
-def make_row(prompt: Prompt, ids: list[int], stats: GenerationStats, tokenizer) -> dict:
+def make_row(prompt: Prompt, mode: str, ids: list[int], stats: GenerationStats, tokenizer) -> dict:
+    """One prompt's row under the runner's name `mode`: the plain baseline's engine is an AR engine, so
+    its stats say "ar" (session 12's runs with --baseline plain counted its rows as the AR mode's)."""
     total_s = stats.prefill_s + stats.decode_s
     return {
         "dataset": prompt.dataset,
         "prompt_id": prompt.id,
         **stats.as_dict(),
+        "mode": mode,
         "ttft_s": stats.prefill_s,
         "prefill_s": stats.prefill_s,
         "decode_s": stats.decode_s,
@@ -222,7 +225,7 @@ def run_all(
             for mode, run in runners.items():
                 progress.update(task, description=f"{prompt.dataset} {prompt.id} {mode}")
                 output, stats = run(ids, max_tokens)
-                rows.append(make_row(prompt, output, stats, tokenizer))
+                rows.append(make_row(prompt, mode, output, stats, tokenizer))
                 progress.advance(task)
     return rows
 
