@@ -1,12 +1,14 @@
 """Turn what scripts/train_draft_gpu.sh brought back into the committed draft and its reports.
 
     python scripts/draft_report.py RESULTS_DIR --commit SHA --bench-dir bench/results/NAME --command TEXT
+        [--not-shipped RUN]
 
 RESULTS_DIR holds the run's $OUT: draft-q8_0.gguf.part.* and results.tar.gz unpacked (log,
 run/{config,train_config}.json, run/train_log.jsonl, bench/). Writes the shipped draft
 (flashtree/drafts/smollm2-135m-instruct.gguf), bench/results/draft-training/{report.json,
 training_curve.png} (README.md is written by hand) and copies the `flashtree bench` run of the new
-draft to --bench-dir.
+draft to --bench-dir. With --not-shipped RUN (a run whose draft did not beat the shipped one), the
+shipped draft stays and the reports are report-RUN.json and training_curve-RUN.png.
 """
 
 from __future__ import annotations
@@ -27,9 +29,13 @@ DRAFT = ROOT / "flashtree" / "drafts" / "smollm2-135m-instruct.gguf"
 REPORT_DIR = ROOT / "bench" / "results" / "draft-training"
 
 
+def draft_parts(results: Path) -> list[Path]:
+    return sorted(results.glob("draft-q8_0.gguf.part.*"))
+
+
 def install_draft(results: Path) -> None:
     with open(DRAFT, "wb") as out:
-        for part in sorted(results.glob("draft-q8_0.gguf.part.*")):
+        for part in draft_parts(results):
             out.write(part.read_bytes())
 
 
@@ -78,12 +84,15 @@ def main() -> None:
     p.add_argument("--commit", required=True, help="The git commit the GPU run used.")
     p.add_argument("--bench-dir", type=Path, required=True, help="Where the bench run is committed.")
     p.add_argument("--command", required=True, help="The GPU calls that ran, e.g. 'launch, then wait'.")
+    p.add_argument("--not-shipped", metavar="RUN", help="Keep the shipped draft; name this run's reports.")
     a = p.parse_args()
-    install_draft(a.results)
+    suffix = f"-{a.not_shipped}" if a.not_shipped else ""
+    if not a.not_shipped:
+        install_draft(a.results)
     REPORT_DIR.mkdir(parents=True, exist_ok=True)
     run = a.results / "run"
     rows = [json.loads(x) for x in (run / "train_log.jsonl").read_text().splitlines() if x.strip()]
-    plot_curve(rows, REPORT_DIR / "training_curve.png")
+    plot_curve(rows, REPORT_DIR / f"training_curve{suffix}.png")
     shutil.copytree(a.results / "bench", a.bench_dir, dirs_exist_ok=True)
     bench = json.loads((a.results / "bench" / "results.json").read_text())
     bench["git"]["commit"] = a.commit  # the pipeline ran from a copy without .git
@@ -96,7 +105,8 @@ def main() -> None:
         "commit": a.commit,
         "device": next((line for line in log.splitlines() if line.startswith("GPU 0")), None),
         "draft": json.loads((run / "config.json").read_text()),
-        "draft_bytes": DRAFT.stat().st_size,
+        "draft_bytes": sum(part.stat().st_size for part in draft_parts(a.results)),
+        "shipped": not a.not_shipped,
         "train_config": json.loads((run / "train_config.json").read_text()),
         "data": data_stats(log),
         "training": {"final": rows[-1], "first": rows[0], "log_rows": len(rows)},
@@ -106,7 +116,7 @@ def main() -> None:
             "mean_accept_len": acceptance(bench),
         },
     }
-    (REPORT_DIR / "report.json").write_text(json.dumps(report, indent=1) + "\n")
+    (REPORT_DIR / f"report{suffix}.json").write_text(json.dumps(report, indent=1) + "\n")
     print(json.dumps(report["evaluation"]["mean_accept_len"], indent=1))
 
 
