@@ -19,6 +19,7 @@ from flashtree.kernels.attention import (  # noqa: E402
     tile_positions,
     tree_attention,
 )
+from flashtree.kernels.qmatmul import tile_counters  # noqa: E402
 from flashtree.models.block import BlockLayout  # noqa: E402
 
 TREES = {
@@ -80,6 +81,9 @@ def test_tree_attention_is_the_masked_softmax(shape, tree, dtype):
     # fp32: rounding order only; bf16: the output's rounding (the interpreter's cast truncates)
     tol = 2e-6 if dtype == "f32" else 1e-2
     torch.testing.assert_close(got.float(), sdpa(q, k, v, start, layout), rtol=tol, atol=tol)
+    # the last program of each (row, KV head) combined its splits and put its arrival counter back to
+    # zero: the next call (or CUDA-graph replay) starts from zero
+    assert not tile_counters(q.device, 1).any()
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=list(DTYPES))

@@ -13,7 +13,9 @@ So row t (at position start + depth[t]) walks its positions 0 .. start + depth[t
 their own slots, its ancestors' at start + path[t][position - start]. Positions are cut into splits
 (position-aligned, of a size fixed by the cache: the same for every call of an engine, split_positions),
 each split in blocks of TILE_VALUES / head_dim positions (online softmax in fp32, the same tiles for
-every row); a second kernel combines the splits in order. A split past a row's last position is empty
+every row); the program of a (row, KV head) that finishes its split last combines the splits in order
+(an arrival counter, as the matmuls' K-splits: one launch a layer, the combine was a second one). A split
+past a row's last position is empty
 (m = -inf, l = 0) and adds exact zeros, so the number of splits launched (from the fixed key bucket of
 a CUDA graph) does not matter either.
 Query heads of one KV head (GQA) share a program: (G padded to 16, head_dim) x (head_dim, block) dots.
@@ -26,6 +28,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from flashtree.kernels.qmatmul import tile_counters
 
 MAX_SPLIT = 256  # positions per split at most: a program's share of a long context
 SPLITS_PER_CACHE = 32  # a whole cache is cut into at most this many splits (unless a tile is longer):
@@ -63,13 +67,15 @@ def _dot(a, b, F32: tl.constexpr):
 
 @triton.jit
 def _split_kernel(
-    q_ptr, k_ptr, v_ptr, path_ptr, depth_ptr, start_ptr, key_ok_ptr, m_ptr, l_ptr, acc_ptr,
-    n_rows, n_heads, n_splits, stride_qt, stride_qh, stride_kh, stride_ks, stride_vh, stride_vs, scale,
+    q_ptr, k_ptr, v_ptr, path_ptr, depth_ptr, start_ptr, key_ok_ptr, m_ptr, l_ptr, acc_ptr, out_ptr,
+    counter_ptr, n_rows, n_kv, n_heads, n_splits,
+    stride_qt, stride_qh, stride_kh, stride_ks, stride_vh, stride_vs, scale,
     G: tl.constexpr, BG: tl.constexpr, HD: tl.constexpr, BD: tl.constexpr, SPLIT_N: tl.constexpr,
     BLOCK: tl.constexpr, F32: tl.constexpr, KEY_MASK: tl.constexpr,
 ):  # fmt: skip
     """Program (t, kv head, split): the G query heads of row t over the split's positions. Writes the
-    split's running max m, sum l and unnormalized output acc (fp32) per query head. KEY_MASK: committed
+    split's running max m, sum l and unnormalized output acc (fp32) per query head; the program of
+    (t, kv head) that finishes last combines the splits into the output (`_combine`). KEY_MASK: committed
     positions p with key_ok[p] false are left out (their score -1e30, not -inf: a split of masked keys
     only then has a finite max and finite sums, which the combine weighs by exp(-1e30 - max) = 0)."""
     t, kvh, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -108,28 +114,43 @@ def _split_kernel(
         v = tl.load(v_ptr + kvh * stride_vh + slot[:, None] * stride_vs + d[None, :], mask=kv_ok, other=0.0)
         acc = acc * alpha[:, None] + _dot(p, v.to(tl.float32), F32)
         m = m_new
-    out = (t * n_heads + heads) * n_splits + s  # (row, head, split)
-    tl.store(m_ptr + out, m, mask=g < G)
-    tl.store(l_ptr + out, denom, mask=g < G)
-    tl.store(acc_ptr + out[:, None] * BD + d[None, :], acc, mask=(g < G)[:, None])
+    rows = t * n_heads + heads  # (row, head) of the output
+    out_ok = (g < G)[:, None] & (d < HD)[None, :]
+    outs = out_ptr + rows[:, None] * HD + d[None, :]
+    if n_splits == 1:  # the combine of one split: weight exp(0) = 1, the same bits
+        tl.store(outs, (acc / denom[:, None]).to(out_ptr.dtype.element_ty), mask=out_ok)
+    else:
+        at = rows * n_splits + s  # (row, head, split)
+        tl.store(m_ptr + at, m, mask=g < G)
+        tl.store(l_ptr + at, denom, mask=g < G)
+        tl.store(acc_ptr + at[:, None] * BD + d[None, :], acc, mask=(g < G)[:, None])
+        tl.debug_barrier()  # every thread's partial is stored before the count (released by it)
+        tile = counter_ptr + t * n_kv + kvh
+        if tl.atomic_add(tile, 1, sem="acq_rel", scope="gpu") == n_splits - 1:
+            combined = _combine(m_ptr, l_ptr, acc_ptr, rows, g < G, n_splits, BD)
+            tl.store(outs, combined.to(out_ptr.dtype.element_ty), mask=out_ok)
+            tl.atomic_xchg(tile, 0, sem="relaxed", scope="gpu")  # zero again for the next call
 
 
 @triton.jit
-def _combine_kernel(out_ptr, m_ptr, l_ptr, acc_ptr, n_splits, HD: tl.constexpr, BD: tl.constexpr):
-    """Program (row, head): its splits combined in split order: max, then the rescaled sums."""
-    i = tl.program_id(0)
+def _combine(m_ptr, l_ptr, acc_ptr, rows, head_ok, n_splits, BD: tl.constexpr):
+    """The output (before its cast) of heads `rows`: their splits combined in split order, the max,
+    then the rescaled sums. The reads bypass L1: other SMs wrote them."""
+    first = rows * n_splits
     d = tl.arange(0, BD)
-    top = tl.load(m_ptr + i * n_splits)  # split 0 always holds position 0
+    top = tl.load(m_ptr + first, mask=head_ok, other=0.0, cache_modifier=".cg")  # split 0 holds position 0
     for s in range(1, n_splits):
-        top = tl.maximum(top, tl.load(m_ptr + i * n_splits + s))
-    w = tl.exp(tl.load(m_ptr + i * n_splits) - top)
-    total = w * tl.load(l_ptr + i * n_splits)
-    acc = w * tl.load(acc_ptr + i * n_splits * BD + d)
+        top = tl.maximum(top, tl.load(m_ptr + first + s, mask=head_ok, other=0.0, cache_modifier=".cg"))
+    w = tl.exp(tl.load(m_ptr + first, mask=head_ok, other=0.0, cache_modifier=".cg") - top)
+    total = w * tl.load(l_ptr + first, mask=head_ok, other=1.0, cache_modifier=".cg")  # padding heads: 0 / 1
+    acc_at = acc_ptr + first[:, None] * BD + d[None, :]
+    acc = w[:, None] * tl.load(acc_at, mask=head_ok[:, None], other=0.0, cache_modifier=".cg")
     for s in range(1, n_splits):  # an empty split: exp(-inf) = 0, exact zeros added
-        w = tl.exp(tl.load(m_ptr + i * n_splits + s) - top)
-        total = total + w * tl.load(l_ptr + i * n_splits + s)
-        acc = acc + w * tl.load(acc_ptr + (i * n_splits + s) * BD + d)
-    tl.store(out_ptr + i * HD + d, (acc / total).to(out_ptr.dtype.element_ty), mask=d < HD)
+        w = tl.exp(tl.load(m_ptr + first + s, mask=head_ok, other=0.0, cache_modifier=".cg") - top)
+        total = total + w * tl.load(l_ptr + first + s, mask=head_ok, other=1.0, cache_modifier=".cg")
+        split_acc = tl.load(acc_at + s * BD, mask=head_ok[:, None], other=0.0, cache_modifier=".cg")
+        acc = acc + w[:, None] * split_acc
+    return acc / total[:, None]
 
 
 def tree_attention(
@@ -154,17 +175,16 @@ def tree_attention(
     m = torch.empty(t, n_heads, n_splits, dtype=torch.float32, device=q.device)
     lsum = torch.empty_like(m)
     acc = torch.empty(t, n_heads, n_splits, bd, dtype=torch.float32, device=q.device)
+    out = torch.empty(t, n_heads, hd, dtype=q.dtype, device=q.device)
     _split_kernel[(t, n_kv, n_splits)](
         q, k_cache, v_cache, path, depths, start, start if key_ok is None else key_ok.view(torch.uint8),
-        m, lsum, acc, t, n_heads, n_splits,
+        m, lsum, acc, out, tile_counters(q.device, t * n_kv), t, n_kv, n_heads, n_splits,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         scale,
         G=group, BG=max(16, triton.next_power_of_2(group)), HD=hd, BD=bd, SPLIT_N=split,
         BLOCK=tile_positions(hd),
         F32=q.dtype == torch.float32, KEY_MASK=key_ok is not None, num_warps=8 if bd >= 256 else 4,
     )  # fmt: skip
-    out = torch.empty(t, n_heads, hd, dtype=q.dtype, device=q.device)
-    _combine_kernel[(t * n_heads,)](out, m, lsum, acc, n_splits, HD=hd, BD=bd, num_warps=1)
     return out
 
 
