@@ -40,51 +40,6 @@ def test_dense_linear_is_the_product_and_each_row_its_own(n, k, tiles):
         assert torch.equal(dense_linear(x[i : i + 1], w, tiles), got[i : i + 1])
 
 
-@pytest.mark.parametrize("tiles", TILES.values(), ids=list(TILES))
-def test_swiglu_input_gives_the_bits_of_silu_mul_then_the_matmul(tiles):
-    """swiglu=True (SwiGLU's down projection reading [gate | up]): the same bits as fused.silu_mul's
-    output through the kernel, the product of silu(gate) * up within fp32 rounding, rows independent."""
-    from flashtree.kernels import fused
-
-    gen = torch.Generator().manual_seed(5)
-    w = torch.randn(40, 96, generator=gen)
-    gate_up = torch.randn(23, 192, generator=gen)
-    gate, up = gate_up[:, :96], gate_up[:, 96:]
-    got = dense_linear(gate_up, w, tiles, swiglu=True)
-    assert torch.equal(got, dense_linear(fused.silu_mul(gate, up), w, tiles))
-    want = (F.silu(gate.double()) * up.double()) @ w.double().t()
-    assert (got.double() - want).abs().max() <= TOL * want.abs().max()
-    for m in (1, 16):
-        assert torch.equal(dense_linear(gate_up[:m], w, tiles, swiglu=True), got[:m])
-    with pytest.raises(FlashtreeError, match="192 columns"):
-        dense_linear(gate_up, w, tiles)  # [gate | up] without swiglu: a clear error, not a wrong product
-
-
-def test_swiglu_layer_fuses_its_activation_only_where_the_down_projection_takes_the_kernel(monkeypatch):
-    from flashtree.models.layers import MergedLinear, SwiGLU, silu_mul
-
-    gen = torch.Generator().manual_seed(6)
-    mlp = SwiGLU(
-        MergedLinear.dense([torch.randn(48, 32, generator=gen), torch.randn(48, 32, generator=gen)]),
-        Linear(torch.randn(32, 48, generator=gen)),
-    )
-    x = torch.randn(5, 32, generator=gen)
-    monkeypatch.setattr(kernels, "triton_kernels_for", lambda x: True)
-    launches = []
-    real = dense_matmul.dense_linear
-    monkeypatch.setattr(dense_matmul, "dense_linear", lambda *a, **kw: launches.append(kw) or real(*a, **kw))
-    with torch.no_grad():
-        fused_out = mlp(x)
-        assert launches == [{}, {"swiglu": True}]  # gate_up, then down with the activation
-        gate, up = mlp.gate_up(x)
-        assert torch.equal(fused_out, mlp.down(silu_mul(gate, up)))  # the unfused launches' bits
-        launches.clear()
-        for layer in (mlp.down, *mlp.gate_up.groups):
-            layer.dense_kernel = False  # plain decoding (cuBLAS): the activation on its own
-        torch.testing.assert_close(mlp(x), F.linear(F.silu(gate) * up, mlp.down.weight))
-        assert launches == []
-
-
 def test_splits_come_from_the_shape_only():
     # (row tiles, K blocks, programs wanted), as dense_linear asks qmatmul.k_splits
     assert k_splits(2, 9, 64) == (9, 1)

@@ -93,21 +93,14 @@ def tiles_for(n: int, k: int) -> DenseTiles:
     return TILES.get(f"{n}x{k}", TILES["default"])
 
 
-@triton.jit
-def _silu_mul(gate, up):
-    """SwiGLU's activation in fp32, as kernels/fused.py's silu_mul computes it for fp32 tensors."""
-    return gate / (1.0 + tl.exp(-gate)) * up
-
-
 @triton.jit(do_not_specialize=["M", "N", "K", "stride_x", "stride_w", "per_split", "n_splits"])
 def _dense_kernel(
     y_ptr, part_ptr, counter_ptr, x_ptr, w_ptr, M, N, K, stride_x, stride_w, per_split, n_splits,
-    BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, FUSED_SUM: tl.constexpr, SWIGLU: tl.constexpr,
+    BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, FUSED_SUM: tl.constexpr,
 ):  # fmt: skip
     """Program (i, s): output features [i * BN, i * BN + BN) of all M <= BM rows, over K blocks
     [s * per_split, s * per_split + per_split): acc (BN, BM) += W tile (BN, BK) . x^T tile (BK, BM), one
-    tf32x3 dot per K block in K order. SWIGLU: x's rows are [gate | up] (2K wide) and the product is
-    taken with silu(gate) * up, made as the tiles are loaded (no launch of its own)."""
+    tf32x3 dot per K block in K order."""
     rows = tl.program_id(0) * BN + tl.arange(0, BN)
     row_ok = rows < N
     split = tl.program_id(1)
@@ -121,10 +114,7 @@ def _dense_kernel(
     for unit in range(first, last):
         k = unit * BK + ks
         w = tl.load(w_rows + k[None, :], mask=row_ok[:, None] & (k < K)[None, :], other=0.0)
-        x_ok = (ms < M)[None, :] & (k < K)[:, None]
-        xt = tl.load(x_cols + k[:, None], mask=x_ok, other=0.0)
-        if SWIGLU:
-            xt = _silu_mul(xt, tl.load(x_cols + K + k[:, None], mask=x_ok, other=0.0))
+        xt = tl.load(x_cols + k[:, None], mask=(ms < M)[None, :] & (k < K)[:, None], other=0.0)
         acc = tl.dot(w, xt, acc, input_precision="tf32x3")
     at, ok = ms[None, :] * N + rows[:, None], row_ok[:, None] & (ms < M)[None, :]
     _finish(y_ptr, part_ptr, counter_ptr, acc, at, ok, split, n_splits, M * N, FUSED_SUM)
@@ -139,19 +129,12 @@ def fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
     )
 
 
-def dense_linear(
-    x: torch.Tensor, weight: torch.Tensor, tiles: DenseTiles | None = None, swiglu: bool = False
-) -> torch.Tensor:
+def dense_linear(x: torch.Tensor, weight: torch.Tensor, tiles: DenseTiles | None = None) -> torch.Tensor:
     """x (..., K) @ weight (N, K)^T -> (..., N), fp32, for at most MAX_ROWS rows of x (see the module doc).
-    swiglu: x is (..., 2K), [gate | up], and the product is silu(gate) * up @ weight^T (SwiGLU's down
-    projection with its activation fused: one launch fewer, the same bits as fused.silu_mul then this).
     Works on CUDA tensors, and on CPU tensors under TRITON_INTERPRET=1."""
     n, k = weight.shape
     tiles = tiles or tiles_for(n, k)
-    width = 2 * k if swiglu else k
-    if x.shape[-1] != width:
-        raise FlashtreeError(f"dense_linear: x has {x.shape[-1]} columns, the weight wants {width}")
-    x2 = x.reshape(-1, width)
+    x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     if weight.stride(-1) != 1:
@@ -165,7 +148,7 @@ def dense_linear(
     _dense_kernel[(n_tiles, n_splits)](
         y, parts, tile_counters(x.device, n_tiles), x2, weight, m, n, k, x2.stride(0), weight.stride(0),
         per_split, n_splits, BN=tiles.rows, BM=bm, BK=tiles.k_block, FUSED_SUM=bool(tiles.fused_sum),
-        SWIGLU=swiglu, num_warps=tiles.warps, num_stages=tiles.stages,
+        num_warps=tiles.warps, num_stages=tiles.stages,
     )  # fmt: skip
     if n_splits > 1 and not tiles.fused_sum:
         block = 1024

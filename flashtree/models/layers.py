@@ -241,20 +241,5 @@ class SwiGLU(nn.Module):
         self.gate, self.up = gate_up.parts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._fused_down(x):  # one matrix [gate; up], the activation inside the down projection
-            return dense_matmul.dense_linear(self.gate_up.groups[0](x), self.down.weight, swiglu=True)
         gate, up = self.gate_up(x)
         return self.down(silu_mul(gate, up))
-
-    def _fused_down(self, x: torch.Tensor) -> bool:
-        """Whether the down projection runs in the dense kernel (decode rows of fp32 weights on the GPU)
-        with gate and up in one dense matrix, so that it can take [gate | up] as its input."""
-        down, groups = self.down, self.gate_up.groups
-        return (
-            isinstance(down, Linear)
-            and down.dense_kernel
-            and len(groups) == 1
-            and isinstance(groups[0], Linear)
-            and _fused_kernels(x)
-            and dense_matmul.fits(x, down.weight)
-        )
