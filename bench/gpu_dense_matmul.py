@@ -48,6 +48,14 @@ SWEEP = [
         (16, 32, 64), (32, 64, 128), (4,), (1, 2), (64, 264), (1,)
     )
 ] + [DenseTiles(64, 64, 4, 1, 264, 0), DenseTiles(16, 64, 4, 1, 264, 0), DenseTiles(128, 64, 8, 1, 264)]
+# more K-splits (fewer K blocks per program, a longer tail): untried in session 12's sweep, which found
+# every launch latency-bound at 5-10 us
+SWEEP += [
+    DenseTiles(rows, k_block, 4, stages, programs, fused)
+    for rows, k_block, stages, programs, fused in itertools.product(
+        (16, 32, 64), (32, 64), (1, 2), (528, 1056), (1, 0)
+    )
+]
 COPIES_BYTES = 256 << 20  # a graph's weight copies: more than the H200's 50 MB L2
 
 
