@@ -14,10 +14,9 @@ their own slots, its ancestors' at start + path[t][position - start]. Positions 
 (position-aligned, of a size fixed by the cache: the same for every call of an engine, split_positions),
 each split in blocks of TILE_VALUES / head_dim positions (online softmax in fp32, the same tiles for
 every row); the program of a (row, KV head) that finishes its split last combines the splits in order
-(an arrival counter, as the matmuls' K-splits: one launch a layer, the combine was a second one). A split
-past a row's last position is empty
-(m = -inf, l = 0) and adds exact zeros, so the number of splits launched (from the fixed key bucket of
-a CUDA graph) does not matter either.
+(an arrival counter, as the matmuls' K-splits: one launch a layer, the combine was a second one). A
+split past a row's last position is empty (m = -inf, l = 0) and adds exact zeros, so the number of
+splits launched (from the fixed key bucket of a CUDA graph) does not matter either.
 Query heads of one KV head (GQA) share a program: (G padded to 16, head_dim) x (head_dim, block) dots.
 Cost: every row of a verify reads the committed K/V again (from L2 while it holds a layer's: ~33 MB for
 the 27B at 8K tokens); sharing those reads between rows is left for long contexts.

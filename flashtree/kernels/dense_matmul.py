@@ -58,9 +58,7 @@ class DenseTiles:
     stages: int
     programs: int  # K-splits are added until about this many programs run (qmatmul.k_splits)
     fused_sum: int = 1  # K-splits added by the tile's last program (1) or by a second launch (0)
-    row_chunk: int = (
-        0  # 0: tensor-core dots (_dense_kernel); n > 0: the GEMV-like _rows_kernel, n rows a pass
-    )
+    row_chunk: int = 0  # > 0: _rows_kernel, this many rows a pass (0: _dense_kernel's dots)
 
 
 DEFAULT_TILES = DenseTiles(rows=64, k_block=64, warps=4, stages=1, programs=264)
