@@ -17,7 +17,7 @@
 #                 session (it outlives the call while the machine stays held), then waits;
 #   then:         `wait` (carry nothing), call after call, until the draft and the bench are back.
 # A plan that fits (session 9; the working tree is ~4 MB without the shipped draft):
-#   1. smoke:  whl, tiny.gguf, smoke_prompts.jsonl.gz, cache (its bench reads the prompt cache), part aa;
+#   1. smoke:  whl, tiny.gguf, smoke_prompts.jsonl.gz, cache/datasets (its bench reads the prompts), part aa;
 #   2. stash:  init.gguf, the prompt file (PROMPTS), data (optional, ~19 MB for 15 M tokens);
 #   3. launch: part ab.
 # The machine goes back 30 s after a call ends, taking $STASH with it (sessions 4 and 5 lost runs that
