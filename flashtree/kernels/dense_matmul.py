@@ -155,26 +155,28 @@ def _rows_kernel(
             tl.store(y_ptr + at, acc, mask=ok)
         else:
             tl.store(part_ptr + split * size + at, acc, mask=ok)
-    if n_splits > 1 and FUSED_SUM:
+    if FUSED_SUM:
         _finish_rows(y_ptr, part_ptr, counter_ptr, rows, row_ok, M, N, n_splits, RC)
 
 
 @triton.jit
 def _finish_rows(y_ptr, part_ptr, counter_ptr, rows, row_ok, M, N, n_splits, RC: tl.constexpr):
-    """The program that completes its feature tile last adds the tile's partial sums of every row in
-    block order into y and resets the tile's counter (as qmatmul's `_finish`)."""
-    tl.debug_barrier()  # every thread's partials are stored before the count (released by it)
-    tile = counter_ptr + tl.program_id(0)
-    if tl.atomic_add(tile, 1, sem="acq_rel", scope="gpu") == n_splits - 1:
-        size = M * N
-        for first in range(0, M, RC):
-            ms = first + tl.arange(0, RC)
-            at, ok = ms[:, None] * N + rows[None, :], (ms < M)[:, None] & row_ok[None, :]
-            total = tl.load(part_ptr + at, mask=ok, other=0.0, cache_modifier=".cg")
-            for s in range(1, n_splits, 4):
-                total = _add_splits(total, part_ptr, at, ok, s, n_splits, size)
-            tl.store(y_ptr + at, total, mask=ok)
-        tl.atomic_xchg(tile, 0, sem="relaxed", scope="gpu")
+    """With K-splits (one K block wrote y directly otherwise), the program that completes its feature
+    tile last adds the tile's partial sums of every row in block order into y and resets the tile's
+    counter (as qmatmul's `_finish`)."""
+    if n_splits > 1:
+        tl.debug_barrier()  # every thread's partials are stored before the count (released by it)
+        tile = counter_ptr + tl.program_id(0)
+        if tl.atomic_add(tile, 1, sem="acq_rel", scope="gpu") == n_splits - 1:
+            size = M * N
+            for first in range(0, M, RC):
+                ms = first + tl.arange(0, RC)
+                at, ok = ms[:, None] * N + rows[None, :], (ms < M)[:, None] & row_ok[None, :]
+                total = tl.load(part_ptr + at, mask=ok, other=0.0, cache_modifier=".cg")
+                for s in range(1, n_splits, 4):
+                    total = _add_splits(total, part_ptr, at, ok, s, n_splits, size)
+                tl.store(y_ptr + at, total, mask=ok)
+            tl.atomic_xchg(tile, 0, sem="relaxed", scope="gpu")
 
 
 def fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
