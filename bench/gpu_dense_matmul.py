@@ -3,17 +3,16 @@ sweep, and the default pair's matrices timed against cuBLAS.
 
     python bench/gpu_dense_matmul.py OUT_DIR [--sweep]  -> OUT_DIR/dense_matmul.json; exit 1 on a failure
 
-- checks: for each tile of CHECKED (both kernels), at every shape below and M = 1, 15, 16, 23, 64, within
-  2e-6 (relative to the largest output) of the fp64 product, and every row of an M-row call equal to the
-  1-row call on that row bit for bit (cuBLAS's own fp32 rows are reported for comparison, not required);
+- checks: at every shape below and M = 1, 15, 16, 23, 64, within 2e-6 (relative to the largest output)
+  of the fp64 product, and every row of an M-row call equal to the 1-row call on that row bit for bit
+  (cuBLAS's own fp32 rows are reported for comparison, not required);
 - timing: each shape at M = 1 (AR), 16 (draft block) and 23 (tree verify), 30 distinct copies of the
   weight called in a row inside one CUDA graph (as a step's layers: the copies total more than L2, so
   weights come from memory), us per call, for cuBLAS (F.linear) and for our kernel at DEFAULT_TILES
   and, with --sweep, at each tile of SWEEP; the per-step total weights each shape by its calls in one
   default-pair step (30 target layers and the LM head; the draft's 5 layers, its fc and its LM head),
   and each shape's fastest tile for a speculative step (draft + verify calls) is written as
-  `tiles_by_shape`, the JSON that FLASHTREE_DENSE_TILES takes (kernels/dense_matmul.SHAPE_TILES), and
-  the fastest over AR + draft + verify as `tiles_by_shape_with_ar` (one kernel for plain decoding too);
+  `tiles_by_shape`, the JSON that FLASHTREE_DENSE_TILES takes (kernels/dense_matmul.SHAPE_TILES);
 - the device's copy bandwidth and fp32 matmul rate, measured in the same run.
 """
 
@@ -49,16 +48,9 @@ SWEEP = [
         (16, 32, 64), (32, 64, 128), (4,), (1, 2), (64, 264), (1,)
     )
 ] + [DenseTiles(64, 64, 4, 1, 264, 0), DenseTiles(16, 64, 4, 1, 264, 0), DenseTiles(128, 64, 8, 1, 264)]
-# the GEMV-like kernel (row_chunk > 0; untimed until this sweep), tiles that fit the registers
-ROWS_TILES = [
-    DenseTiles(rows, k_block, 4, 1, 0, fused, chunk)
-    for rows, k_block, fused, chunk in itertools.product((16, 32, 64), (64, 128), (1, 0), (1, 2, 4))
-    if rows * k_block * chunk <= 16384
-]
-CHECKED = [DEFAULT_TILES, DenseTiles(32, 64, 4, 1, 0, 1, 2)]  # the checks run at these tiles
 # more K-splits (fewer K blocks per program, a longer tail): untried in session 12's sweep, which found
 # every launch latency-bound at 5-10 us
-SWEEP += ROWS_TILES + [
+SWEEP += [
     DenseTiles(rows, k_block, 4, stages, programs, fused)
     for rows, k_block, stages, programs, fused in itertools.product(
         (16, 32, 64), (32, 64), (1, 2), (528, 1056), (1, 0)
@@ -67,21 +59,20 @@ SWEEP += ROWS_TILES + [
 COPIES_BYTES = 256 << 20  # a graph's weight copies: more than the H200's 50 MB L2
 
 
-def check(name: str, n: int, k: int, tiles: DenseTiles) -> list[dict]:
+def check(name: str, n: int, k: int) -> list[dict]:
     rows = []
     gen = torch.Generator().manual_seed(n + k)
     w = torch.randn(n, k, generator=gen).to(DEVICE) / k**0.5
     for m in (1, 15, 16, 23, 64):
         x = torch.randn(m, k, generator=gen).to(DEVICE)
-        got = dense_linear(x, w, tiles)
+        got = dense_linear(x, w)
         want = x.double() @ w.double().t()
-        alone = torch.cat([dense_linear(x[i : i + 1], w, tiles) for i in range(m)])
+        alone = torch.cat([dense_linear(x[i : i + 1], w) for i in range(m)])
         cublas_alone = torch.cat([F.linear(x[i : i + 1], w) for i in range(m)])
         err = ((got.double() - want).abs().max() / want.abs().max()).item()
         bitwise, cublas_bitwise = torch.equal(alone, got), torch.equal(cublas_alone, F.linear(x, w))
         rows.append({
-            "shape": name, "n": n, "k": k, "m": m, "tiles": list(tiles.__dict__.values()), "rel_err": err,
-            "ok": err < TOL and bitwise,
+            "shape": name, "n": n, "k": k, "m": m, "rel_err": err, "ok": err < TOL and bitwise,
             "rows_bitwise": bitwise, "cublas_rows_bitwise": cublas_bitwise,
         })  # fmt: skip
     return rows
@@ -140,18 +131,12 @@ def step_totals(timings: list[dict], keys: list[str]) -> dict:
     return totals
 
 
-def tiles_by_shape(timings: list[dict], keys: list[str], with_ar: bool = False) -> dict[str, list[int]]:
-    """Per shape "NxK", the tile with the least time over a speculative step's calls (draft + verify),
-    and with_ar: plus an AR step's (the tile for plain decoding as well)."""
+def tiles_by_shape(timings: list[dict], keys: list[str]) -> dict[str, list[int]]:
+    """Per shape "NxK", the tile with the least time over a speculative step's calls (draft + verify)."""
     chosen = {}
-    for name, n, k, ar_calls, draft_calls, verify_calls in SHAPES:
+    for name, n, k, _, draft_calls, verify_calls in SHAPES:
         at = {r["phase"]: r for r in timings if r["shape"] == name}
-        step_us = {
-            key: draft_calls * at["draft"][key]
-            + verify_calls * at["verify"][key]
-            + with_ar * ar_calls * at["ar"][key]
-            for key in keys
-        }
+        step_us = {key: draft_calls * at["draft"][key] + verify_calls * at["verify"][key] for key in keys}
         chosen[f"{n}x{k}"] = json.loads(min(keys, key=step_us.get))
     return chosen
 
@@ -160,7 +145,7 @@ def main(out_dir: str, sweep: bool) -> int:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     ceilings = measure_ceilings(DEVICE)
-    checks = [row for tiles in CHECKED for name, n, k, *_ in SHAPES for row in check(name, n, k, tiles)]
+    checks = [row for name, n, k, *_ in SHAPES for row in check(name, n, k)]
     failed = [r for r in checks if not r["ok"]]
     for r in checks:
         print("check", r)
@@ -180,7 +165,6 @@ def main(out_dir: str, sweep: bool) -> int:
     result = {
         "ceilings": dataclasses.asdict(ceilings), "checks": checks, "timings": timings,
         "step_totals_us": totals, "best_tiles": best, "default_tiles": keys[1], "tiles_by_shape": by_shape,
-        "tiles_by_shape_with_ar": tiles_by_shape(timings, keys[1:], with_ar=True),
         "device": torch.cuda.get_device_name(),
     }  # fmt: skip
     (out / "dense_matmul.json").write_text(json.dumps(result, indent=1))

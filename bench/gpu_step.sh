@@ -17,9 +17,7 @@
 #            "int8 bf16": both arithmetics, FLASHTREE_QMM_ARITH)
 #   stage-a  stash the SmolLM2 GGUF's first half (carry .stage/draft/smollm2.part.aa, 49 MB: move the
 #            20.6 MB shipped draft out of the working tree for this call and the next, prep stashed it)
-#   dense    bench/gpu_dense_matmul.py --sweep: the fp32 decode-step kernels checked, swept, vs cuBLAS
-#            (its tiles_by_shape_with_ar as FLASHTREE_DENSE_TILES, with FLASHTREE_DENSE_KERNEL=1, runs plain
-#            decoding on our kernels too: `pair` then compares tree with an AR of the same arithmetic)
+#   dense    bench/gpu_dense_matmul.py --sweep: the fp32 decode-step kernel checked, swept, vs cuBLAS
 #   pair     join the second half (carry .stage/draft/smollm2.part.ab), then `flashtree bench` on the
 #            default pair: AR / chain / tree / HF and plain-AR baselines, 10 prompts per set, 256 new tokens
 #            (PAIR_ARGS="--modes ar,tree": fewer modes, no baseline; PAIR_NAME: its folder in $OUT,

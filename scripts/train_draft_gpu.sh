@@ -29,6 +29,7 @@
 # `pipeline`: generate responses (GEN_MINUTES; shards already in data/ are kept), train (TRAIN_MINUTES,
 # from init.gguf if staged), write the draft, convert it to the Q8_0 GGUF that ships, then
 # `flashtree bench` on the default pair with it (AR, chain, tree, HF and plain-AR baselines; 10 prompts per set).
+# BASELINES (default hf,plain): the bench's --baseline (plain alone saves the ~40 s of HF generation).
 # PROMPTS (default prompts.jsonl.gz): the prompt file of the stage to generate from; prompts-fresh.jsonl.gz
 # once the first pool's greedy responses are used (with SAMPLED_EVERY=0 PASSES=1: greedy responses
 # to new prompts are what moved the draft; the sixth run's sampled ones did not).
@@ -132,7 +133,7 @@ pipeline)  # run from $STASH/src
     --train-minutes "${TRAIN_MINUTES:-12}" --batch 32 --anchors 64 --lr "${LR:-6e-4}" --device cuda || exit 1
   python3 -m flashtree convert $RUN $DRAFT_GGUF --type q8_0 || exit 1
   python3 -m flashtree bench --target $GGUF --draft $DRAFT_GGUF --n 10 --max-tokens 256 --modes ar,chain,tree \
-    --budget 22 --baseline hf,plain --seed 0 --out $BENCH --device cuda
+    --budget 22 --baseline "${BASELINES:-hf,plain}" --seed 0 --out $BENCH --device cuda
   python3 bench/gpu_profile_steps.py $BENCH/profile_steps $GGUF $DRAFT_GGUF 2>&1 | grep -v USDT | tail -n 60
   touch $STASH/done
   ;;

@@ -19,10 +19,6 @@ TILES = {
     "default": dense_matmul.DEFAULT_TILES,
     "splits-fused": DenseTiles(rows=16, k_block=32, warps=4, stages=1, programs=64, fused_sum=1),
     "splits-second-launch": DenseTiles(rows=16, k_block=32, warps=4, stages=1, programs=64, fused_sum=0),
-    # the GEMV-like kernel (row_chunk > 0): one K block a program, rows a chunk at a time
-    "rows-one-block": DenseTiles(rows=16, k_block=256, warps=4, stages=1, programs=0, row_chunk=2),
-    "rows-blocks-fused": DenseTiles(rows=16, k_block=32, warps=4, stages=1, programs=0, row_chunk=4),
-    "rows-blocks-second-launch": DenseTiles(16, 32, 4, 1, 0, fused_sum=0, row_chunk=1),
 }
 TOL = 2e-6  # relative to the largest output: fp32 sums of up to 200 products
 
@@ -111,19 +107,17 @@ def test_tiles_are_chosen_per_matrix_shape_and_overridable(monkeypatch):
     monkeypatch.setattr(dense_matmul, "TILES", {"default": TILES["default"], "40x96": TILES["splits-fused"]})
     assert dense_matmul.tiles_for(40, 96) == TILES["splits-fused"]
     assert dense_matmul.tiles_for(96, 40) == TILES["default"]
-    override = '{"default": [16, 32, 4, 1, 64, 0], "8x8": [32, 64, 4, 2, 9], "4x4": [16, 32, 4, 1, 0, 1, 4]}'
+    override = '{"default": [16, 32, 4, 1, 64, 0], "8x8": [32, 64, 4, 2, 9]}'
     monkeypatch.setenv("FLASHTREE_DENSE_TILES", override)
     parsed = dense_matmul.tiles_from_env()
     assert parsed["default"] == TILES["splits-second-launch"] and parsed["8x8"] == DenseTiles(32, 64, 4, 2, 9)
-    assert parsed["4x4"] == TILES["rows-blocks-fused"]  # a seventh number: the GEMV-like kernel
     monkeypatch.setenv("FLASHTREE_DENSE_TILES", "[1, 2]")
     with pytest.raises(FlashtreeError, match="FLASHTREE_DENSE_TILES"):
         dense_matmul.tiles_from_env()
 
 
-@pytest.mark.parametrize("tiles", ["default", "rows-blocks-fused"])
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_verify_rows_equal_the_ar_steps_with_every_kernel(family, tiles, tiny_root, monkeypatch):
+def test_verify_rows_equal_the_ar_steps_with_every_kernel(family, tiny_root, monkeypatch):
     """Every decode-path kernel inside the model (dense matmul, norms, rotary, attention): each chain
     node of a tree verify gives the logits of the AR step for its token bit for bit, so speculative
     greedy output equals plain decoding by construction, not by fp32 rounding luck."""
@@ -132,7 +126,6 @@ def test_verify_rows_equal_the_ar_steps_with_every_kernel(family, tiles, tiny_ro
     from tests.tiny import tiny_gguf
 
     monkeypatch.setattr(kernels, "triton_kernels_for", lambda x: True)
-    monkeypatch.setattr(dense_matmul, "TILES", {"default": TILES[tiles]})  # every matrix on this kind
     model, _ = load_target(tiny_gguf(family, 0, tiny_root), device="cpu", dtype=torch.float32)
     ids = torch.randint(0, 320, (30,), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():  # nodes 0, 1, 2: a chain

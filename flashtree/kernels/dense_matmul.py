@@ -17,12 +17,10 @@ tests).
 The dots are tf32x3: each fp32 operand split into a TF32 part and a TF32 remainder, three TF32 products
 (the remainders' product dropped), ~fp32 accuracy (the checks bound it at 2e-6 of the largest output).
 fp32 FMA dots (`input_precision="ieee"`) were 1.1-8x slower than cuBLAS at every shape of the pair.
-
-A second kind of tile (`row_chunk` > 0) computes like a matrix-vector product: each program loads its
-W tile (BN features x one K block) once and takes x's rows `row_chunk` at a time, exact fp32 products
-summed over the block, then the K blocks' partial sums in order. At one row it is a GEMV (what cuBLAS
-runs for plain decoding, 3.6 us against the tf32x3 kernel's 5-6 at the pair's shapes); at 16-23 rows the
-tile is reused from registers. Untimed so far: `bench/gpu_dense_matmul.py --sweep` includes it.
+A GEMV-like kernel (each program's W tile loaded once, x's rows taken a few at a time, exact fp32
+products; 5f316c4) was measured and removed: at one row 3.9-7.5 us against this kernel's 5.8-10.0 (cuBLAS
+3.5-6.6), but at the 16-23 rows of a draft block or a verify 2-6x slower than this kernel, and a matrix
+must run one kernel for every M (bench/results/h200-rows-kernel-2026-12-04).
 """
 
 from __future__ import annotations
@@ -36,7 +34,7 @@ import triton
 import triton.language as tl
 
 from flashtree.errors import FlashtreeError
-from flashtree.kernels.qmatmul import _add_splits, _finish, _sum_splits_kernel, k_splits, tile_counters
+from flashtree.kernels.qmatmul import _finish, _sum_splits_kernel, k_splits, tile_counters
 
 MAX_ROWS = 64  # above this many rows (prefill): cuBLAS, compute-bound there
 
@@ -58,7 +56,6 @@ class DenseTiles:
     stages: int
     programs: int  # K-splits are added until about this many programs run (qmatmul.k_splits)
     fused_sum: int = 1  # K-splits added by the tile's last program (1) or by a second launch (0)
-    row_chunk: int = 0  # > 0: _rows_kernel, this many rows a pass (0: _dense_kernel's dots)
 
 
 DEFAULT_TILES = DenseTiles(rows=64, k_block=64, warps=4, stages=1, programs=264)
@@ -78,8 +75,8 @@ SHAPE_TILES: dict[str, DenseTiles] = {
 
 def tiles_from_env() -> dict[str, DenseTiles]:
     """{"default": DEFAULT_TILES} | SHAPE_TILES, with overrides from FLASHTREE_DENSE_TILES (JSON {"default"
-    or "NxK": [rows, k_block, warps, stages, programs(, fused_sum(, row_chunk))]}), the way a tuning sweep
-    hands its choice to a benchmark run."""
+    or "NxK": [rows, k_block, warps, stages, programs(, fused_sum)]}), the way a tuning sweep hands its
+    choice to a benchmark run."""
     tiles = {"default": DEFAULT_TILES} | SHAPE_TILES
     text = os.environ.get("FLASHTREE_DENSE_TILES")
     if not text:
@@ -89,7 +86,7 @@ def tiles_from_env() -> dict[str, DenseTiles]:
     except (ValueError, TypeError, AttributeError) as e:
         raise FlashtreeError(
             'FLASHTREE_DENSE_TILES: expected JSON {"default" or "NxK": [rows, k_block, warps, stages,'
-            f" programs(, fused_sum(, row_chunk))]}} ({e})"
+            f" programs(, fused_sum)]}} ({e})"
         ) from None
 
 
@@ -127,58 +124,6 @@ def _dense_kernel(
     _finish(y_ptr, part_ptr, counter_ptr, acc, at, ok, split, n_splits, M * N, FUSED_SUM)
 
 
-@triton.jit(do_not_specialize=["M", "N", "K", "stride_x", "stride_w", "n_splits"])
-def _rows_kernel(
-    y_ptr, part_ptr, counter_ptr, x_ptr, w_ptr, M, N, K, stride_x, stride_w, n_splits,
-    BN: tl.constexpr, BK: tl.constexpr, RC: tl.constexpr, FUSED_SUM: tl.constexpr,
-):  # fmt: skip
-    """Program (i, s): output features [i * BN, i * BN + BN) of all M rows over K block s. Its W tile
-    is loaded once; x's rows come RC at a time, each row's sums the same instructions whatever M is (M
-    is a runtime loop bound). K blocks' partial sums are added in block order (`_finish_rows`)."""
-    rows = tl.program_id(0) * BN + tl.arange(0, BN)
-    row_ok = rows < N
-    split = tl.program_id(1)
-    k = split * BK + tl.arange(0, BK)
-    k_ok = k < K
-    w_at = w_ptr + rows.to(tl.int64)[:, None] * stride_w + k[None, :]
-    w = tl.load(w_at, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-    size = M * N
-    for first in range(0, M, RC):
-        ms = first + tl.arange(0, RC)
-        m_ok = ms < M
-        x = tl.load(
-            x_ptr + ms[:, None] * stride_x + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0
-        )
-        acc = tl.sum(w[None, :, :] * x[:, None, :], axis=2)  # (RC, BN)
-        at, ok = ms[:, None] * N + rows[None, :], m_ok[:, None] & row_ok[None, :]
-        if n_splits == 1:
-            tl.store(y_ptr + at, acc, mask=ok)
-        else:
-            tl.store(part_ptr + split * size + at, acc, mask=ok)
-    if FUSED_SUM:
-        _finish_rows(y_ptr, part_ptr, counter_ptr, rows, row_ok, M, N, n_splits, RC)
-
-
-@triton.jit
-def _finish_rows(y_ptr, part_ptr, counter_ptr, rows, row_ok, M, N, n_splits, RC: tl.constexpr):
-    """With K-splits (one K block wrote y directly otherwise), the program that completes its feature
-    tile last adds the tile's partial sums of every row in block order into y and resets the tile's
-    counter (as qmatmul's `_finish`)."""
-    if n_splits > 1:
-        tl.debug_barrier()  # every thread's partials are stored before the count (released by it)
-        tile = counter_ptr + tl.program_id(0)
-        if tl.atomic_add(tile, 1, sem="acq_rel", scope="gpu") == n_splits - 1:
-            size = M * N
-            for first in range(0, M, RC):
-                ms = first + tl.arange(0, RC)
-                at, ok = ms[:, None] * N + rows[None, :], (ms < M)[:, None] & row_ok[None, :]
-                total = tl.load(part_ptr + at, mask=ok, other=0.0, cache_modifier=".cg")
-                for s in range(1, n_splits, 4):
-                    total = _add_splits(total, part_ptr, at, ok, s, n_splits, size)
-                tl.store(y_ptr + at, total, mask=ok)
-            tl.atomic_xchg(tile, 0, sem="relaxed", scope="gpu")
-
-
 def fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether dense_linear takes this product: fp32 x and W, at most MAX_ROWS rows of x."""
     return (
@@ -199,25 +144,16 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, tiles: DenseTiles | None
     if weight.stride(-1) != 1:
         raise FlashtreeError("dense_linear: the weight's rows must be contiguous")
     m = x2.shape[0]
-    y = torch.empty(m, n, dtype=torch.float32, device=x.device)
+    bm = max(16, triton.next_power_of_2(m))  # the dot's smallest width; M = 1 padded with zero rows
     n_tiles = triton.cdiv(n, tiles.rows)
-    if tiles.row_chunk:  # one K block a program: the splits are the K blocks
-        n_splits = triton.cdiv(k, tiles.k_block)
-        parts = y if n_splits == 1 else torch.empty(n_splits, m, n, dtype=torch.float32, device=x.device)
-        _rows_kernel[(n_tiles, n_splits)](
-            y, parts, tile_counters(x.device, n_tiles), x2, weight, m, n, k, x2.stride(0), weight.stride(0),
-            n_splits, BN=tiles.rows, BK=tiles.k_block, RC=tiles.row_chunk, FUSED_SUM=bool(tiles.fused_sum),
-            num_warps=tiles.warps,
-        )  # fmt: skip
-    else:
-        bm = max(16, triton.next_power_of_2(m))  # the dot's smallest width; M = 1 padded with zero rows
-        n_splits, per_split = k_splits(n_tiles, triton.cdiv(k, tiles.k_block), tiles.programs)
-        parts = y if n_splits == 1 else torch.empty(n_splits, m, n, dtype=torch.float32, device=x.device)
-        _dense_kernel[(n_tiles, n_splits)](
-            y, parts, tile_counters(x.device, n_tiles), x2, weight, m, n, k, x2.stride(0), weight.stride(0),
-            per_split, n_splits, BN=tiles.rows, BM=bm, BK=tiles.k_block, FUSED_SUM=bool(tiles.fused_sum),
-            num_warps=tiles.warps, num_stages=tiles.stages,
-        )  # fmt: skip
+    n_splits, per_split = k_splits(n_tiles, triton.cdiv(k, tiles.k_block), tiles.programs)
+    y = torch.empty(m, n, dtype=torch.float32, device=x.device)
+    parts = y if n_splits == 1 else torch.empty(n_splits, m, n, dtype=torch.float32, device=x.device)
+    _dense_kernel[(n_tiles, n_splits)](
+        y, parts, tile_counters(x.device, n_tiles), x2, weight, m, n, k, x2.stride(0), weight.stride(0),
+        per_split, n_splits, BN=tiles.rows, BM=bm, BK=tiles.k_block, FUSED_SUM=bool(tiles.fused_sum),
+        num_warps=tiles.warps, num_stages=tiles.stages,
+    )  # fmt: skip
     if n_splits > 1 and not tiles.fused_sum:
         block = 1024
         _sum_splits_kernel[(triton.cdiv(m * n, block),)](y, parts, m * n, n_splits, BLOCK=block)
