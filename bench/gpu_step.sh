@@ -22,6 +22,9 @@
 #            default pair: AR / chain / tree / HF and plain-AR baselines, 10 prompts per set, 256 new tokens
 #            (PAIR_ARGS="--modes ar,tree": fewer modes, no baseline; PAIR_NAME: its folder in $OUT,
 #            default pair, so that runs under other settings, e.g. FLASHTREE_DENSE_KERNEL=0, sit side by side)
+#   pdl      programmatic dependent launch (FLASHTREE_PDL=1, kernels/launch.py): small + graphs (tiny targets,
+#            dense and packed) under it, then profile-pair's graphed steps without and with it (after pair;
+#            FLASHTREE_PDL=1 also reaches `pair` and `step` through the environment)
 #   profile-pair  bench/gpu_profile_steps.py on the default pair (after pair): kernels per graphed step
 #            (in $OUT/profile_$PAIR_NAME)
 set -u
@@ -93,8 +96,19 @@ for stage in "$@"; do
     step) step ;;
     stage-a) cp .stage/draft/smollm2.part.aa "$STASH/" ;;
     pair) pair ;;
+    pdl)  # FLASHTREE_PDL=1 (kernels/launch.py): the same bits (small kernels vs torch, graphed vs eager steps
+          # on tiny targets, dense and packed), then the pair's graphed steps with and without it (after pair)
+        FLASHTREE_PDL=1 python3 bench/gpu_small_kernels.py "$OUT/pdl_small" 2>&1 | tail -n 5 | tee "$OUT/pdl.log"
+        for quant in 0 1; do
+            mkdir -p "$OUT/pdl_graphs$quant" && FLASHTREE_PDL=1 FLASHTREE_QUANT_KERNELS=$quant python3 bench/gpu_graphs.py \
+                "$OUT/pdl_graphs$quant" 2>&1 | tail -n 5 | tee -a "$OUT/pdl.log"
+        done
+        for pdl in 0 1; do
+            FLASHTREE_PDL=$pdl python3 bench/gpu_profile_steps.py "$OUT/profile_pdl$pdl" "$GGUF" "$STASH/draft.gguf" \
+                2>&1 | grep "^==" | tee -a "$OUT/pdl.log"
+        done ;;
     profile-pair) python3 bench/gpu_profile_steps.py "$OUT/profile_${PAIR_NAME:-pair}" "$GGUF" "$STASH/draft.gguf" \
         2>&1 | grep -v USDT | tee "$OUT/profile_${PAIR_NAME:-pair}.log" ;;
-    *) echo "unknown stage $stage (prep|kernels|small|dense|graphs|graphs-quant|probe|step|stage-a|pair|profile-pair)" >&2; exit 2 ;;
+    *) echo "unknown stage $stage (prep|kernels|small|dense|graphs|graphs-quant|probe|step|stage-a|pair|pdl|profile-pair)" >&2; exit 2 ;;
     esac
 done

@@ -245,6 +245,13 @@ def command_line(options: dict) -> str:
     return shlex.join(args)
 
 
+def settings() -> dict:
+    """This run's FLASHTREE_* environment settings that pick kernels, tiles or arithmetic (the cache path
+    and the commit left out), so that results measured under other settings can be told apart."""
+    skip = {"FLASHTREE_CACHE", "FLASHTREE_GIT_COMMIT"}
+    return {k: v for k, v in sorted(os.environ.items()) if k.startswith("FLASHTREE_") and k not in skip}
+
+
 def git_info() -> dict:
     """The checkout's commit and whether tracked files differ from it. FLASHTREE_GIT_COMMIT overrides
     both: the device machine's copy of the tree may carry a stale .git, or none."""
@@ -318,6 +325,7 @@ def results_document(
         "options": {k: str(v) if isinstance(v, Path) else v for k, v in options.items()},
         "modes": modes,
         "git": git_info(),
+        "settings": settings(),
         "device": device_info(base.device),
         "versions": versions(),
         "target": target_info,

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from flashtree.bench.roofline import measure_ceilings
-from flashtree.bench.run import device_info, git_info, versions
+from flashtree.bench.run import device_info, git_info, settings, versions
 from flashtree.config import SpecConfig
 from flashtree.convert.inspect import describe
 from flashtree.cuda_graphs import kv_bucket
@@ -305,6 +305,7 @@ def run_bench_step(
     return {
         "schema": SCHEMA,
         "git": git_info(),
+        "settings": settings(),
         "device": device_info(device),
         "versions": versions(),
         "ceilings": ceilings.as_dict(),

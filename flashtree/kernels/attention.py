@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from flashtree.kernels.launch import pdl_options, wait_for_inputs
 from flashtree.kernels.qmatmul import tile_counters
 
 MAX_SPLIT = 256  # positions per split at most: a program's share of a long context
@@ -70,13 +71,14 @@ def _split_kernel(
     counter_ptr, n_rows, n_kv, n_heads, n_splits,
     stride_qt, stride_qh, stride_kh, stride_ks, stride_vh, stride_vs, scale,
     G: tl.constexpr, BG: tl.constexpr, HD: tl.constexpr, BD: tl.constexpr, SPLIT_N: tl.constexpr,
-    BLOCK: tl.constexpr, F32: tl.constexpr, KEY_MASK: tl.constexpr,
+    BLOCK: tl.constexpr, F32: tl.constexpr, KEY_MASK: tl.constexpr, GDC: tl.constexpr,
 ):  # fmt: skip
     """Program (t, kv head, split): the G query heads of row t over the split's positions. Writes the
     split's running max m, sum l and unnormalized output acc (fp32) per query head; the program of
     (t, kv head) that finishes last combines the splits into the output (`_combine`). KEY_MASK: committed
     positions p with key_ok[p] false are left out (their score -1e30, not -inf: a split of masked keys
     only then has a finite max and finite sums, which the combine weighs by exp(-1e30 - max) = 0)."""
+    wait_for_inputs(GDC)
     t, kvh, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     start = tl.load(start_ptr)
     n_pos = start + tl.load(depth_ptr + t) + 1  # positions row t sees
@@ -183,6 +185,7 @@ def tree_attention(
         G=group, BG=max(16, triton.next_power_of_2(group)), HD=hd, BD=bd, SPLIT_N=split,
         BLOCK=tile_positions(hd),
         F32=q.dtype == torch.float32, KEY_MASK=key_ok is not None, num_warps=8 if bd >= 256 else 4,
+        **pdl_options(q),
     )  # fmt: skip
     return out
 

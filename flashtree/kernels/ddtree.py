@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from flashtree.kernels.launch import pdl_options, wait_for_inputs
+
 LOW = 0x7FFFFFFF  # index complement base: keys' low 32 bits
 
 
@@ -39,8 +41,9 @@ def _ddtree_kernel(
     logp_ptr, tok_ptr, root_ptr, tokens_ptr, parents_ptr, depths_ptr, visible_ptr,
     score_buf, pick_buf, sort_buf, node_buf,
     L: tl.constexpr, K: tl.constexpr, W: tl.constexpr, N: tl.constexpr, BONUS: tl.constexpr,
-    BW: tl.constexpr, BK: tl.constexpr, BLW: tl.constexpr, BT: tl.constexpr,
+    BW: tl.constexpr, BK: tl.constexpr, BLW: tl.constexpr, BT: tl.constexpr, GDC: tl.constexpr,
 ):  # fmt: skip
+    wait_for_inputs(GDC)
     slot = tl.arange(0, BW)
     rank = tl.arange(0, BK)
     flat = slot[:, None] * K + rank[None, :]  # the torch path's candidate index
@@ -136,6 +139,6 @@ def ddtree(
     _ddtree_kernel[(1,)](
         logp.contiguous(), tok.contiguous(), root, tokens, parents, depths, visible,
         scores, picks, sort_buf, nodes, L=depth_l, K=k, W=width, N=n, BONUS=bonus,
-        BW=bw, BK=bk, BLW=blw, BT=bt, num_warps=4, enable_fp_fusion=False,
+        BW=bw, BK=bk, BLW=blw, BT=bt, num_warps=4, enable_fp_fusion=False, **pdl_options(tokens),
     )  # fmt: skip
     return tokens, parents, depths, visible.view(torch.bool)

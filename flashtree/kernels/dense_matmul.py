@@ -34,6 +34,7 @@ import triton
 import triton.language as tl
 
 from flashtree.errors import FlashtreeError
+from flashtree.kernels.launch import pdl_options, wait_for_inputs
 from flashtree.kernels.qmatmul import _finish, _sum_splits_kernel, k_splits, tile_counters
 
 MAX_ROWS = 64  # above this many rows (prefill): cuBLAS, compute-bound there
@@ -100,11 +101,12 @@ def tiles_for(n: int, k: int) -> DenseTiles:
 @triton.jit(do_not_specialize=["M", "N", "K", "stride_x", "stride_w", "per_split", "n_splits"])
 def _dense_kernel(
     y_ptr, part_ptr, counter_ptr, x_ptr, w_ptr, M, N, K, stride_x, stride_w, per_split, n_splits,
-    BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, FUSED_SUM: tl.constexpr,
+    BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, FUSED_SUM: tl.constexpr, GDC: tl.constexpr,
 ):  # fmt: skip
     """Program (i, s): output features [i * BN, i * BN + BN) of all M <= BM rows, over K blocks
     [s * per_split, s * per_split + per_split): acc (BN, BM) += W tile (BN, BK) . x^T tile (BK, BM), one
     tf32x3 dot per K block in K order."""
+    wait_for_inputs(GDC)
     rows = tl.program_id(0) * BN + tl.arange(0, BN)
     row_ok = rows < N
     split = tl.program_id(1)
@@ -152,9 +154,11 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, tiles: DenseTiles | None
     _dense_kernel[(n_tiles, n_splits)](
         y, parts, tile_counters(x.device, n_tiles), x2, weight, m, n, k, x2.stride(0), weight.stride(0),
         per_split, n_splits, BN=tiles.rows, BM=bm, BK=tiles.k_block, FUSED_SUM=bool(tiles.fused_sum),
-        num_warps=tiles.warps, num_stages=tiles.stages,
+        num_warps=tiles.warps, num_stages=tiles.stages, **pdl_options(y),
     )  # fmt: skip
     if n_splits > 1 and not tiles.fused_sum:
         block = 1024
-        _sum_splits_kernel[(triton.cdiv(m * n, block),)](y, parts, m * n, n_splits, BLOCK=block)
+        _sum_splits_kernel[(triton.cdiv(m * n, block),)](
+            y, parts, m * n, n_splits, BLOCK=block, **pdl_options(y)
+        )
     return y.view(*x.shape[:-1], n)

@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from flashtree.kernels.launch import pdl_options, wait_for_inputs
 from flashtree.kernels.rotary import rounded
 
 
@@ -24,10 +25,11 @@ def _rms_norm_kernel(
     out_ptr, x_ptr, w_ptr, res_ptr, sum_ptr, gate_ptr, n_inner, D,
     stride_xo, stride_xi, stride_ro, stride_ri, stride_go, stride_gi, eps,
     HAS_RESIDUAL: tl.constexpr, HAS_GATE: tl.constexpr, BLOCK: tl.constexpr, X_BF16: tl.constexpr,
-    OUT_BF16: tl.constexpr,
+    OUT_BF16: tl.constexpr, GDC: tl.constexpr,
 ):  # fmt: skip
     """Row (o, i) of (outer, inner, D) tensors: [sum = x + res;] y = norm(sum or x) * w [* silu(gate)].
     bf16 results are rounded by `rounded` (ties to even, as the GPU's cast; the interpreter's truncates)."""
+    wait_for_inputs(GDC)
     o, i = tl.program_id(0) // n_inner, tl.program_id(0) % n_inner
     cols = tl.arange(0, BLOCK)
     ok = cols < D
@@ -79,17 +81,19 @@ def rms_norm(
         res3.stride(0), res3.stride(1), gate3.stride(0), gate3.stride(1), eps,
         HAS_RESIDUAL=residual is not None, HAS_GATE=gate is not None, BLOCK=block,
         X_BF16=x.dtype == torch.bfloat16, OUT_BF16=out.dtype == torch.bfloat16,
-        num_warps=max(1, min(8, block // 512)),
+        num_warps=max(1, min(8, block // 512)), **pdl_options(out),
     )  # fmt: skip
     return (total, out) if residual is not None else out
 
 
 @triton.jit
 def _silu_mul_kernel(
-    out_ptr, gate_ptr, up_ptr, n_cols, stride_g, stride_u, BLOCK: tl.constexpr, BF16: tl.constexpr
-):
+    out_ptr, gate_ptr, up_ptr, n_cols, stride_g, stride_u, BLOCK: tl.constexpr, BF16: tl.constexpr,
+    GDC: tl.constexpr,
+):  # fmt: skip
     """out = silu(gate) * up for columns [j * BLOCK, j * BLOCK + BLOCK) of row program_id(0): silu in
     fp32 rounded to the inputs' dtype, then the product rounded, as torch's two ops round."""
+    wait_for_inputs(GDC)
     row, cols = tl.program_id(0), tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < n_cols
     g = tl.load(gate_ptr + row * stride_g + cols, mask=ok, other=0.0).to(tl.float32)
@@ -115,5 +119,6 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         BLOCK=block,
         BF16=gate.dtype == torch.bfloat16,
         num_warps=4,
+        **pdl_options(out),
     )
     return out

@@ -75,6 +75,7 @@ import triton
 import triton.language as tl
 
 from flashtree.errors import FlashtreeError
+from flashtree.kernels.launch import pdl_options, wait_for_inputs
 from flashtree.quant.dequant import dequantize
 from flashtree.quant.formats import QT, block_bytes, block_size, row_bytes, type_name
 
@@ -352,8 +353,9 @@ def _finish(y_ptr, part_ptr, counter_ptr, acc, at, ok, split, n_splits, size, FU
 
 
 @triton.jit(do_not_specialize=_SHAPE_ARGS)
-def _sum_splits_kernel(y_ptr, part_ptr, n, n_splits, BLOCK: tl.constexpr):
+def _sum_splits_kernel(y_ptr, part_ptr, n, n_splits, BLOCK: tl.constexpr, GDC: tl.constexpr):
     """y = the K-splits' partial sums (n_splits, n) added in split order."""
+    wait_for_inputs(GDC)
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = i < n
     acc = tl.load(part_ptr + i, mask=ok, other=0.0)
@@ -447,10 +449,11 @@ def _matvec_kernel(
     y_ptr, part_ptr, counter_ptr, xq_ptr, scale_ptr, xqs_ptr, q_ptr, hdr_ptr, qh_ptr, d_ptr, m_ptr,
     N, n_blocks, units_per_split, n_splits,
     QTYPE: tl.constexpr, G: tl.constexpr, V: tl.constexpr, HAS_OFFSET: tl.constexpr, BN: tl.constexpr,
-    UNROLL: tl.constexpr, FUSED_SUM: tl.constexpr, ASM: tl.constexpr,
+    UNROLL: tl.constexpr, FUSED_SUM: tl.constexpr, ASM: tl.constexpr, GDC: tl.constexpr,
 ):  # fmt: skip
     """One row of x: program (i, s) adds split s of rows [i * BN, i * BN + BN), one thread per row,
     UNROLL units per step (their loads can be in flight together)."""
+    wait_for_inputs(GDC)
     rows = tl.program_id(0) * BN + tl.arange(0, BN)
     row_ok = rows < N
     split = tl.program_id(1)
@@ -672,12 +675,13 @@ def _matmul_kernel(
     y_ptr, part_ptr, counter_ptr, x_ptr, scale_ptr, xqs_ptr, q_ptr, hdr_ptr, qh_ptr, d_ptr, m_ptr,
     M, N, K, n_blocks, units_per_split, n_splits,
     QTYPE: tl.constexpr, G: tl.constexpr, V: tl.constexpr, HAS_OFFSET: tl.constexpr, BN: tl.constexpr,
-    BM: tl.constexpr, FUSED_SUM: tl.constexpr, BF16: tl.constexpr, ASM: tl.constexpr,
+    BM: tl.constexpr, FUSED_SUM: tl.constexpr, BF16: tl.constexpr, ASM: tl.constexpr, GDC: tl.constexpr,
 ):  # fmt: skip
     """M <= BM rows of x (x_ptr: its int8 codes padded with zero rows to (BM, K), or with BF16 x itself
     in bf16, (M, K)): program (i, s) adds split s of rows [i * BN, i * BN + BN) for all M, unit after
     unit. Each unit's header is loaded while the unit before it is computed (the pipeliner only
     overlaps the loads that feed the dots: a header load would stall every unit for a trip to memory)."""
+    wait_for_inputs(GDC)
     rows = tl.program_id(0) * BN + tl.arange(0, BN)
     row_ok = rows < N
     split = tl.program_id(1)
@@ -703,9 +707,10 @@ def _matmul_kernel(
 def _dequant_kernel(
     out_ptr, q_ptr, hdr_ptr, qh_ptr, d_ptr, m_ptr, N, K,
     QTYPE: tl.constexpr, G: tl.constexpr, V: tl.constexpr, HAS_OFFSET: tl.constexpr, BN: tl.constexpr,
-    ASM: tl.constexpr,
+    ASM: tl.constexpr, GDC: tl.constexpr,
 ):  # fmt: skip
     """Unit program_id(1) of rows [i * BN, i * BN + BN) as dense values, the reference's float ops."""
+    wait_for_inputs(GDC)
     rows = tl.program_id(0) * BN + tl.arange(0, BN)
     row_ok = rows < N
     unit = tl.program_id(1)
@@ -726,10 +731,13 @@ def _dequant_kernel(
 
 
 @triton.jit(do_not_specialize=_SHAPE_ARGS)
-def _quantize_kernel(x_ptr, xq_ptr, scale_ptr, xqs_ptr, M, R, n_blocks, stride_x, NB: tl.constexpr):
+def _quantize_kernel(
+    x_ptr, xq_ptr, scale_ptr, xqs_ptr, M, R, n_blocks, stride_x, NB: tl.constexpr, GDC: tl.constexpr
+):
     """Blocks [j * NB, j * NB + NB) of row i of x, 32 values each: int8 codes round(x * 127 / amax) (ties
     to even) packed 4 per int32 word (little-endian), dx = amax / 127, and the codes' sums per 16 values.
     Rows M <= i < R (padding up to the tensor-core tile) come out all zero."""
+    wait_for_inputs(GDC)
     m = tl.program_id(0)
     blocks = tl.program_id(1) * NB + tl.arange(0, NB)
     ok = blocks < n_blocks
@@ -874,7 +882,7 @@ def quantize_activations(x: torch.Tensor, rows: int | None = None) -> QuantizedA
     )
     nb = 32  # blocks per program
     _quantize_kernel[(rows, triton.cdiv(n_blocks, nb))](
-        x, *act, m, rows, n_blocks, x.stride(0), NB=nb, num_warps=4, enable_fp_fusion=False
+        x, *act, m, rows, n_blocks, x.stride(0), NB=nb, num_warps=4, enable_fp_fusion=False, **pdl_options(x)
     )
     return act
 
@@ -925,24 +933,26 @@ def quant_matmul(
         xb = x.to(torch.bfloat16).contiguous()  # also passed for the int8 scale pointers it never reads
         _matmul_kernel[grid](
             y, parts, counters, xb, xb, xb, *_pointers(fields, lay, True), m, n_rows, n_cols, n_blocks,
-            per_split, n_splits, BM=bm, BF16=True, enable_fp_fusion=False, **launch,
+            per_split, n_splits, BM=bm, BF16=True, enable_fp_fusion=False, **launch, **pdl_options(y),
         )  # fmt: skip
     elif m == 1:
         act = quantize_activations(x.contiguous(), bm)
         _matvec_kernel[grid](
             y, parts, counters, *act, *_pointers(fields, lay, False), n_rows, n_blocks, per_split, n_splits,
-            UNROLL=tile.unroll, enable_fp_fusion=False, **launch,
+            UNROLL=tile.unroll, enable_fp_fusion=False, **launch, **pdl_options(y),
         )  # fmt: skip
     else:
         act = quantize_activations(x.contiguous(), bm)
         _matmul_kernel[grid](
             y, parts, counters, act.codes.view(torch.int8), act.scales, act.code_sums,
             *_pointers(fields, lay, True), m, n_rows, n_cols, n_blocks, per_split, n_splits, BM=bm,
-            BF16=False, enable_fp_fusion=False, **launch,
+            BF16=False, enable_fp_fusion=False, **launch, **pdl_options(y),
         )  # fmt: skip
     if n_splits > 1 and not tile.fused_sum:
         block = 1024
-        _sum_splits_kernel[(triton.cdiv(m * n_rows, block),)](y, parts, m * n_rows, n_splits, BLOCK=block)
+        _sum_splits_kernel[(triton.cdiv(m * n_rows, block),)](
+            y, parts, m * n_rows, n_splits, BLOCK=block, **pdl_options(y)
+        )
     return y
 
 
@@ -973,7 +983,7 @@ def dequantize_packed(
     rows = 32
     _dequant_kernel[(triton.cdiv(n_rows, rows), n_blocks // lay.group)](
         out, *_pointers(fields, lay, True), n_rows, n_cols,
-        BN=rows, num_warps=4, enable_fp_fusion=False, **_static_args(lay, out.device),
+        BN=rows, num_warps=4, enable_fp_fusion=False, **_static_args(lay, out.device), **pdl_options(out),
     )  # fmt: skip
     return out
 

@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from flashtree.kernels.launch import pdl_options, wait_for_inputs
+
 
 @triton.jit
 def rounded(v, BF16: tl.constexpr):
@@ -48,9 +50,10 @@ def _rotated_row(
 @triton.jit
 def _rotary_kernel(
     x_ptr, cos_ptr, sin_ptr, out_ptr, stride_t, stride_h, H, D: tl.constexpr, ROT: tl.constexpr,
-    BD: tl.constexpr, BF16: tl.constexpr,
+    BD: tl.constexpr, BF16: tl.constexpr, GDC: tl.constexpr,
 ):  # fmt: skip
     """Program (t, h): head h of token t."""
+    wait_for_inputs(GDC)
     t = tl.program_id(0)
     h = tl.program_id(1)
     d = tl.arange(0, BD)
@@ -62,10 +65,11 @@ def _rotary_kernel(
 def _rotary_store_kernel(
     q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, slots_ptr,
     q_st, q_sh, k_st, k_sh, v_st, v_sh, cache_sh, cache_ss, NQ, D: tl.constexpr, ROT: tl.constexpr,
-    BD: tl.constexpr, BF16: tl.constexpr,
+    BD: tl.constexpr, BF16: tl.constexpr, GDC: tl.constexpr,
 ):  # fmt: skip
     """Program (t, h): query head h of token t (h < NQ), else KV head h - NQ: its rotated K and its V
     stored at the token's cache slot."""
+    wait_for_inputs(GDC)
     t = tl.program_id(0)
     h = tl.program_id(1)
     d = tl.arange(0, BD)
@@ -90,6 +94,7 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     _rotary_kernel[(t, h)](
         x, cos.contiguous(), sin.contiguous(), out, x.stride(0), x.stride(1), h, D=d, ROT=rot,
         BD=triton.next_power_of_2(d), BF16=x.dtype == torch.bfloat16, enable_fp_fusion=False,
+        **pdl_options(x),
     )  # fmt: skip
     return out
 
@@ -109,6 +114,6 @@ def rotary_store(
         q, k, v, cos.contiguous(), sin.contiguous(), q_out, k_cache, v_cache, slots,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), nq, D=d, ROT=cos.shape[-1], BD=triton.next_power_of_2(d),
-        BF16=q.dtype == torch.bfloat16, enable_fp_fusion=False,
+        BF16=q.dtype == torch.bfloat16, enable_fp_fusion=False, **pdl_options(q),
     )  # fmt: skip
     return q_out

@@ -13,9 +13,14 @@ import torch
 import triton
 import triton.language as tl
 
+from flashtree.kernels.launch import pdl_options, wait_for_inputs
+
 
 @triton.jit
-def _tree_conv_silu_kernel(src_ptr, idx_ptr, w_ptr, out_ptr, C, KERNEL: tl.constexpr, BC: tl.constexpr):
+def _tree_conv_silu_kernel(
+    src_ptr, idx_ptr, w_ptr, out_ptr, C, KERNEL: tl.constexpr, BC: tl.constexpr, GDC: tl.constexpr
+):
+    wait_for_inputs(GDC)
     t = tl.program_id(0)
     offs = tl.program_id(1) * BC + tl.arange(0, BC)
     mask = offs < C
@@ -36,6 +41,7 @@ def tree_conv_silu(src: torch.Tensor, index: torch.Tensor, weight: torch.Tensor,
     out = torch.empty(t, c, dtype=torch.float32, device=src.device)
     bc = min(block_c, triton.next_power_of_2(c))
     _tree_conv_silu_kernel[(t, triton.cdiv(c, bc))](
-        src.contiguous(), index.contiguous(), weight.contiguous(), out, c, KERNEL=kernel, BC=bc
-    )
+        src.contiguous(), index.contiguous(), weight.contiguous(), out, c, KERNEL=kernel, BC=bc,
+        **pdl_options(out),
+    )  # fmt: skip
     return out

@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from flashtree.kernels.launch import pdl_options, wait_for_inputs
+
 
 @triton.jit
 def _token_loads(
@@ -42,11 +44,12 @@ def _token_loads(
 def _tree_gated_delta_rule_kernel(
     x_ptr, alpha_ptr, beta_ptr, stride_ab, dt_bias_ptr, a_ptr, parents_ptr, s0_ptr, out_ptr, states_ptr,
     T, eps, q_scale, k_scale, H: tl.constexpr, NK: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, GDC: tl.constexpr,
 ):  # fmt: skip
     """Token after token; token t + 1's inputs are loaded while token t computes. Why: on the H200 the
     walk cost ~2 us a token, its state stores only ~20 % of that (bench/results/
     h200-bf16mma-2026-12-03/NOTES.md); the overlap itself is not timed yet."""
+    wait_for_inputs(GDC)
     h = tl.program_id(0)
     offs_k = tl.arange(0, BK)
     offs_v = tl.program_id(1) * BV + tl.arange(0, BV)
@@ -123,5 +126,6 @@ def tree_gated_delta_rule(
         conv_out.float().contiguous(), alpha, beta, alpha.stride(0), dt_bias.float().contiguous(),
         ssm_a.float().contiguous(), parents.to(torch.int32), state.contiguous(), out, states,
         t, eps, 1.0 / kd, kd**-0.5, H=h, NK=n_k_heads, K=kd, V=vd, BK=triton.next_power_of_2(kd), BV=bv,
+        **pdl_options(out),
     )  # fmt: skip
     return out, states

@@ -1,0 +1,74 @@
+"""Programmatic dependent launch (kernels/launch.py): a kernel launched with PDL may start before the
+kernel ahead of it has finished, so every decode-path kernel must wait for its inputs before it touches
+memory, and every launch of one must say whether PDL is on. Checked on the source, since the CPU
+interpreter runs no PDL; on the H200, `bench/gpu_step.sh pdl` checks the bits."""
+
+import ast
+import inspect
+
+import pytest
+import torch
+
+from flashtree.kernels import (
+    attention,
+    ddtree,
+    dense_matmul,
+    fused,
+    launch,
+    qmatmul,
+    rotary,
+    tree_conv,
+    tree_deltanet,
+)
+
+# every module whose kernels run in decode steps (cross_entropy's run in draft training only)
+DECODE_MODULES = [attention, ddtree, dense_matmul, fused, qmatmul, rotary, tree_conv, tree_deltanet]
+
+
+def kernels_and_launches(module) -> tuple[list[ast.FunctionDef], list[ast.Call]]:
+    tree = ast.parse(inspect.getsource(module))
+    kernels = [
+        node
+        for node in ast.walk(tree)
+        if isinstance(node, ast.FunctionDef)
+        and any("triton.jit" in ast.unparse(d) for d in node.decorator_list)
+        and node.name.endswith("_kernel")
+    ]
+    launches = [
+        node
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Subscript)
+        and ast.unparse(node.func.value).endswith("_kernel")
+    ]
+    return kernels, launches
+
+
+@pytest.mark.parametrize("module", DECODE_MODULES, ids=lambda m: m.__name__.rsplit(".", 1)[-1])
+def test_every_decode_kernel_waits_for_its_inputs_first(module):
+    kernels, launches = kernels_and_launches(module)
+    assert kernels and launches
+    for kernel in kernels:
+        body = kernel.body[1:] if isinstance(kernel.body[0].value, ast.Constant) else kernel.body
+        assert ast.unparse(body[0]) == "wait_for_inputs(GDC)", kernel.name
+        assert kernel.args.args[-1].arg == "GDC", kernel.name
+    for call in launches:
+        unpacked = [ast.unparse(k.value) for k in call.keywords if k.arg is None]
+        assert any(u.startswith("pdl_options(") for u in unpacked), ast.unparse(call.func)
+
+
+def test_pdl_only_on_cuda_when_enabled(monkeypatch):
+    x = torch.zeros(4)
+    monkeypatch.setattr(launch, "ENABLED", True)
+    assert launch.pdl_options(x) == {"GDC": False}  # no PDL off CUDA, whatever the setting
+    monkeypatch.setattr(launch, "ENABLED", False)
+    assert launch.pdl_options(x) == {"GDC": False}
+
+
+def test_kernels_run_with_pdl_options_off_cuda():
+    """A launch through pdl_options runs under the interpreter (GDC false: no wait is emitted)."""
+    x = torch.randn(3, 64)
+    w = torch.randn(64)
+    got = fused.rms_norm(x, w, 1e-6)
+    want = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
