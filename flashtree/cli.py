@@ -221,6 +221,9 @@ def train_draft(
     prompts: list[Path] | None = typer.Option(
         None, "--prompts", help="JSONL(.gz) prompt files, 'text' per line (default: the built-in mix)."
     ),
+    extra_data: list[Path] | None = typer.Option(
+        None, "--extra-data", help="Also train on these responses (another run's data/ dir; repeatable)."
+    ),
     max_prompts: int | None = typer.Option(None, "--max-prompts"),
     max_prompt_tokens: int = typer.Option(384, "--max-prompt-tokens", help="Skip longer prompts."),
     max_new_tokens: int = typer.Option(256, "--max-new-tokens", help="Response length cap."),

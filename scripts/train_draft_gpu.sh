@@ -6,7 +6,8 @@
 # Staged here first, in the git-ignored .stage/draft/ (scripts/stage_draft.sh builds it): the gguf
 # wheel (whl/), the prompt file (prompts.jsonl.gz), the benchmark prompt cache (cache/datasets/), a tiny
 # target (tiny.gguf, smoke_prompts.jsonl.gz) and the SmolLM2 GGUF in pieces (smollm2.part.aa, ab...);
-# optionally data/ (the data.tgz.part.* a run returned: generation resumes where it stopped) and
+# optionally data/ (the data.tgz.part.* a run returned: generation resumes where it stopped),
+# extra/NAME/ (the data.tgz.part.* of other runs: their responses are trained on too, --extra-data) and
 # init.gguf (a draft to go on training, e.g. `cp flashtree/drafts/*.gguf .stage/draft/init.gguf`).
 # That is more than one call carries, so every call adds the part of .stage/draft it carries to the
 # machine's $STAGE, and the pipeline takes everything from there. Move the shipped draft
@@ -114,6 +115,10 @@ launch)
   if [ -d $STAGE/data ] && [ ! -d $RUN/data ]; then  # a returned run's shards: generation resumes
     mkdir -p $RUN && cat $STAGE/data/data.tgz.part.* | tar -xzf - -C $RUN && ls $RUN/data | wc -l
   fi
+  for parts in $STAGE/extra/*/; do  # earlier runs' responses, trained on too (--extra-data)
+    [ -d "$parts" ] || continue
+    mkdir -p $STASH/extra/$(basename $parts) && cat $parts/data.tgz.part.* | tar -xzf - -C $STASH/extra/$(basename $parts)
+  done
   # The pipeline runs from its own copy: later calls re-sync the working tree under it.
   rm -rf $STASH/src && mkdir -p $STASH/src/bench && cp -r flashtree scripts $STASH/src/ && cp bench/*.py $STASH/src/bench/
   cd $STASH/src
@@ -126,9 +131,10 @@ launch)
 pipeline)  # run from $STASH/src
   export PYTHONPATH=/tmp/site:$PWD
   nvidia-smi -L
-  init=() && [ ! -f $STAGE/init.gguf ] || init=(--init $STAGE/init.gguf)
+  earlier=() && [ ! -f $STAGE/init.gguf ] || earlier=(--init $STAGE/init.gguf)  # what earlier runs left
+  for d in $STASH/extra/*/data; do [ ! -d "$d" ] || earlier+=(--extra-data "$d"); done
   python3 -m flashtree train-draft --target $GGUF --out $RUN --layers 5 --prompts $STAGE/${PROMPTS:-prompts.jsonl.gz} \
-    "${init[@]}" --seed "${SEED:-0}" --gen-batch 2048 --sampled-every "${SAMPLED_EVERY:-4}" --passes "${PASSES:-1}" \
+    "${earlier[@]}" --seed "${SEED:-0}" --gen-batch 2048 --sampled-every "${SAMPLED_EVERY:-4}" --passes "${PASSES:-1}" \
     --gen-minutes "${GEN_MINUTES:-7}" \
     --train-minutes "${TRAIN_MINUTES:-12}" --batch 32 --anchors 64 --lr "${LR:-6e-4}" --device cuda || exit 1
   python3 -m flashtree convert $RUN $DRAFT_GGUF --type q8_0 || exit 1

@@ -354,7 +354,7 @@ def test_batch_decoding_samples_rows_independently_and_top_p_cuts(tiny):
 def test_shards_round_trip_and_short_responses_are_dropped(tmp_path):
     D.write_shard(tmp_path / D.SHARD.format(0), [[1, 2, 3], [4]], [[5] * 20, [6, 7]], sampled=False)
     D.write_shard(tmp_path / D.SHARD.format(1), [[8, 9]], [[10] * 16], sampled=True)
-    seqs = D.load_sequences(tmp_path, min_response=16)
+    seqs = D.load_sequences([tmp_path], min_response=16)
     assert [t.tolist() for t in seqs.tokens] == [[1, 2, 3] + [5] * 20, [8, 9] + [10] * 16]
     assert seqs.prompt_lens == [3, 2] and seqs.n_response_tokens == 36
     ids, response = D.collate(seqs, [1, 0], "cpu")
@@ -395,7 +395,7 @@ def tiny_data(tiny, tmp_path_factory):
     D.generate_dataset(
         hf_model_from(model), jobs, out, 48, [tokenizer.eos_id], 0.8, 0.95, 0, log=lambda m: None
     )
-    return D.load_sequences(out, min_response=2 * BLOCK)
+    return D.load_sequences([out], min_response=2 * BLOCK)
 
 
 def test_tiny_run_lowers_loss_raises_accept_len_and_resumes(tiny, tiny_data, tmp_path):
@@ -451,6 +451,32 @@ def test_train_draft_command_writes_a_loadable_draft(tiny, tmp_path):
     draft = load_draft(out, model)
     assert draft.config.n_layers == 1 and draft.config.block_size == 8
     assert (out / "checkpoint.pt").is_file() and len(list((out / "data").glob("shard-*.pt"))) == 1
+
+
+def test_train_draft_adds_the_responses_of_extra_data_dirs(tiny, tmp_path):
+    """--extra-data: an earlier run's responses join this run's (a lease trains on what earlier leases
+    generated); a dir without shards is refused before any generation."""
+    path, _, _ = tiny
+    write_prompts([{"text": f"Count to {i}."} for i in range(3)], tmp_path / "p.jsonl.gz")
+    extra = tmp_path / "earlier" / "data"
+    extra.mkdir(parents=True)
+    D.write_shard(extra / D.SHARD.format(0), [[1, 2], [3]], [[5] * (2 * BLOCK), [6] * 40], sampled=False)
+    out = tmp_path / "run"
+    args = ["train-draft", "--target", str(path), "--out", str(out), "--layers", "1", "--block-size",
+            str(BLOCK), "--prompts", str(tmp_path / "p.jsonl.gz"), "--max-new-tokens", "40", "--steps", "1",
+            "--batch", "2", "--anchors", "4", "--device", "cpu"]  # fmt: skip
+    result = CliRunner().invoke(app, [*args, "--extra-data", str(extra)])
+    assert result.exit_code == 0, result.output
+    own = len(D.load_sequences([out / "data"], min_response=2 * BLOCK))
+    assert f"data: {own + 2} sequences" in result.output, result.output
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    args[args.index("--out") + 1] = str(tmp_path / "run2")
+    result = CliRunner().invoke(app, [*args, "--extra-data", str(empty)])
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert "--extra-data" in result.output and "no shard-*.pt" in result.output, result.output
+    assert not (tmp_path / "run2" / "data").exists()
 
 
 def test_train_draft_goes_on_from_a_draft_given_with_init(tiny, tmp_path):

@@ -152,10 +152,11 @@ class Sequences:
         return sum(len(t) - p for t, p in zip(self.tokens, self.prompt_lens, strict=True))
 
 
-def load_sequences(data_dir: Path, min_response: int) -> Sequences:
-    """Every sequence of every shard, in shard order, dropping responses shorter than min_response."""
+def load_sequences(data_dirs: list[Path], min_response: int) -> Sequences:
+    """Every sequence of every shard of each directory in turn, in shard order, dropping responses
+    shorter than min_response."""
     tokens, prompt_lens = [], []
-    for path in sorted(data_dir.glob("shard-*.pt")):
+    for path in (shard for d in data_dirs for shard in sorted(d.glob("shard-*.pt"))):
         shard = torch.load(path, weights_only=True)
         offsets = shard["offsets"].tolist()
         for i, p in enumerate(shard["prompt_lens"].tolist()):

@@ -229,6 +229,7 @@ def train_draft_command(
     block_size: int,
     init: Path | None,
     prompts: list[Path] | None,
+    extra_data: list[Path] | None,
     max_prompts: int | None,
     max_prompt_tokens: int,
     max_new_tokens: int,
@@ -266,6 +267,10 @@ def train_draft_command(
     shape = replace(shape, dflash=replace(shape.dflash, block_size=block_size))
     # Before generating: a wrong --init fails at once.
     draft = new_draft(shape, model, seed, init=None if init is None else load_draft(init, model))
+    extra_dirs = [Path(d) for d in extra_data or []]
+    for d in extra_dirs:
+        if not any(d.glob("shard-*.pt")):
+            raise FlashtreeError(f"--extra-data {d}: no shard-*.pt files (a train-draft run's data/)")
     hf = hf_model_from(model).requires_grad_(False)
 
     records = _prompt_records(out / "prompts.jsonl.gz", prompts, seed)[:max_prompts]
@@ -280,7 +285,7 @@ def train_draft_command(
         hf, jobs, out / "data", max_new_tokens, stop_ids, temperature, 0.95, seed,
         None if gen_minutes is None else gen_minutes * 60,
     )  # fmt: skip
-    seqs = D.load_sequences(out / "data", min_response=2 * block_size)
+    seqs = D.load_sequences([out / "data", *extra_dirs], min_response=2 * block_size)
     if not len(seqs):
         raise FlashtreeError(f"{out / 'data'}: no sequence with a response of {2 * block_size}+ tokens")
     print(f"data: {len(seqs)} sequences, {seqs.n_response_tokens} response tokens")
