@@ -18,7 +18,7 @@ import torch
 from gpu_graphs import tiny_pair  # the same synthesized pair (bench/ is on sys.path as the script's dir)
 from torch.profiler import ProfilerActivity, profile
 
-from flashtree.bench.run import git_info, settings
+from flashtree.bench.run import provenance
 from flashtree.config import SpecConfig
 from flashtree.generate import Engine
 from flashtree.models.dflash import load_draft
@@ -35,7 +35,7 @@ def main(out_dir: Path, files: list[str]) -> None:
     else:
         target, draft = tiny_pair("tiny-llama", "f32")
     prompt = list(range(3, 40))
-    report = {"git": git_info(), "settings": settings()}  # settings: FLASHTREE_PDL, say
+    report = provenance()  # git, settings (FLASHTREE_PDL, say)
     for config in (
         dict(mode="ar"),
         dict(mode="chain", block_size=16),

@@ -193,6 +193,24 @@ def test_tiny_run_writes_the_schema_and_passes_the_identity_check(tiny_pair, tmp
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_the_run_records_the_commit_and_settings_it_started_with(tiny_pair, tmp_path, monkeypatch):
+    """The checkout as it was when the run started (a commit made during a long run is not what ran),
+    and the FLASHTREE_* settings that pick kernels (not the cache path)."""
+    from flashtree.bench import run as bench_run
+
+    checkout = {"commit": "started", "dirty": False}
+    monkeypatch.setattr(bench_run, "git_info", lambda: dict(checkout))
+    run_all = bench_run.run_all
+    monkeypatch.setattr(bench_run, "run_all", lambda *a: (run_all(*a), checkout.update(commit="moved on"))[0])
+    monkeypatch.setenv("FLASHTREE_PDL", "1")
+    monkeypatch.setenv("FLASHTREE_CACHE", str(tmp_path / "cache"))
+    result = run_bench(tiny_pair, tmp_path, "--modes", "ar")
+    assert result.exit_code == 0, result.output
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["git"] == {"commit": "started", "dirty": False} and checkout["commit"] == "moved on"
+    assert results["settings"]["FLASHTREE_PDL"] == "1" and "FLASHTREE_CACHE" not in results["settings"]
+
+
 def test_an_output_that_differs_from_ar_fails_the_run_after_writing_results(tiny_pair, tmp_path, monkeypatch):
     real_step = SpecDecoder.step
 

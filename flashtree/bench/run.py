@@ -252,6 +252,12 @@ def settings() -> dict:
     return {k: v for k, v in sorted(os.environ.items()) if k.startswith("FLASHTREE_") and k not in skip}
 
 
+def provenance() -> dict:
+    """The code and settings a run is made with, taken when it starts: the checkout may move on while a
+    long run goes (a run on the CPU once recorded a commit made during it)."""
+    return {"git": git_info(), "settings": settings()}
+
+
 def git_info() -> dict:
     """The checkout's commit and whether tracked files differ from it. FLASHTREE_GIT_COMMIT overrides
     both: the device machine's copy of the tree may carry a stale .git, or none."""
@@ -315,8 +321,9 @@ def model_info(base: Engine) -> tuple[dict, dict | None]:
 
 
 def results_document(
-    options: dict, base: Engine, modes: list[str], ceilings: Ceilings, rows: list[dict], mismatches: list
-) -> dict:
+    options: dict, made_by: dict, base: Engine, modes: list[str], ceilings: Ceilings, rows: list[dict],
+    mismatches: list,
+) -> dict:  # fmt: skip
     """Everything results.json holds: how the run was made, on what, and what it measured."""
     target_info, draft_info = model_info(base)
     return {
@@ -324,8 +331,7 @@ def results_document(
         "command": command_line(options),
         "options": {k: str(v) if isinstance(v, Path) else v for k, v in options.items()},
         "modes": modes,
-        "git": git_info(),
-        "settings": settings(),
+        **made_by,  # git, settings
         "device": device_info(base.device),
         "versions": versions(),
         "target": target_info,
@@ -358,6 +364,7 @@ def bench_command(
     out,
 ) -> None:
     options = dict(locals())
+    made_by = provenance()
     mode_list = parse_modes(modes)
     baselines = parse_baselines(baseline)
     if max_tokens < 1:
@@ -383,7 +390,7 @@ def bench_command(
     prompt_ids = {(p.dataset, p.id): ids for p, ids in zip(prompts, encoded, strict=True)}
     add_logit_gaps(rows, mismatches, base.target, prompt_ids)
 
-    results = results_document(options, base, list(runners), ceilings, rows, mismatches)
+    results = results_document(options, made_by, base, list(runners), ceilings, rows, mismatches)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
     paths = write_report(results, out)

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from flashtree.bench.roofline import measure_ceilings
-from flashtree.bench.run import device_info, git_info, settings, versions
+from flashtree.bench.run import device_info, provenance, versions
 from flashtree.config import SpecConfig
 from flashtree.convert.inspect import describe
 from flashtree.cuda_graphs import kv_bucket
@@ -265,6 +265,7 @@ def run_bench_step(
     prefill_sizes: tuple[int, ...] = PREFILL_SIZES,
 ) -> dict:
     """Every measurement of one run, as a JSON-ready dict (`quantized`: see loader.Weights)."""
+    made_by = provenance()
     device = default_device()
     ceilings = measure_ceilings(device)
     bench = StepBench(target, draft, quantized, budget, block_size, repeats)
@@ -304,8 +305,7 @@ def run_bench_step(
         results["arithmetic"] = ARITHMETIC
     return {
         "schema": SCHEMA,
-        "git": git_info(),
-        "settings": settings(),
+        **made_by,  # git, settings
         "device": device_info(device),
         "versions": versions(),
         "ceilings": ceilings.as_dict(),
