@@ -20,7 +20,7 @@ from pathlib import Path
 from statistics import fmean
 
 from flashtree.bench.datasets import DATASETS, load_prompts
-from flashtree.bench.run import git_info
+from flashtree.bench.run import provenance
 from flashtree.config import SamplingParams, SpecConfig
 from flashtree.generate import Engine, GenerationStats
 
@@ -45,6 +45,7 @@ def main() -> None:
     ap.add_argument("--draft")
     args = ap.parse_args()
     name, values = parse_setting(args.set)
+    made_by = provenance()  # git, settings: as the run starts
 
     base = Engine.load(args.target, args.draft, mode="tree", max_ctx=4096, device="cpu")
     prompts = [p for ds in DATASETS for p in load_prompts(ds, args.n, args.seed)]
@@ -61,7 +62,7 @@ def main() -> None:
         print(f"{name}={value}: mean AL {fmean(als):.3f} ({time.time() - start:.0f} s)", flush=True)
     result = {
         "setting": name, "n_per_set": args.n, "max_tokens": args.max_tokens, "seed": args.seed,
-        "prompts": [f"{p.dataset}/{p.id}" for p in prompts], "git": git_info(), "rows": rows,
+        "prompts": [f"{p.dataset}/{p.id}" for p in prompts], **made_by, "rows": rows,
     }  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
