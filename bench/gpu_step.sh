@@ -23,8 +23,9 @@
 #            (PAIR_ARGS="--modes ar,tree": fewer modes, no baseline; PAIR_NAME: its folder in $OUT,
 #            default pair, so that runs under other settings, e.g. FLASHTREE_DENSE_KERNEL=0, sit side by side)
 #   pdl      programmatic dependent launch (FLASHTREE_PDL=1, kernels/launch.py): small + graphs (tiny targets,
-#            dense and packed) under it, then profile-pair's graphed steps without and with it (after pair;
-#            FLASHTREE_PDL=1 also reaches `pair` and `step` through the environment)
+#            dense and packed) under it, then profile-pair's graphed steps without and with it (after prep and
+#            stage-a; carry part ab as for pair; FLASHTREE_PDL=1 also reaches `pair` and `step` through the
+#            environment)
 #   profile-pair  bench/gpu_profile_steps.py on the default pair (after pair): kernels per graphed step
 #            (in $OUT/profile_$PAIR_NAME)
 set -u
@@ -66,9 +67,13 @@ step() {
     done
 }
 
-pair() {
+join_gguf() {  # the default target from the stashed first half and the carried second
     [ -f "$GGUF" ] || cat "$STASH/smollm2.part.aa" .stage/draft/smollm2.part.ab >"$GGUF"
     echo "$GGUF_MD5  $GGUF" | md5sum -c || exit 1
+}
+
+pair() {
+    join_gguf
     # shellcheck disable=SC2086  # PAIR_ARGS: several options
     $FT bench --target "$GGUF" --draft "$STASH/draft.gguf" --n 10 --max-tokens 256 \
         ${PAIR_ARGS:---modes ar,chain,tree --baseline hf,plain} \
@@ -97,15 +102,20 @@ for stage in "$@"; do
     stage-a) cp .stage/draft/smollm2.part.aa "$STASH/" ;;
     pair) pair ;;
     pdl)  # FLASHTREE_PDL=1 (kernels/launch.py): the same bits (small kernels vs torch, graphed vs eager steps
-          # on tiny targets, dense and packed), then the pair's graphed steps with and without it (after pair)
-        FLASHTREE_PDL=1 python3 bench/gpu_small_kernels.py "$OUT/pdl_small" 2>&1 | tail -n 5 | tee "$OUT/pdl.log"
+          # on tiny targets, dense and packed; full logs in $OUT, exit codes in pdl.log), then the pair's
+          # graphed steps without and with it (needs prep and stage-a)
+        FLASHTREE_PDL=1 python3 bench/gpu_small_kernels.py "$OUT/pdl_small" >"$OUT/pdl_small.log" 2>&1
+        echo "small kernels under PDL: exit $?" | tee "$OUT/pdl.log"
         for quant in 0 1; do
-            mkdir -p "$OUT/pdl_graphs$quant" && FLASHTREE_PDL=1 FLASHTREE_QUANT_KERNELS=$quant python3 bench/gpu_graphs.py \
-                "$OUT/pdl_graphs$quant" 2>&1 | tail -n 5 | tee -a "$OUT/pdl.log"
+            mkdir -p "$OUT/pdl_graphs$quant"
+            FLASHTREE_PDL=1 FLASHTREE_QUANT_KERNELS=$quant python3 bench/gpu_graphs.py "$OUT/pdl_graphs$quant" \
+                >"$OUT/pdl_graphs$quant.log" 2>&1
+            echo "graphs under PDL, FLASHTREE_QUANT_KERNELS=$quant: exit $?" | tee -a "$OUT/pdl.log"
         done
+        join_gguf
         for pdl in 0 1; do
             FLASHTREE_PDL=$pdl python3 bench/gpu_profile_steps.py "$OUT/profile_pdl$pdl" "$GGUF" "$STASH/draft.gguf" \
-                2>&1 | grep "^==" | tee -a "$OUT/pdl.log"
+                2>&1 | grep "^==" | sed "s/^/FLASHTREE_PDL=$pdl /" | tee -a "$OUT/pdl.log"
         done ;;
     profile-pair) python3 bench/gpu_profile_steps.py "$OUT/profile_${PAIR_NAME:-pair}" "$GGUF" "$STASH/draft.gguf" \
         2>&1 | grep -v USDT | tee "$OUT/profile_${PAIR_NAME:-pair}.log" ;;
