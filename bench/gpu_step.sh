@@ -102,14 +102,15 @@ for stage in "$@"; do
     stage-a) cp .stage/draft/smollm2.part.aa "$STASH/" ;;
     pair) pair ;;
     pdl)  # FLASHTREE_PDL=1 (kernels/launch.py): the same bits (small kernels vs torch, graphed vs eager steps
-          # on tiny targets, dense and packed; full logs in $OUT, exit codes in pdl.log), then the pair's
+          # on tiny targets, dense and packed; their output in pdl_checks.log, exit codes in pdl.log; 7 files in
+          # $OUT, of the 8 a call returns), then the pair's
           # graphed steps without and with it (needs prep and stage-a)
-        FLASHTREE_PDL=1 python3 bench/gpu_small_kernels.py "$OUT/pdl_small" >"$OUT/pdl_small.log" 2>&1
+        FLASHTREE_PDL=1 python3 bench/gpu_small_kernels.py "$OUT/pdl_small" >"$OUT/pdl_checks.log" 2>&1
         echo "small kernels under PDL: exit $?" | tee "$OUT/pdl.log"
         for quant in 0 1; do
             mkdir -p "$OUT/pdl_graphs$quant"
             FLASHTREE_PDL=1 FLASHTREE_QUANT_KERNELS=$quant python3 bench/gpu_graphs.py "$OUT/pdl_graphs$quant" \
-                >"$OUT/pdl_graphs$quant.log" 2>&1
+                >>"$OUT/pdl_checks.log" 2>&1
             echo "graphs under PDL, FLASHTREE_QUANT_KERNELS=$quant: exit $?" | tee -a "$OUT/pdl.log"
         done
         join_gguf
