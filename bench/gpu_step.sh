@@ -103,8 +103,8 @@ for stage in "$@"; do
     pair) pair ;;
     pdl)  # FLASHTREE_PDL=1 (kernels/launch.py): the same bits (small kernels vs torch, graphed vs eager steps
           # on tiny targets, dense and packed; their output in pdl_checks.log, exit codes in pdl.log; 7 files in
-          # $OUT, of the 8 a call returns), then the pair's
-          # graphed steps without and with it (needs prep and stage-a)
+          # $OUT, of the 8 a call returns), then the pair's graphed steps without and with it (needs prep
+          # and stage-a)
         FLASHTREE_PDL=1 python3 bench/gpu_small_kernels.py "$OUT/pdl_small" >"$OUT/pdl_checks.log" 2>&1
         echo "small kernels under PDL: exit $?" | tee "$OUT/pdl.log"
         for quant in 0 1; do
