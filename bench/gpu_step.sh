@@ -22,10 +22,10 @@
 #            default pair: AR / chain / tree / HF and plain-AR baselines, 10 prompts per set, 256 new tokens
 #            (PAIR_ARGS="--modes ar,tree": fewer modes, no baseline; PAIR_NAME: its folder in $OUT,
 #            default pair, so that runs under other settings, e.g. FLASHTREE_DENSE_KERNEL=0, sit side by side)
-#   pdl      programmatic dependent launch (FLASHTREE_PDL=1, kernels/launch.py): small + graphs (tiny targets,
-#            dense and packed) under it, then profile-pair's graphed steps without and with it (after prep and
-#            stage-a; carry part ab as for pair; FLASHTREE_PDL=1 also reaches `pair` and `step` through the
-#            environment)
+#   pdl-checks  programmatic dependent launch (FLASHTREE_PDL=1, kernels/launch.py): small + graphs (tiny
+#            targets, dense and packed) under it; no GGUF needed (output in pdl_checks.log, exit codes in pdl.log)
+#   pdl      profile-pair's graphed steps without and with PDL (after prep and stage-a; carry part ab as for
+#            pair; 5 files in $OUT; FLASHTREE_PDL=1 also reaches `pair` and `step` through the environment)
 #   profile-pair  bench/gpu_profile_steps.py on the default pair (after pair): kernels per graphed step
 #            (in $OUT/profile_$PAIR_NAME)
 set -u
@@ -101,10 +101,8 @@ for stage in "$@"; do
     step) step ;;
     stage-a) cp .stage/draft/smollm2.part.aa "$STASH/" ;;
     pair) pair ;;
-    pdl)  # FLASHTREE_PDL=1 (kernels/launch.py): the same bits (small kernels vs torch, graphed vs eager steps
-          # on tiny targets, dense and packed; their output in pdl_checks.log, exit codes in pdl.log; 7 files in
-          # $OUT, of the 8 a call returns), then the pair's graphed steps without and with it (needs prep
-          # and stage-a)
+    pdl-checks)  # FLASHTREE_PDL=1: the same bits (small kernels vs torch, graphed vs eager steps on tiny
+                 # targets, dense and packed); 4 files in $OUT
         FLASHTREE_PDL=1 python3 bench/gpu_small_kernels.py "$OUT/pdl_small" >"$OUT/pdl_checks.log" 2>&1
         echo "small kernels under PDL: exit $?" | tee "$OUT/pdl.log"
         for quant in 0 1; do
@@ -112,14 +110,17 @@ for stage in "$@"; do
             FLASHTREE_PDL=1 FLASHTREE_QUANT_KERNELS=$quant python3 bench/gpu_graphs.py "$OUT/pdl_graphs$quant" \
                 >>"$OUT/pdl_checks.log" 2>&1
             echo "graphs under PDL, FLASHTREE_QUANT_KERNELS=$quant: exit $?" | tee -a "$OUT/pdl.log"
-        done
+        done ;;
+    pdl)  # the pair's graphed steps without and with PDL (needs prep and stage-a)
         join_gguf
-        for pdl in 0 1; do
-            FLASHTREE_PDL=$pdl python3 bench/gpu_profile_steps.py "$OUT/profile_pdl$pdl" "$GGUF" "$STASH/draft.gguf" \
-                2>&1 | grep "^==" | sed "s/^/FLASHTREE_PDL=$pdl /" | tee -a "$OUT/pdl.log"
+        for round in 1 2; do  # alternated: the spread between rounds is the noise a difference must beat
+            for pdl in 0 1; do
+                FLASHTREE_PDL=$pdl python3 bench/gpu_profile_steps.py "$OUT/profile_pdl${pdl}_$round" "$GGUF" \
+                    "$STASH/draft.gguf" 2>&1 | grep "^==" | sed "s/^/FLASHTREE_PDL=$pdl /" | tee -a "$OUT/pdl.log"
+            done
         done ;;
     profile-pair) python3 bench/gpu_profile_steps.py "$OUT/profile_${PAIR_NAME:-pair}" "$GGUF" "$STASH/draft.gguf" \
         2>&1 | grep -v USDT | tee "$OUT/profile_${PAIR_NAME:-pair}.log" ;;
-    *) echo "unknown stage $stage (prep|kernels|small|dense|graphs|graphs-quant|probe|step|stage-a|pair|pdl|profile-pair)" >&2; exit 2 ;;
+    *) echo "unknown stage $stage (prep|kernels|small|dense|graphs|graphs-quant|probe|step|stage-a|pair|pdl-checks|pdl|profile-pair)" >&2; exit 2 ;;
     esac
 done

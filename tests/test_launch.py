@@ -1,7 +1,7 @@
 """Programmatic dependent launch (kernels/launch.py): a kernel launched with PDL may start before the
 kernel ahead of it has finished, so every decode-path kernel must wait for its inputs before it touches
 memory, and every launch of one must say whether PDL is on. Checked on the source, since the CPU
-interpreter runs no PDL; on the H200, `bench/gpu_step.sh pdl` checks the bits."""
+interpreter runs no PDL; on the H200, `bench/gpu_step.sh pdl-checks` checks the bits."""
 
 import ast
 import inspect
