@@ -26,6 +26,8 @@
 #            targets, dense and packed) under it; no GGUF needed (output in pdl_checks.log, exit codes in pdl.log)
 #   pdl      profile-pair's graphed steps without and with PDL (after prep and stage-a; carry part ab as for
 #            pair; 5 files in $OUT; FLASHTREE_PDL=1 also reaches `pair` and `step` through the environment)
+#   pdl-step the 27B step (packed weights, STEP_ARITH) without and with PDL: step_packed_*_pdl{0,1}.json
+#            (after prep with the synth on)
 #   profile-pair  bench/gpu_profile_steps.py on the default pair (after pair): kernels per graphed step
 #            (in $OUT/profile_$PAIR_NAME)
 set -u
@@ -60,7 +62,7 @@ step() {
     [ -f "$STASH/synth.done" ] || exit 1
     for weights in ${STEP_WEIGHTS:-packed dense}; do
         for arith in $([ "$weights" = dense ] && echo int8 || echo "${STEP_ARITH:-int8}"); do
-            name=$weights$([ "$weights" = dense ] || echo "_$arith")
+            name=$weights$([ "$weights" = dense ] || echo "_$arith")${STEP_SUFFIX:-}
             FLASHTREE_QMM_ARITH=$arith $FT bench-step --target "$STASH/q27.gguf" --draft "$STASH/draft5" \
                 --weights $weights --out "$OUT/step_$name.json" 2>&1 | grep -v USDT | tee "$OUT/step_$name.log"
         done
@@ -119,8 +121,10 @@ for stage in "$@"; do
                     "$STASH/draft.gguf" 2>&1 | grep "^==" | sed "s/^/FLASHTREE_PDL=$pdl /" | tee -a "$OUT/pdl.log"
             done
         done ;;
+    pdl-step)
+        for pdl in 0 1; do FLASHTREE_PDL=$pdl STEP_WEIGHTS=packed STEP_SUFFIX=_pdl$pdl step; done ;;
     profile-pair) python3 bench/gpu_profile_steps.py "$OUT/profile_${PAIR_NAME:-pair}" "$GGUF" "$STASH/draft.gguf" \
         2>&1 | grep -v USDT | tee "$OUT/profile_${PAIR_NAME:-pair}.log" ;;
-    *) echo "unknown stage $stage (prep|kernels|small|dense|graphs|graphs-quant|probe|step|stage-a|pair|pdl-checks|pdl|profile-pair)" >&2; exit 2 ;;
+    *) echo "unknown stage $stage (prep|kernels|small|dense|graphs|graphs-quant|probe|step|stage-a|pair|pdl-checks|pdl|pdl-step|profile-pair)" >&2; exit 2 ;;
     esac
 done

@@ -5,6 +5,10 @@
 #   prompts-fresh.jsonl.gz a further pool disjoint from it (fresh_prompts: the Python functions it left
 #                          out, other word problems, reasoning-gym problems), for runs after the pool's
 #                          greedy responses were used (the fourth run's);
+#   prompts-fresh2.jsonl.gz a third pool, disjoint from both (the eighth run used their greedy responses):
+#                          its code from the Python files of the wheels under WHEEL_DIRS (default: this
+#                          machine's wheel mirrors, /opt/pypi /opt/pypi-more /opt/wheels; extracted once
+#                          to .stage/wheel-src), no function named like a HumanEval problem;
 #   smoke_prompts.jsonl.gz its first 32 records, for the smoke run;
 #   cache/datasets/        the benchmark prompts (HumanEval, GSM8K, MATH-500), without their wheels;
 #   tiny.gguf              a tiny random llama target for the smoke run;
@@ -37,6 +41,22 @@ used = read_prompts(Path(".stage/draft/prompts.jsonl.gz"))
 records = fresh_prompts(default_code_roots(), used, seed=1)
 write_prompts(records, Path(".stage/draft/prompts-fresh.jsonl.gz"))
 print(len(records), "fresh prompts", dict(Counter(r["source"] for r in records)))
+EOF
+WHEEL_DIRS="${WHEEL_DIRS:-/opt/pypi /opt/pypi-more /opt/wheels}" python - <<'EOF'
+import os
+from collections import Counter
+from pathlib import Path
+from flashtree.train.prompts import fresh_prompts, humaneval_names, read_prompts, wheel_sources, write_prompts
+from flashtree.train.trainer import default_code_roots
+wheels = [w for d in os.environ["WHEEL_DIRS"].split() for w in Path(d).rglob("*.whl")]
+code = wheel_sources(wheels, Path(".stage/wheel-src"))
+used = [r for pool in ("prompts", "prompts-fresh") for r in read_prompts(Path(f".stage/draft/{pool}.jsonl.gz"))]
+records = fresh_prompts(
+    [*default_code_roots(), code], used, seed=2, n_functions=40000, n_per_gym_task=800, gym_seed=10**6,
+    exclude_names=humaneval_names(),
+)
+write_prompts(records, Path(".stage/draft/prompts-fresh2.jsonl.gz"))
+print(len(records), "third-pool prompts from", len(wheels), "wheels", dict(Counter(r["source"] for r in records)))
 EOF
 FLASHTREE_CACHE=$S/cache python - <<'EOF'
 from flashtree.bench.datasets import DATASETS, read_records

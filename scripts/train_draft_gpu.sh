@@ -33,7 +33,8 @@
 # BASELINES (default hf,plain): the bench's --baseline (plain alone saves the ~40 s of HF generation).
 # PROMPTS (default prompts.jsonl.gz): the prompt file of the stage to generate from; prompts-fresh.jsonl.gz
 # once the first pool's greedy responses are used (with SAMPLED_EVERY=0 PASSES=1: greedy responses
-# to new prompts are what moved the draft; the sixth run's sampled ones did not).
+# to new prompts are what moved the draft; the sixth run's sampled ones did not); prompts-fresh2.jsonl.gz
+# once both are used (the eighth run trained on both: stage its data and the seventh's under extra/).
 # SEED (default 0) orders the prompt batches: keep it, SAMPLED_EVERY and PASSES while data/ holds an
 # earlier run's shards (the fourth and fifth runs': SEED=1 SAMPLED_EVERY=0 PASSES=4, shards 0-63 of 108).
 # SAMPLED_EVERY (default 4): in the first pass over the prompts every n-th batch gets sampled

@@ -64,6 +64,31 @@ def test_python_prompts_leave_out_excluded_functions(code_root):
     assert len(rest) == 2 and used.isdisjoint(P.function_key(t) for t in rest)
 
 
+def test_python_prompts_leave_out_excluded_names(code_root):
+    texts = P.python_function_prompts([code_root], 10, seed=0, exclude_names=frozenset({"shout"}))
+    assert {P.function_key(t)[0] for t in texts} == {"add_numbers", "scale_vector"}
+
+
+def test_wheel_sources_extract_the_python_files_once(tmp_path):
+    import zipfile
+
+    wheel = tmp_path / "pkg-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as z:
+        z.writestr("pkg/lib.py", textwrap.dedent(SOURCE))
+        z.writestr("pkg/data.txt", "not code")
+        z.writestr("pkg-1.0.dist-info/METADATA", "Name: pkg")
+    (tmp_path / "broken-1.0-py3-none-any.whl").write_bytes(b"not a zip")
+    dest = P.wheel_sources(sorted(tmp_path.glob("*.whl")), tmp_path / "src")
+    assert sorted(p.relative_to(dest).as_posix() for p in dest.rglob("*") if p.is_file()) == [
+        "pkg-1.0-py3-none-any.whl/pkg/lib.py"
+    ]
+    names = {P.function_key(t)[0] for t in P.python_function_prompts([dest], 10, seed=0)}
+    assert names == {"add_numbers", "scale_vector", "shout"}
+    (dest / wheel.name / "pkg" / "lib.py").write_text("# kept")  # a wheel already extracted is skipped
+    P.wheel_sources([wheel], dest)
+    assert (dest / wheel.name / "pkg" / "lib.py").read_text() == "# kept"
+
+
 def test_fresh_pool_is_disjoint_from_the_used_one(code_root, monkeypatch):
     monkeypatch.setattr(P, "gym_prompts", lambda n, seed: {"gym_math": [f"math {i % 3}" for i in range(n)]})
     used = [{"source": "python", "text": P.python_function_prompts([code_root], 1, seed=0)[0]}]
@@ -77,6 +102,17 @@ def test_fresh_pool_is_disjoint_from_the_used_one(code_root, monkeypatch):
     assert len(keys) == 2 and P.function_key(used[0]["text"]) not in keys
     assert {r["source"] for r in fresh} == {"python", "word_problem", "gym_math"}
     assert sorted(t for t in texts if t.startswith("math")) == ["math 1", "math 2"]
+
+
+def test_fresh_pool_seeds_reasoning_gym_apart_from_earlier_pools(code_root, monkeypatch):
+    """reasoning-gym seeds item i with seed + i: a second pool at seed 2 would repeat the first's items
+    1.., so a pool can take its own gym_seed."""
+    seeds = []
+    monkeypatch.setattr(P, "gym_prompts", lambda n, seed: seeds.append(seed) or {})
+    sizes = dict(n_functions=1, n_word_problems=1, n_per_gym_task=1)
+    P.fresh_prompts([code_root], [], seed=2, **sizes)
+    P.fresh_prompts([code_root], [], seed=2, **sizes, gym_seed=10**6)
+    assert seeds == [2, 10**6]
 
 
 def test_gym_prompts_are_math_and_word_problems_in_the_benchmark_formats():

