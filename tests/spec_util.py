@@ -44,7 +44,7 @@ class OracleDraft:
         self.sequence, self.vocab, self.error, self.seed = sequence, vocab, error, seed
         self.config = SimpleNamespace(block_size=block_size, target_layer_ids=(0,))
 
-    def new_context(self, size: int, spare: int = 0) -> _Context:
+    def new_context(self, size: int, spare: int = 0, block: int | None = None) -> _Context:
         return _Context()
 
     def append_context(self, ctx: _Context, features: torch.Tensor, n: torch.Tensor | None = None) -> None:

@@ -134,7 +134,11 @@ def test_block_attention_is_the_draft_blocks_masked_softmax(n_ctx, dtype):
     if n_ctx > 100:
         live[:70] = False
         live[-30:] = False
-    got = block_attention(q, keys, values, live, hd**-0.5)
+    got = block_attention(q, keys, values, live, hd**-0.5, n_ctx)  # the block right after the context
+    # in a ring the block sits past the context slots: the same bits
+    gap = torch.randn(n_kv, 7, hd, generator=gen).to(dtype)
+    ring_k, ring_v = (torch.cat([t[:, :n_ctx], gap, t[:, n_ctx:]], dim=1) for t in (keys, values))
+    assert torch.equal(block_attention(q, ring_k, ring_v, live, hd**-0.5, n_ctx + 7), got)
     mask = torch.cat([live[None, :].expand(b, -1), torch.ones(b, b, dtype=torch.bool)], dim=1)
     want = grouped_attention(q.transpose(0, 1)[None].float(), keys[None].float(), values[None].float(), mask,
                              hd**-0.5)[0].transpose(0, 1)  # fmt: skip

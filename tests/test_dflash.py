@@ -65,11 +65,22 @@ def test_propose_with_the_attention_kernel_is_the_torch_path(qwen3, tiny_root, m
         draft.append_context(ring, feats[lo : lo + 7])
     want = draft.propose(ring, torch.tensor(3), 16)
     monkeypatch.setattr(kernels, "triton_kernels_for", lambda x: True)
+    kernel_ring = draft.new_context(24, spare=16)  # appended by the rotary kernel (K/V stored in its launch)
+    for lo in range(0, 60, 7):
+        draft.append_context(kernel_ring, feats[lo : lo + 7])
+    n_slots = ring.slot_pos.shape[0]
+    for got, ref in ((kernel_ring.k, ring.k), (kernel_ring.v, ring.v)):  # other kernels ran too: not bitwise
+        torch.testing.assert_close(got[:, :, :n_slots], ref[:, :, :n_slots], atol=1e-5, rtol=1e-5)
     calls = []
     kernel = attention.block_attention
     monkeypatch.setattr(attention, "block_attention", lambda *a: calls.append(a) or kernel(*a))
+    context = ring.k[:, :, :n_slots].clone()
     torch.testing.assert_close(draft.propose(ring, torch.tensor(3), 16), want, atol=1e-5, rtol=1e-5)
     assert len(calls) == 2  # both layers took the kernel
+    assert [c[-1] for c in calls] == [n_slots, n_slots]  # the block's K/V in the scratch past the ring
+    assert torch.equal(ring.k[:, :, :n_slots], context)  # which leaves the context as it was
+    with pytest.raises(FlashtreeError, match="draft block of 17 tokens"):
+        draft.propose(ring, torch.tensor(3), 17)
 
 
 def test_ring_keeps_the_last_positions_only(qwen3, tiny_root):

@@ -73,9 +73,12 @@ def test_rotary_store_is_rotary_and_index_copy_bit_for_bit(tokens, heads, kv_hea
     want_k, want_v = k_cache.clone(), v_cache.clone()
     want_k.index_copy_(1, slots, torch_rotary(k, cos, sin).transpose(0, 1))
     want_v.index_copy_(1, slots, v.transpose(0, 1))
+    kv_only = k_cache.clone(), v_cache.clone()
     got_q = rotary_store(q, k, v, cos, sin, k_cache, v_cache, slots)
     assert torch.equal(got_q, torch_rotary(q, cos, sin))
     assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+    assert rotary_store(None, k, v, cos, sin, *kv_only, slots) is None  # keys and values only (the draft's)
+    assert torch.equal(kv_only[0], want_k) and torch.equal(kv_only[1], want_v)
 
 
 def test_kv_cache_takes_the_fused_launch_only_where_it_gives_the_same_result(monkeypatch):

@@ -195,7 +195,7 @@ class StepBench:
         return step, found
 
     def draft_step(self, features: torch.Tensor, state) -> dict:
-        ctx = self.draft.new_context(4096)
+        ctx = self.draft.new_context(4096, block=self.block_size)
         self.draft.append_context(ctx, features)
         root = torch.zeros((), dtype=torch.long, device=self.device)
         n_keys = self.n_keys(state)  # the ring read the engine's step makes at this length

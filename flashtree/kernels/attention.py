@@ -67,13 +67,14 @@ def _dot(a, b, F32: tl.constexpr):
 
 @triton.jit
 def _split_kernel(
-    q_ptr, k_ptr, v_ptr, path_ptr, depth_ptr, start_ptr, key_ok_ptr, m_ptr, l_ptr, acc_ptr, out_ptr,
-    counter_ptr, n_rows, n_kv, n_heads, n_splits,
+    q_ptr, k_ptr, v_ptr, path_ptr, depth_ptr, start_ptr, block_ptr, key_ok_ptr, m_ptr, l_ptr, acc_ptr,
+    out_ptr, counter_ptr, n_rows, n_kv, n_heads, n_splits,
     stride_qt, stride_qh, stride_kh, stride_ks, stride_vh, stride_vs, scale,
     G: tl.constexpr, BG: tl.constexpr, HD: tl.constexpr, BD: tl.constexpr, SPLIT_N: tl.constexpr,
     BLOCK: tl.constexpr, F32: tl.constexpr, KEY_MASK: tl.constexpr, GDC: tl.constexpr,
 ):  # fmt: skip
-    """Program (t, kv head, split): the G query heads of row t over the split's positions. Writes the
+    """Program (t, kv head, split): the G query heads of row t over the split's positions (committed
+    position p at slot p, block node j at slot block + j). Writes the
     split's running max m, sum l and unnormalized output acc (fp32) per query head; the program of
     (t, kv head) that finishes last combines the splits into the output (`_combine`). KEY_MASK: committed
     positions p with key_ok[p] false are left out (their score -1e30, not -inf: a split of masked keys
@@ -81,6 +82,7 @@ def _split_kernel(
     wait_for_inputs(GDC)
     t, kvh, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     start = tl.load(start_ptr)
+    block = tl.load(block_ptr)
     n_pos = start + tl.load(depth_ptr + t) + 1  # positions row t sees
     g = tl.arange(0, BG)
     d = tl.arange(0, BD)
@@ -99,7 +101,7 @@ def _split_kernel(
         valid = pos < hi
         rel = pos - start  # >= 0: the block token at depth rel on row t's path
         node = tl.load(path_ptr + t * n_rows + rel, mask=valid & (rel >= 0), other=0)
-        slot = tl.where(rel >= 0, start + node, pos)
+        slot = tl.where(rel >= 0, block + node, pos)
         kv_ok = valid[:, None] & (d < HD)[None, :]
         k = tl.load(k_ptr + kvh * stride_kh + slot[:, None] * stride_ks + d[None, :], mask=kv_ok, other=0.0)
         k = k.to(tl.float32)
@@ -164,21 +166,25 @@ def tree_attention(
     n_keys: int,  # slots that may be read (start + T, or a CUDA graph's bucket): sizes the split grid
     scale: float,
     key_ok: torch.Tensor | None = None,  # (>= start,) bool: committed slots to attend to (None: all)
+    block_at: torch.Tensor | None = None,  # 0-d long: the slot of block node 0 (None: start)
+    split_for: int | None = None,  # the slot count the split size follows (None: the cache's)
 ) -> torch.Tensor:
     """softmax(q K^T * scale) V of every row over its committed keys (those of `key_ok`) and its
-    ancestors (itself included), (T, n_heads, head_dim) in q's dtype."""
+    ancestors (itself included), (T, n_heads, head_dim) in q's dtype. The block's K/V sit at slots
+    start.. (the target's cache) or at block_at.. (the draft's ring keeps them past its slots)."""
     t, n_heads, hd = q.shape
     n_kv = k_cache.shape[0]
     group = n_heads // n_kv
     bd = triton.next_power_of_2(hd)
-    split = split_positions(k_cache.shape[1], hd)
+    split = split_positions(split_for or k_cache.shape[1], hd)
     n_splits = triton.cdiv(n_keys, split)
     m = torch.empty(t, n_heads, n_splits, dtype=torch.float32, device=q.device)
     lsum = torch.empty_like(m)
     acc = torch.empty(t, n_heads, n_splits, bd, dtype=torch.float32, device=q.device)
     out = torch.empty(t, n_heads, hd, dtype=q.dtype, device=q.device)
     _split_kernel[(t, n_kv, n_splits)](
-        q, k_cache, v_cache, path, depths, start, start if key_ok is None else key_ok.view(torch.uint8),
+        q, k_cache, v_cache, path, depths, start, start if block_at is None else block_at,
+        start if key_ok is None else key_ok.view(torch.uint8),
         m, lsum, acc, out, tile_counters(q.device, t * n_kv), t, n_kv, n_heads, n_splits,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         scale,
@@ -192,30 +198,34 @@ def tree_attention(
 
 def block_attention(
     q: torch.Tensor,  # (B, n_heads, head_dim): a draft block's rows
-    keys: torch.Tensor,  # (n_kv, S + B, head_dim): S context keys, then the block's own B
+    keys: torch.Tensor,  # (n_kv, slots, head_dim): S context keys at slots 0..S-1, the block's at block_at..
     values: torch.Tensor,
     key_ok: torch.Tensor,  # (S,) bool: the context keys to attend to
     scale: float,
+    block_at: int,
 ) -> torch.Tensor:
     """A DFlash draft block's attention: every row over the live context keys and all B block keys (no
     causal order inside a block), (B, n_heads, head_dim). It is tree_attention with each row's "path"
-    the whole block. Why not SDPA: its fp32 kernel for the SmolLM2 draft's 16 rows x ~500 keys took
-    38 us a layer on the H200 (0.19 ms of a 2.7 ms tree step, bench/results/h200-dense-matmul-2026-12-04)."""
-    b = q.shape[0]
-    s = keys.shape[1] - b
-    start, path, depths = _whole_block(b, s, q.device)
-    return tree_attention(q, keys, values, start, path, depths, s + b, scale, key_ok)
+    the whole block, its splits those of S + B slots. The block's K/V sit in the draft's ring past its
+    context slots (written there with the rotary, one launch), not in a concatenation of the context
+    and the block (two copies of the whole context a layer). Why not SDPA: its fp32 kernel for the
+    SmolLM2 draft's 16 rows x ~500 keys took 38 us a layer on the H200 (0.19 ms of a 2.7 ms tree step,
+    bench/results/h200-dense-matmul-2026-12-04)."""
+    b, s = q.shape[0], key_ok.shape[0]
+    start, block, path, depths = _whole_block(b, s, block_at, q.device)
+    return tree_attention(q, keys, values, start, path, depths, s + b, scale, key_ok, block, split_for=s + b)
 
 
-_BLOCKS: dict[tuple[int, int, torch.device], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+_BLOCKS: dict[tuple, tuple[torch.Tensor, ...]] = {}
 
 
-def _whole_block(b: int, s: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(start = s, paths: every row sees block nodes 0..b-1, depths b-1), made once per shape (on a
-    draft step's eager first run, before a CUDA graph captures the step)."""
-    key = (b, s, device)
+def _whole_block(b: int, s: int, block_at: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """(start = s, block_at, paths: every row sees block nodes 0..b-1, depths b-1) as device tensors,
+    made once per shape (on a draft step's eager first run, before a CUDA graph captures the step)."""
+    key = (b, s, block_at, device)
     if key not in _BLOCKS:
         path = torch.arange(b, dtype=torch.int32, device=device).expand(b, b).contiguous()
         depths = torch.full((b,), b - 1, dtype=torch.int32, device=device)
-        _BLOCKS[key] = torch.full((), s, dtype=torch.long, device=device), path, depths
+        start, block = (torch.full((), n, dtype=torch.long, device=device) for n in (s, block_at))
+        _BLOCKS[key] = start, block, path, depths
     return _BLOCKS[key]

@@ -100,13 +100,16 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 def rotary_store(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    q: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-) -> torch.Tensor:  # fmt: skip
+) -> torch.Tensor | None:  # fmt: skip
     """One launch for an attention layer's RoPE and cache write: q (T, heads, hd) rotated into a new
-    tensor (returned), k (T, n_kv, hd) rotated and v as it is stored at `slots` (T,) of the caches
-    (n_kv, max_ctx, hd), unit stride along hd and slots. The same bits as two `rotary` calls and two
-    index copies (four launches: a small model's decode step is bound by launches)."""
+    tensor (returned; None without q), k (T, n_kv, hd) rotated and v as it is stored at `slots` (T,) of
+    the caches (n_kv, max_ctx, hd), unit stride along hd and slots. The same bits as two `rotary` calls
+    and two index copies (four launches: a small model's decode step is bound by launches)."""
+    if q is None:  # keys and values only (the draft's context): no query programs
+        rotary_store(k[:, :0], k, v, cos, sin, k_cache, v_cache, slots)
+        return None
     t, nq, d = q.shape
     n_kv = k.shape[1]
     q_out = torch.empty(t, nq, d, dtype=q.dtype, device=q.device)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -33,6 +34,7 @@ from flashtree.models.layers import (
     rms_norm,
 )
 from flashtree.models.model import DecoderModel
+from flashtree.models.state import KVCache
 
 FULL, SLIDING = "full_attention", "sliding_attention"
 
@@ -128,6 +130,15 @@ def check_fits(cfg: DraftConfig, target: DecoderModel, source: Path) -> None:
         raise FlashtreeError(f"{source}: draft does not fit target {tc.name!r}: " + "; ".join(problems))
 
 
+class RingRead(NamedTuple):
+    """What a draft layer reads and writes of the context ring in `propose`."""
+
+    cache: KVCache  # the layer's ring K/V, (n_kv, slots + block scratch, hd)
+    read: int  # the first `read` slots are the context attended to
+    block_at: int  # the block's K/V are written at slots block_at.. (the scratch past the ring)
+    block_slots: torch.Tensor  # (max block,) long: block_at, block_at + 1, ...
+
+
 class DraftLayer(nn.Module):
     def __init__(self, cfg: DraftConfig, t: dict[str, torch.Tensor], i: int):
         super().__init__()
@@ -150,30 +161,38 @@ class DraftLayer(nn.Module):
             cfg.rms_eps,
         )
 
-    def keys_values(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """K (normed, rotated) and V of inputs x (T, H): (T, n_kv, hd) each. Same weights for the
+    def normed_kv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K (normed, not rotated) and V of inputs x (T, H): (T, n_kv, hd) each. Same weights for the
         fused target context and the block tokens."""
         t = x.shape[0]
         k, v = (y.view(t, self.n_kv_heads, self.head_dim) for y in self.kv(x))
-        return apply_rotary(rms_norm(k, self.k_norm, self.eps), cos, sin), v
+        return rms_norm(k, self.k_norm, self.eps), v
 
-    def forward(self, x, cos, sin, ctx_k, ctx_v, ctx_mask):
-        """x: (B, H) block; ctx_k/ctx_v: (n_kv, S, hd) cached context; ctx_mask: (B, S) bool or None, its
-        rows all alike unless the layer has a sliding window (as `propose` builds it)."""
+    def keys_values(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """K (normed, rotated) and V of inputs x (T, H): (T, n_kv, hd) each."""
+        k, v = self.normed_kv(x)
+        return apply_rotary(k, cos, sin), v
+
+    def forward(self, x, cos, sin, ring: RingRead, ctx_mask):
+        """x: (B, H) block; ring: the layer's context K/V and where the block's go; ctx_mask: (B, read)
+        bool, its rows all alike unless the layer has a sliding window (as `propose` builds it)."""
         b = x.shape[0]
         xn = self.attn_norm(x)
         q = rms_norm(self.q(xn).view(b, self.n_heads, self.head_dim), self.q_norm, self.eps)
-        q = apply_rotary(q, cos, sin)
-        k, v = self.keys_values(xn, cos, sin)
-        keys = torch.cat([ctx_k, k.transpose(0, 1)], dim=1)  # (n_kv, S + B, hd)
-        values = torch.cat([ctx_v, v.transpose(0, 1)], dim=1)
+        k, v = self.normed_kv(xn)
         scale = self.head_dim**-0.5
-        one_mask = self.window is None and ctx_mask is not None  # every row sees the live context slots
-        if one_mask and kernels.triton_kernels_for(q) and not q.requires_grad:  # not SDPA's slow fp32 kernel
+        if self.window is None and kernels.triton_kernels_for(q) and not q.requires_grad:
+            # every row sees the same live context slots: our kernel, not SDPA's slow fp32 one; the
+            # block's rotated K/V go to the ring in the rotary's launch, not into a copy of the context
             from flashtree.kernels.attention import block_attention
 
-            out = block_attention(q, keys, values, ctx_mask[0], scale).reshape(b, -1)
+            q = ring.cache.write_rotated(ring.block_slots[:b], q, k, v, cos, sin)
+            out = block_attention(q, ring.cache.k, ring.cache.v, ctx_mask[0], scale, ring.block_at)
+            out = out.reshape(b, -1)
         else:
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            keys = torch.cat([ring.cache.k[:, : ring.read], k.transpose(0, 1)], dim=1)  # (n_kv, read + B, hd)
+            values = torch.cat([ring.cache.v[:, : ring.read], v.transpose(0, 1)], dim=1)
             mask = None
             if ctx_mask is not None:  # the block always sees itself, in both directions
                 mask = torch.cat([ctx_mask, ctx_mask.new_ones(b, b)], dim=1)
@@ -189,17 +208,23 @@ class DraftContext:
     The ring has `spare` extra slots: a decode step appends a fixed number of feature rows (the whole
     verify block, padded) of which only the accepted ones count, and the padding must land in slots
     outside the live window. A slot is live iff the position it holds is among the last `size`
-    before `position` (the committed length, on the device)."""
+    before `position` (the committed length, on the device). Past the ring, `block` scratch slots take
+    the K/V of the block being drafted (blocks of up to `block` tokens)."""
 
-    def __init__(self, draft: DFlashDraft, size: int, spare: int = 0):
+    def __init__(self, draft: DFlashDraft, size: int, spare: int = 0, block: int | None = None):
         c = draft.config
         dev, dt = draft.device, draft.dtype
         self.size = size
         slots = size + spare
-        self.k = torch.zeros(c.n_layers, c.n_kv_heads, slots, c.head_dim, dtype=dt, device=dev)
+        self.block = block or c.block_size
+        self.k = torch.zeros(c.n_layers, c.n_kv_heads, slots + self.block, c.head_dim, dtype=dt, device=dev)
         self.v = torch.zeros_like(self.k)
         self.slot_pos = torch.full((slots,), -1, dtype=torch.long, device=dev)  # position held by each slot
         self.position = torch.zeros((), dtype=torch.long, device=dev)  # committed positions seen so far
+        self.block_slots = torch.arange(slots, slots + self.block, device=dev)
+
+    def layer(self, i: int) -> KVCache:
+        return KVCache(self.k[i], self.v[i])
 
     def reset(self) -> None:
         self.slot_pos.fill_(-1)
@@ -237,8 +262,8 @@ class DFlashDraft(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.fc.weight.dtype
 
-    def new_context(self, size: int, spare: int = 0) -> DraftContext:
-        return DraftContext(self, size, spare)
+    def new_context(self, size: int, spare: int = 0, block: int | None = None) -> DraftContext:
+        return DraftContext(self, size, spare, block)
 
     @torch.inference_mode()
     def append_context(
@@ -255,10 +280,8 @@ class DFlashDraft(nn.Module):
         fused = self.hidden_norm(self.fc(features.to(self.dtype)))  # (T, H)
         cos, sin = self.rotary.cos_sin(positions, self.dtype)
         slots = positions % ctx.slot_pos.shape[0]
-        for i, layer in enumerate(self.layers):
-            k, v = layer.keys_values(fused, cos, sin)
-            ctx.k[i].index_copy_(1, slots, k.transpose(0, 1))
-            ctx.v[i].index_copy_(1, slots, v.transpose(0, 1))
+        for i, layer in enumerate(self.layers):  # K rotated and K/V stored: one launch on the GPU
+            ctx.layer(i).write_rotated(slots, None, *layer.normed_kv(fused), cos, sin)
         ctx.slot_pos.index_copy_(0, slots, positions)
         ctx.position += t_all if n is None else n
 
@@ -274,6 +297,8 @@ class DFlashDraft(nn.Module):
         are read: attention over the ring's first n_keys slots, not all draft_ctx + spare of them."""
         n_slots = ctx.slot_pos.shape[0]
         read = n_slots if n_keys is None else min(n_keys, n_slots)
+        if block_size > ctx.block:
+            raise FlashtreeError(f"a draft block of {block_size} tokens: the context takes up to {ctx.block}")
         cfg = self.config
         masks = torch.full((block_size - 1,), cfg.mask_token_id, dtype=torch.long, device=self.device)
         ids = torch.cat([root.view(1), masks])
@@ -285,7 +310,7 @@ class DFlashDraft(nn.Module):
             mask = live[None, :].expand(block_size, -1)
             if layer.window is not None:
                 mask = mask & (positions[:, None] - slot_pos[None, :] < layer.window)
-            x = layer(x, cos, sin, ctx.k[i][:, :read], ctx.v[i][:, :read], mask)
+            x = layer(x, cos, sin, RingRead(ctx.layer(i), read, n_slots, ctx.block_slots), mask)
         h = self.norm(x[1:]).to(self.target.dtype)
         return self.target.lm_head(h).float()
 

@@ -29,18 +29,18 @@ class KVCache:
         self.v.index_copy_(1, slots, v.transpose(0, 1))
 
     def write_rotated(
-        self, slots: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos, sin
-    ) -> torch.Tensor:
-        """RoPE on q (T, heads, hd) and k, then k and v written at slots; returns the rotated q. On the
-        GPU one Triton launch (kernels/rotary.py) computes the same bits as the torch path's four."""
-        fits = rotary_kernel_fits(q, cos) and rotary_kernel_fits(k, cos) and v.stride(-1) == 1
+        self, slots: torch.Tensor, q: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor, cos, sin
+    ) -> torch.Tensor | None:
+        """RoPE on q (T, heads, hd) and k, then k and v written at slots; returns the rotated q (None
+        without q). On the GPU one Triton launch (kernels/rotary.py) computes the same bits as the torch
+        path's four."""
+        fits = (q is None or rotary_kernel_fits(q, cos)) and rotary_kernel_fits(k, cos) and v.stride(-1) == 1
         if fits and k.dtype == self.k.dtype and v.dtype == self.v.dtype:
             from flashtree.kernels.rotary import rotary_store
 
             return rotary_store(q, k, v, cos, sin, self.k, self.v, slots)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        self.write(slots, k, v)
-        return q
+        self.write(slots, apply_rotary(k, cos, sin), v)
+        return None if q is None else apply_rotary(q, cos, sin)
 
     def read(self, n_keys: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V of slots [0, n_keys): (n_kv, n_keys, head_dim) each."""

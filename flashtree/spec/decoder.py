@@ -22,7 +22,7 @@ class SpecDecoder:
             raise FlashtreeError(f"block size must be >= 2, got {self.block_size}")
         self.capture_layers = draft.config.target_layer_ids
         # spare ring slots take the padded (rejected) rows a step appends: see DraftContext
-        self.context = draft.new_context(spec.draft_ctx, spare=self.max_block)
+        self.context = draft.new_context(spec.draft_ctx, spare=self.max_block, block=self.block_size)
 
     @property
     def max_block(self) -> int:
