@@ -7,8 +7,9 @@ check on the device (it needs no model files):
 - rotary (kernels/rotary.py): bit for bit the torch ops of layers.apply_rotary, fp32 and bf16, full and
   partial rotary, a strided q; and rotary_store (RoPE on q and k plus the K/V cache write in one launch)
   bit for bit rotary + index_copy;
-- the DDTree build (kernels/ddtree.py): the torch path's tree (tokens, parents, depths, visibility) on
-  random fp32 draft logits of SmolLM2's and the 27B's vocabularies;
+- the DDTree build (kernels/ddtree.py: the draft's top-k in two launches, then the tree in one): the
+  torch path's tree (tokens, parents, depths, visibility) on random fp32 draft logits of SmolLM2's and
+  the 27B's vocabularies;
 - grouped_attention (models/layers.py: query heads folded into rows) and block_attention (the draft
   block's attention on the GPU, kernels/attention.py) within 1e-5 (fp32) / 1.6e-2 (bf16) of SDPA's own
   grouped-query attention at the drafts' shapes;
@@ -152,7 +153,8 @@ def check_grouped_attention() -> list[dict]:
             live = mask[0, :-16]
             block_mask = torch.cat([live[None].expand(16, -1), mask[:, -16:]], dim=1)
             q_rows = q[0].transpose(0, 1).contiguous()  # (16, heads, head_dim)
-            block = block_attention(q_rows, kv[0][0], kv[1][0], live, head_dim**-0.5).transpose(0, 1)[None]
+            block = block_attention(q_rows, kv[0][0], kv[1][0], live, head_dim**-0.5, keys_n - 16)
+            block = block.transpose(0, 1)[None]
             for kernel, got, kernel_mask in (
                 ("grouped_attention", grouped_attention(q, *kv, mask, head_dim**-0.5), mask),
                 ("block_attention", block, block_mask),

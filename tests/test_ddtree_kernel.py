@@ -9,6 +9,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from flashtree import kernels  # noqa: E402
+from flashtree.kernels.ddtree import TOPK_CHUNK, draft_topk  # noqa: E402
 from flashtree.spec.tree import build_tree, fills_budget  # noqa: E402
 
 
@@ -39,3 +40,34 @@ def test_kernel_is_used_only_when_the_budget_is_always_filled(monkeypatch):
     monkeypatch.setattr("flashtree.kernels.ddtree.ddtree", lambda *a: calls.append(a) or None)
     build_tree(torch.tensor(1), torch.randn(2, 3), 20, 3)  # 3 + 9 paths < 20
     assert not calls
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+@pytest.mark.parametrize("vocab", [300, 2 * TOPK_CHUNK + 77])  # one chunk; three, the last partial
+def test_draft_topk_is_torchs_log_softmax_topk(vocab, temperature):
+    g = torch.Generator().manual_seed(vocab)
+    logits = 4 * torch.randn(6, vocab, generator=g)
+    logp, tok = draft_topk(logits, 8, temperature)
+    want_logp, want_tok = torch.log_softmax(logits / temperature, dim=-1).topk(8, dim=-1)
+    assert torch.equal(tok, want_tok)
+    torch.testing.assert_close(logp, want_logp, atol=2e-6, rtol=0)
+
+
+def test_draft_topk_takes_the_lower_token_on_ties():
+    """Equal logits in different chunks and in one chunk: the lower token first, each token once."""
+    logits = torch.full((2, 3 * TOPK_CHUNK), -5.0)
+    logits[0, [TOPK_CHUNK + 3, 7, 2 * TOPK_CHUNK + 1, 9]] = 2.0  # four tied, across three chunks
+    logits[1, 100:110] = 1.0  # ten tied in one chunk
+    _, tok = draft_topk(logits, 3, 1.0)
+    assert tok.tolist() == [[7, 9, TOPK_CHUNK + 3], [100, 101, 102]]
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_kernel_builds_the_torch_paths_tree_over_a_large_vocabulary(monkeypatch, seed):
+    """Several top-k chunks per depth, the default budget and block."""
+    logits = 3 * torch.randn(15, 3 * TOPK_CHUNK - 5, generator=torch.Generator().manual_seed(seed))
+    monkeypatch.setattr(kernels, "triton_kernels_for", lambda x: False)
+    want = build_tree(torch.tensor(7), logits, 22, 8)
+    monkeypatch.setattr(kernels, "triton_kernels_for", lambda x: True)
+    got = build_tree(torch.tensor(7), logits, 22, 8)
+    assert torch.equal(got.tokens, want.tokens) and torch.equal(got.layout.parents, want.layout.parents)

@@ -1,7 +1,9 @@
 """spec/tree.py's DDTree build in one Triton program, where the torch path takes ~120 launches (a top-k,
 adds and gathers per depth, two sorts, the ancestor matrix by repeated squaring): launches bound a
 small model's tree step (bench/results/h200-step-2026-12-03/pair-b241d29: 15 top-k, 15 sorts and 15
-elementwise launches per step for the depth loop alone).
+elementwise launches per step for the depth loop alone). Its input, the draft's per-depth top-k
+log-probs, comes from `draft_topk` in two launches (torch's division, log-softmax and multi-block
+top-k took 15 of the default pair's tree step, bench/results/h200-draft-run8-2026-12-04/profile_steps).
 
 The same selection as the torch path: per depth the `width` best (parent slot x rank) candidates by
 score (the chain's bonus on slot 0 included), then the `n` best over all depths in a stable order,
@@ -21,6 +23,7 @@ import triton.language as tl
 from flashtree.kernels.launch import pdl_options, wait_for_inputs
 
 LOW = 0x7FFFFFFF  # index complement base: keys' low 32 bits
+TOPK_CHUNK = 2048  # vocab entries per program of the draft top-k's first stage
 
 
 @triton.jit
@@ -142,3 +145,86 @@ def ddtree(
         BW=bw, BK=bk, BLW=blw, BT=bt, num_warps=4, enable_fp_fusion=False, **pdl_options(tokens),
     )  # fmt: skip
     return tokens, parents, depths, visible.view(torch.bool)
+
+
+@triton.jit
+def _chunk_topk_kernel(
+    x_ptr, vals_ptr, idx_ptr, max_ptr, sum_ptr, V, n_chunks, temperature,
+    K: tl.constexpr, BK: tl.constexpr, CHUNK: tl.constexpr, GDC: tl.constexpr,
+):  # fmt: skip
+    """Program (row, chunk) of x = logits / temperature: the chunk's max, its sum of exp(x - max), and its
+    K largest x with their vocab indices (largest first; equal values: the lower index first)."""
+    wait_for_inputs(GDC)
+    row, c = tl.program_id(0), tl.program_id(1)
+    cols = c * CHUNK + tl.arange(0, CHUNK)
+    x = tl.load(x_ptr + row * V + cols, mask=cols < V, other=float("-inf"))
+    x = tl.math.div_rn(x, temperature)
+    top = tl.max(x, axis=0)
+    at = row * n_chunks + c
+    tl.store(max_ptr + at, top)
+    tl.store(sum_ptr + at, tl.sum(tl.exp(x - top), axis=0))
+    rank = tl.arange(0, BK)
+    vals = tl.full((BK,), float("-inf"), tl.float32)
+    idxs = tl.zeros((BK,), tl.int32)
+    for r in tl.static_range(K):
+        best = tl.max(x, axis=0)
+        first = tl.min(tl.where(x == best, cols, 0x7FFFFFFF), axis=0)
+        vals = tl.where(rank == r, best, vals)
+        idxs = tl.where(rank == r, first, idxs)
+        x = tl.where(cols == first, float("-inf"), x)
+    tl.store(vals_ptr + at * K + rank, vals, mask=rank < K)
+    tl.store(idx_ptr + at * K + rank, idxs, mask=rank < K)
+
+
+@triton.jit
+def _merge_topk_kernel(
+    vals_ptr, idx_ptr, max_ptr, sum_ptr, logp_ptr, tok_ptr, n_chunks,
+    K: tl.constexpr, BK: tl.constexpr, BC: tl.constexpr, GDC: tl.constexpr,
+):  # fmt: skip
+    """Program row: the row's K best of its chunks' candidates as log-probs, x - max - log(sum exp(x -
+    max)) over the whole row (the chunks' sums rescaled to the row's max), and their tokens."""
+    wait_for_inputs(GDC)
+    row = tl.program_id(0)
+    ch = tl.arange(0, BC)
+    m = tl.load(max_ptr + row * n_chunks + ch, mask=ch < n_chunks, other=float("-inf"))
+    sums = tl.load(sum_ptr + row * n_chunks + ch, mask=ch < n_chunks, other=0.0)
+    top = tl.max(m, axis=0)
+    log_total = tl.log(tl.sum(sums * tl.exp(m - top), axis=0))
+    cand = tl.arange(0, BC * BK)
+    real = cand < n_chunks * K
+    vals = tl.load(vals_ptr + row * n_chunks * K + cand, mask=real, other=float("-inf"))
+    tokens = tl.load(idx_ptr + row * n_chunks * K + cand, mask=real, other=0)
+    tokens = tl.where(real, tokens, 0x7FFFFFFF - cand)  # padding: distinct, never the lowest
+    for r in tl.static_range(K):
+        best = tl.max(vals, axis=0)
+        first = tl.min(tl.where(vals == best, tokens, 0x7FFFFFFF), axis=0)
+        tl.store(logp_ptr + row * K + r, (best - top) - log_total)
+        tl.store(tok_ptr + row * K + r, first.to(tl.int64))
+        vals = tl.where(tokens == first, float("-inf"), vals)
+
+
+def draft_topk(logits: torch.Tensor, k: int, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch.log_softmax(logits / temperature, -1).topk(k) for (L, V) fp32 logits in two launches (torch
+    takes ~15: the division, the softmax and a multi-block radix top-k): (logp (L, k) fp32, largest
+    first, tokens (L, k) long; equal log-probs: the lower token first). The log-probs equal torch's up
+    to the order of the sum (a few ulp)."""
+    rows, vocab = logits.shape
+    n_chunks = triton.cdiv(vocab, TOPK_CHUNK)
+    dev = logits.device
+    vals = torch.empty(rows, n_chunks, k, dtype=torch.float32, device=dev)
+    idxs = torch.empty(rows, n_chunks, k, dtype=torch.int32, device=dev)
+    maxes = torch.empty(rows, n_chunks, dtype=torch.float32, device=dev)
+    sums = torch.empty_like(maxes)
+    bk = triton.next_power_of_2(k)
+    x = logits.contiguous()
+    _chunk_topk_kernel[(rows, n_chunks)](
+        x, vals, idxs, maxes, sums, vocab, n_chunks, temperature, K=k, BK=bk, CHUNK=TOPK_CHUNK,
+        num_warps=4, **pdl_options(x),
+    )  # fmt: skip
+    logp = torch.empty(rows, k, dtype=torch.float32, device=dev)
+    tok = torch.empty(rows, k, dtype=torch.long, device=dev)
+    _merge_topk_kernel[(rows,)](
+        vals, idxs, maxes, sums, logp, tok, n_chunks, K=k, BK=bk, BC=triton.next_power_of_2(n_chunks),
+        num_warps=4, **pdl_options(x),
+    )  # fmt: skip
+    return logp, tok

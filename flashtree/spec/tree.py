@@ -52,12 +52,13 @@ def build_tree(
 ) -> DraftTree:
     depth_l, vocab = draft_logits.shape
     k = min(top_k, vocab)
-    logp, tok = torch.log_softmax(draft_logits.float() / temperature, dim=-1).topk(k, dim=-1)  # (L, k)
     if kernels.triton_kernels_for(draft_logits) and fills_budget(k, depth_l, budget):
-        from flashtree.kernels.ddtree import ddtree  # the same tree in one launch
+        from flashtree.kernels.ddtree import ddtree, draft_topk  # the same tree in three launches
 
+        logp, tok = draft_topk(draft_logits.float(), k, temperature)
         tokens, parents, depths, visible = ddtree(root, logp, tok, budget, CHAIN_BONUS if chain_seed else 0.0)
         return DraftTree(tokens, BlockLayout(parents=parents, depths=depths, visible=visible))
+    logp, tok = torch.log_softmax(draft_logits.float() / temperature, dim=-1).topk(k, dim=-1)  # (L, k)
     dev = draft_logits.device
     width = budget  # candidates kept per depth
     # With chain_seed the greedy chain is slot 0 of every level: the bonus on (slot 0, rank 0) makes
