@@ -9,7 +9,8 @@ check on the device (it needs no model files):
   bit for bit rotary + index_copy;
 - the DDTree build (kernels/ddtree.py: the draft's top-k in two launches, then the tree in one): the
   torch path's tree (tokens, parents, depths, visibility) on random fp32 draft logits of SmolLM2's and
-  the 27B's vocabularies;
+  the 27B's vocabularies; and the accept walk on it (kernels/accept.py): the torch path's path and
+  read-back;
 - grouped_attention (models/layers.py: query heads folded into rows) and block_attention (the draft
   block's attention on the GPU, kernels/attention.py) within 1e-5 (fp32) / 1.6e-2 (bf16) of SDPA's own
   grouped-query attention at the drafts' shapes;
@@ -51,6 +52,7 @@ from flashtree.models import layers
 from flashtree.models.block import BlockLayout
 from flashtree.models.deltanet import delta_rule_inputs, recurrent_delta_rule
 from flashtree.models.layers import Rotary, apply_rotary, grouped_attention
+from flashtree.spec.accept import accept_path
 from flashtree.spec.tree import CHAIN_BONUS, build_tree
 
 # without a GPU: a dry run on the CPU under TRITON_INTERPRET=1
@@ -134,8 +136,19 @@ def check_ddtree() -> list[dict]:
             same = [torch.equal(a, b) for a, b in ((got.tokens, want.tokens), (got.layout.parents,
                     want.layout.parents), (got.layout.depths, want.layout.depths),
                     (got.layout.visible, want.layout.visible))]  # fmt: skip
+            # the accept kernel (kernels/accept.py) on this tree, samples walking it to a leaf
+            samples = got.tokens.cpu().clone()
+            for child, parent in enumerate(got.layout.parents.tolist()):
+                if parent >= 0:
+                    samples[parent] = got.tokens[child]
+            samples = samples.to(DEVICE)
+            fast, ref = accept_path(got.tokens, got.layout, samples), torch_path(
+                accept_path, got.tokens, got.layout, samples)  # fmt: skip
+            same_accept = torch.equal(fast.path, ref.path) and torch.equal(
+                fast.packed(got.tokens), ref.packed(got.tokens))  # fmt: skip
             rows.append({"kernel": "ddtree", "vocab": vocab, "budget": budget, "chain_seed": chain_seed,
-                         "bonus": CHAIN_BONUS if chain_seed else 0.0, "same_tree": all(same)})  # fmt: skip
+                         "bonus": CHAIN_BONUS if chain_seed else 0.0, "same_tree": all(same),
+                         "accepted": int(ref.n), "same_accept": same_accept})  # fmt: skip
     return rows
 
 
@@ -352,13 +365,13 @@ def main(out_dir: Path) -> int:
         print(f"{row['kernel']:<16} max |diff| {row['max_abs_diff']:.2e}  within rounding "
               f"{row['within_rounding']}  rows bitwise {row['rows_bitwise']}")  # fmt: skip
     for row in result["ddtree"]:
-        print(f"ddtree vocab {row['vocab']} budget {row['budget']} chain {row['chain_seed']}: "
-              f"same tree {row['same_tree']}")  # fmt: skip
+        print(f"ddtree vocab {row['vocab']} budget {row['budget']} chain {row['chain_seed']}: same tree "
+              f"{row['same_tree']}, accept of {row['accepted']} the same {row['same_accept']}")  # fmt: skip
     for row in result["grouped_attention"]:
         print(f"grouped_attention {row['dtype']:<15} heads {row['heads']} keys {row['keys']}: "
               f"max |diff| {row['max_abs_diff']:.2e} within rounding {row['within_rounding']}")  # fmt: skip
     failures = [r for r in result["rotary"] if not r["bitwise"]]
-    failures += [r for r in result["ddtree"] if not r["same_tree"]]
+    failures += [r for r in result["ddtree"] if not (r["same_tree"] and r["same_accept"])]
     failures += [r for r in result["grouped_attention"] if not r["within_rounding"]]
     failures += [r for r in result["fused"] if not (r["within_rounding"] and r["rows_bitwise"])]
     failures += [r for r in recurrent if not (r["ok"] and r["rows_bitwise"])]

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from flashtree.kernels import (
+    accept,
     attention,
     ddtree,
     dense_matmul,
@@ -22,7 +23,7 @@ from flashtree.kernels import (
 )
 
 # every module whose kernels run in decode steps (cross_entropy's run in draft training only)
-DECODE_MODULES = [attention, ddtree, dense_matmul, fused, qmatmul, rotary, tree_conv, tree_deltanet]
+DECODE_MODULES = [accept, attention, ddtree, dense_matmul, fused, qmatmul, rotary, tree_conv, tree_deltanet]
 
 
 def kernels_and_launches(module) -> tuple[list[ast.FunctionDef], list[ast.Call]]:

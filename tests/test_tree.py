@@ -13,7 +13,7 @@ import torch
 
 from flashtree.models.block import BlockLayout
 from flashtree.spec.accept import Accepted, accept_path
-from flashtree.spec.tree import build_tree
+from flashtree.spec.tree import build_tree, chain_tree
 
 
 def reference_tree(logits: torch.Tensor, budget: int, top_k: int, chain_seed: bool) -> set[tuple[int, ...]]:
@@ -101,3 +101,30 @@ def test_accept_path_follows_the_samples(seed):
         ref_path.append(node)
     assert path.tolist() == ref_path
     assert emitted == [int(tokens[i]) for i in ref_path[1:]] + [int(samples[node])]
+
+
+@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("shape", ["tree", "chain"])
+def test_accept_kernel_is_the_torch_walk(monkeypatch, shape, seed):
+    """kernels/accept.py under TRITON_INTERPRET=1: the same path, n, bonus and read-back as the torch
+    ops, on trees and chains with samples that agree with the block often (long paths) or never."""
+    from flashtree import kernels
+
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(7, 6, generator=g)
+    root = torch.tensor(3)
+    tree = build_tree(root, logits, 22, 3) if shape == "tree" else chain_tree(root, logits)
+    tokens, parents = tree.tokens, tree.layout.parents.tolist()
+    samples = torch.full_like(tokens, 99)  # every 4th seed: no node matches
+    for t in range(len(tokens) * (seed % 4 > 0)):  # else each node's sample is one of its children's tokens
+        kids = [c for c in range(len(tokens)) if parents[c] == t]
+        if kids:
+            samples[t] = tokens[kids[int(torch.randint(len(kids), (), generator=g))]]
+    want = accept_path(tokens, tree.layout, samples)
+    assert int(want.n) > 2 if seed % 4 else int(want.n) == 1  # a walk to a leaf, or the root alone
+    monkeypatch.setattr(kernels, "triton_kernels_for", lambda x: True)
+    got = accept_path(tokens, tree.layout, samples)
+    assert (
+        torch.equal(got.path, want.path) and int(got.n) == int(want.n) and int(got.bonus) == int(want.bonus)
+    )
+    assert torch.equal(got.packed(tokens), want.packed(tokens))

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from flashtree import kernels
 from flashtree.models.block import BlockLayout
 
 
@@ -22,9 +23,12 @@ class Accepted:
     path: torch.Tensor  # (N + 1,) block indices: the n accepted ones root-first, then the others
     n: torch.Tensor  # 0-d long: accepted nodes, the root included
     bonus: torch.Tensor  # 0-d long: the target's sample after the deepest accepted node
+    read_back: torch.Tensor | None = None  # packed(tokens), where the accept kernel wrote it already
 
     def packed(self, tokens: torch.Tensor) -> torch.Tensor:
         """(N + 3,) [n, bonus, tokens along path...]: everything the host needs, in one read."""
+        if self.read_back is not None:
+            return self.read_back
         return torch.cat([self.n.view(1), self.bonus.view(1), tokens[self.path]])
 
     @staticmethod
@@ -35,7 +39,13 @@ class Accepted:
 
 
 def accept_path(tokens: torch.Tensor, layout: BlockLayout, samples: torch.Tensor) -> Accepted:
-    """tokens, samples: (N + 1,) with the root at 0. No host transfer."""
+    """tokens, samples: (N + 1,) with the root at 0. No host transfer. On the GPU one launch
+    (kernels/accept.py) computes the same."""
+    if kernels.triton_kernels_for(tokens):
+        from flashtree.kernels.accept import accept
+
+        path, packed = accept(tokens, samples, layout.parents, layout.depths, layout.visible)
+        return Accepted(path, packed[0], packed[1], packed)
     # A node is accepted iff it and each of its ancestors match (the root always does).
     match = (tokens == samples[layout.parents.clamp(min=0)]) | (layout.parents < 0)
     accepted = ~(layout.visible & ~match[None, :]).any(1)  # (N + 1,)
