@@ -218,7 +218,7 @@ def draft_topk(logits: torch.Tensor, k: int, temperature: float) -> tuple[torch.
     bk = triton.next_power_of_2(k)
     x = logits.contiguous()
     _chunk_topk_kernel[(rows, n_chunks)](
-        x, vals, idxs, maxes, sums, vocab, n_chunks, temperature, K=k, BK=bk, CHUNK=TOPK_CHUNK,
+        x, vals, idxs, maxes, sums, vocab, n_chunks, float(temperature), K=k, BK=bk, CHUNK=TOPK_CHUNK,
         num_warps=4, **pdl_options(x),
     )  # fmt: skip
     logp = torch.empty(rows, k, dtype=torch.float32, device=dev)
