@@ -175,15 +175,16 @@ class DraftLayer(nn.Module):
 
     def forward(self, x, cos, sin, ring: RingRead, ctx_mask):
         """x: (B, H) block; ring: the layer's context K/V and where the block's go; ctx_mask: (B, read)
-        bool, its rows all alike unless the layer has a sliding window (as `propose` builds it)."""
+        bool or None, its rows all alike unless the layer has a sliding window (as `propose` builds it)."""
         b = x.shape[0]
         xn = self.attn_norm(x)
         q = rms_norm(self.q(xn).view(b, self.n_heads, self.head_dim), self.q_norm, self.eps)
         k, v = self.normed_kv(xn)
         scale = self.head_dim**-0.5
-        if self.window is None and kernels.triton_kernels_for(q) and not q.requires_grad:
-            # every row sees the same live context slots: our kernel, not SDPA's slow fp32 one; the
-            # block's rotated K/V go to the ring in the rotary's launch, not into a copy of the context
+        one_mask = self.window is None and ctx_mask is not None  # every row sees the live context slots
+        if one_mask and kernels.triton_kernels_for(q) and not q.requires_grad:
+            # our kernel, not SDPA's slow fp32 one; the block's rotated K/V go to the ring in the
+            # rotary's launch, not into a copy of the context
             from flashtree.kernels.attention import block_attention
 
             q = ring.cache.write_rotated(ring.block_slots[:b], q, k, v, cos, sin)
