@@ -66,6 +66,15 @@ def test_pdl_only_on_cuda_when_enabled(monkeypatch):
     assert launch.pdl_options(x) == {"GDC": False}
 
 
+def test_pdl_is_on_unless_turned_off(monkeypatch):
+    monkeypatch.delenv("FLASHTREE_PDL", raising=False)
+    assert launch.enabled_from_env()
+    monkeypatch.setenv("FLASHTREE_PDL", "1")
+    assert launch.enabled_from_env()
+    monkeypatch.setenv("FLASHTREE_PDL", "0")
+    assert not launch.enabled_from_env()
+
+
 def test_kernels_run_with_pdl_options_off_cuda():
     """A launch through pdl_options runs under the interpreter (GDC false: no wait is emitted)."""
     x = torch.randn(3, 64)

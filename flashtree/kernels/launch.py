@@ -8,13 +8,15 @@ and the ramp then overlap the previous kernel. Every kernel launched with `pdl_o
 `wait_for_inputs` before touching memory, so it reads and writes exactly what it would after a plain
 launch: the results are the same bits. Kernels launched without PDL (torch's) keep full stream order.
 
-Opt-in (FLASHTREE_PDL=1) until it pays on the H200. Measured with the next kernel let in only when
-this one's programs exit (the implicit trigger): no gain on the default pair's graphed steps (AR, chain
-and tree within the spread between rounds, kernel time +1-2 %; bench/results/h200-pdl-2026-12-04/).
-So `wait_for_inputs` now also lets the next kernel launch as soon as every program of this one has
-passed its wait (`griddepcontrol.launch_dependents`): this kernel's whole run, not only its exit,
-overlaps the next one's launch. That cannot starve this kernel (the trigger fires only once all of its
-programs are resident) nor change a result (the next kernel still waits for this one to complete).
+On by default on sm_90+ (FLASHTREE_PDL=0 turns it off). Measured with the next kernel let in only
+when this one's programs exit (the implicit trigger): no gain on the default pair's graphed steps
+(bench/results/h200-pdl-2026-12-04/). So `wait_for_inputs` also lets the next kernel launch as soon as
+every program of this one has passed its wait (`griddepcontrol.launch_dependents`): this kernel's whole
+run, not only its exit, overlaps the next one's launch. That cannot starve this kernel (the trigger
+fires only once all of its programs are resident) nor change a result (the next kernel still waits for
+this one to complete). With it the 27B AR step took 7.21 ms instead of 7.85 (0.54 of the roofline
+instead of 0.48), the pair's AR step 1.32-1.35 ms instead of 1.41-1.48, its tree step the same
+(bench/results/h200-pdl-2026-12-04/early-trigger/).
 """
 
 from __future__ import annotations
@@ -26,7 +28,13 @@ import torch
 import triton
 import triton.language as tl
 
-ENABLED = os.environ.get("FLASHTREE_PDL") == "1"
+
+def enabled_from_env() -> bool:
+    """FLASHTREE_PDL: on unless set to 0."""
+    return os.environ.get("FLASHTREE_PDL", "1") != "0"
+
+
+ENABLED = enabled_from_env()
 
 
 @functools.cache
