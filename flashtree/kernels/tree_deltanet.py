@@ -27,15 +27,16 @@ def _token_loads(
     x_ptr, alpha_ptr, beta_ptr, stride_ab, parents_ptr, t, width, q_col, k_col, v_col, offs_k, offs_v,
     mask_k, mask_v, h,
 ):  # fmt: skip
-    """Token t's raw inputs: its parent, q, k, v and its alpha / beta projections."""
+    """Token t's raw inputs: its parent, q, k, v and its alpha / beta projections, in fp32 (bf16
+    projections are widened here, exactly, instead of by two cast launches a layer)."""
     x_row = x_ptr + t * width
     return (
         tl.load(parents_ptr + t),
-        tl.load(x_row + q_col + offs_k, mask=mask_k, other=0.0),
-        tl.load(x_row + k_col + offs_k, mask=mask_k, other=0.0),
-        tl.load(x_row + v_col + offs_v, mask=mask_v, other=0.0),
-        tl.load(alpha_ptr + t * stride_ab + h),
-        tl.load(beta_ptr + t * stride_ab + h),
+        tl.load(x_row + q_col + offs_k, mask=mask_k, other=0.0).to(tl.float32),
+        tl.load(x_row + k_col + offs_k, mask=mask_k, other=0.0).to(tl.float32),
+        tl.load(x_row + v_col + offs_v, mask=mask_v, other=0.0).to(tl.float32),
+        tl.load(alpha_ptr + t * stride_ab + h).to(tl.float32),
+        tl.load(beta_ptr + t * stride_ab + h).to(tl.float32),
     )
 
 
@@ -97,8 +98,8 @@ def _tree_gated_delta_rule_kernel(
 
 def tree_gated_delta_rule(
     conv_out: torch.Tensor,  # (T, 2 * nk * kd + nv * vd): q | k | v after the causal conv
-    alpha: torch.Tensor,  # (T, nv) raw projection (a column slice is fine)
-    beta: torch.Tensor,  # (T, nv) raw projection, same row stride as alpha
+    alpha: torch.Tensor,  # (T, nv) raw projection, any float dtype (a column slice is fine)
+    beta: torch.Tensor,  # (T, nv) raw projection, same dtype and row stride as alpha
     dt_bias: torch.Tensor,  # (nv,)
     ssm_a: torch.Tensor,  # (nv,) = -exp(A_log)
     state: torch.Tensor,  # (nv, kd, vd) fp32
@@ -113,8 +114,7 @@ def tree_gated_delta_rule(
     single token it may be `state` itself: each program reads its slice before writing it)."""
     t = conv_out.shape[0]
     h, kd, vd = state.shape
-    alpha, beta = alpha.float(), beta.float()
-    if alpha.stride() != beta.stride() or alpha.stride(1) != 1:
+    if alpha.dtype != beta.dtype or alpha.stride() != beta.stride() or alpha.stride(1) != 1:
         alpha, beta = alpha.contiguous(), beta.contiguous()
     out = torch.empty(t, h, vd, dtype=torch.float32, device=conv_out.device)
     if states is None:
@@ -123,7 +123,7 @@ def tree_gated_delta_rule(
         raise ValueError("states may alias state for a single token only")
     bv = min(block_v, triton.next_power_of_2(vd))
     _tree_gated_delta_rule_kernel[(h, triton.cdiv(vd, bv))](
-        conv_out.float().contiguous(), alpha, beta, alpha.stride(0), dt_bias.float().contiguous(),
+        conv_out.contiguous(), alpha, beta, alpha.stride(0), dt_bias.float().contiguous(),
         ssm_a.float().contiguous(), parents.to(torch.int32), state.contiguous(), out, states,
         t, eps, 1.0 / kd, kd**-0.5, H=h, NK=n_k_heads, K=kd, V=vd, BK=triton.next_power_of_2(kd), BV=bv,
         **pdl_options(out),

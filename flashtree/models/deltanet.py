@@ -134,24 +134,26 @@ class GatedDeltaNet(nn.Module):
     def kernel(self) -> int:
         return self.conv_weight.shape[1]
 
-    def causal_conv(self, mixed: torch.Tensor, st: DeltaNetState, fp: ForwardPass):
-        """Depthwise conv + SiLU along each token's ancestry. Returns the output (fp32 on the GPU: one
-        Triton launch), src = [conv state | block inputs] (kernel-1 + T, C) and each token's window
-        in it, (T, kernel) row indices oldest first (a token's trailing kernel-1 rows are the conv state
-        it leaves behind)."""
-        src = torch.cat([st.conv, mixed], dim=0)
-        idx = fp.conv_index(self.kernel)
-        if kernels.triton_kernels_for(src):
+    def causal_conv(self, mixed: torch.Tensor, conv_state: torch.Tensor, fp: ForwardPass, windows):
+        """Depthwise conv + SiLU along each token's ancestry over [conv state | block inputs]. Returns
+        the output (fp32 on the GPU: one Triton launch). windows (T, kernel-1, C), if not None, receives
+        each token's last kernel-1 inputs (the conv state it leaves behind); the AR step passes the
+        state itself, updated in place."""
+        idx = fp.conv_index(self.kernel)  # (T, kernel) rows of [conv state | mixed], oldest first
+        if kernels.triton_kernels_for(mixed):
             from flashtree.kernels.tree_conv import tree_conv_silu
 
-            return tree_conv_silu(src, idx, self.conv_weight), src, idx
+            return tree_conv_silu(conv_state, mixed, idx, self.conv_weight, windows)
+        src = torch.cat([conv_state, mixed], dim=0)
+        rows = src[idx]  # (T, kernel, C)
         # Tap by tap in a fixed order (not a .sum(1), whose order may change with T: see l2_normalize).
-        windows = src[idx]  # (T, kernel, C)
         taps = self.conv_weight.t()  # (kernel, C)
-        y = windows[:, 0] * taps[0]
+        y = rows[:, 0] * taps[0]
         for j in range(1, self.kernel):
-            y = y + windows[:, j] * taps[j]
-        return F.silu(y), src, idx
+            y = y + rows[:, j] * taps[j]
+        if windows is not None:
+            windows.copy_(rows[:, 1:])
+        return F.silu(y)
 
     def tree_recurrence(self, conv_out, alpha, beta, state, fp: ForwardPass, states_out: torch.Tensor):
         """Every block token from its parent's state, the state after each token written to states_out
@@ -176,19 +178,19 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor, st: DeltaNetState, fp: ForwardPass) -> torch.Tensor:
         t = x.shape[0]
         mixed, z, beta, alpha = self.in_proj(x)  # (T, conv channels), (T, nv * vd), (T, nv) x 2
-        conv_out, src, idx = self.causal_conv(mixed, st, fp)
-        if fp.commit:  # prefill or the AR step, a chain: its last kernel-1 inputs are the next conv state
-            st.conv.copy_(src[1 - self.kernel :])
-        if fp.commit and t > 1:  # prefill: chunked form, only the final state is kept
+        if fp.commit and t > 1:  # prefill: chunked form, only the final states are kept
+            conv_out = self.causal_conv(mixed, st.conv, fp, None)
+            st.conv.copy_(torch.cat([st.conv, mixed], dim=0)[1 - self.kernel :])  # its last kernel-1 inputs
             inputs = delta_rule_inputs(conv_out, alpha, beta, *self._head_args)
             o, final = chunked_delta_rule(*inputs, st.recurrent)
             st.recurrent.copy_(final)
-        elif fp.commit:  # the AR step: the new state written in place
+        elif fp.commit:  # the AR step: the new conv and recurrent states written in place
+            conv_out = self.causal_conv(mixed, st.conv, fp, st.conv[None])
             o = self.tree_recurrence(conv_out, alpha, beta, st.recurrent, fp, st.recurrent[None])
         else:  # verify: every node's state and conv window kept pending until commit_path
             states, windows = st.pending(t)
+            conv_out = self.causal_conv(mixed, st.conv, fp, windows)
             o = self.tree_recurrence(conv_out, alpha, beta, st.recurrent, fp, states)
-            torch.index_select(src, 0, idx[:, 1:].reshape(-1), out=windows.view(-1, src.shape[1]))
 
         nv, vd = self.n_v_heads, self.v_dim
         o = gated_rms_norm(o, self.norm_weight, self.eps, z, x.dtype)  # (T, nv, vd)
