@@ -30,6 +30,9 @@
 #            (after prep with the synth on)
 #   profile-pair  bench/gpu_profile_steps.py on the default pair (after pair): kernels per graphed step
 #            (in $OUT/profile_$PAIR_NAME)
+#   splits   bench/gpu_splits.py on the 27B (after prep with the synth on): a K-split target per matrix
+#            shape, swept on its own matrices at M = 1 (int8); the chosen FLASHTREE_QMM_SPLITS in $STASH
+#   splits-step  the 27B step (packed, int8) without and with the chosen targets: step_packed_int8_splits{0,1}.json
 set -u
 STASH=/root/stash
 mkdir -p "$STASH" "$OUT"
@@ -56,10 +59,14 @@ prep() {
     fi
 }
 
-step() {
+wait_synth() {  # the 27B and its draft, from prep's background synth
     while [ ! -f "$STASH/synth.done" ] && pgrep -f "synth --" >/dev/null; do sleep 2; done
     tail -c 300 "$STASH/synth.log"
     [ -f "$STASH/synth.done" ] || exit 1
+}
+
+step() {
+    wait_synth
     for weights in ${STEP_WEIGHTS:-packed dense}; do
         for arith in $([ "$weights" = dense ] && echo int8 || echo "${STEP_ARITH:-int8}"); do
             name=$weights$([ "$weights" = dense ] || echo "_$arith")${STEP_SUFFIX:-}
@@ -123,8 +130,15 @@ for stage in "$@"; do
         done ;;
     pdl-step)
         for pdl in 0 1; do FLASHTREE_PDL=$pdl STEP_WEIGHTS=packed STEP_SUFFIX=_pdl$pdl step; done ;;
+    splits)
+        wait_synth
+        python3 bench/gpu_splits.py "$OUT" "$STASH/q27.gguf" --splits-out "$STASH/qmm_splits.json" 2>&1 \
+            | grep -v USDT | tee "$OUT/splits.log" ;;
+    splits-step)
+        STEP_WEIGHTS=packed STEP_SUFFIX=_splits0 step
+        FLASHTREE_QMM_SPLITS=$(cat "$STASH/qmm_splits.json") STEP_WEIGHTS=packed STEP_SUFFIX=_splits1 step ;;
     profile-pair) python3 bench/gpu_profile_steps.py "$OUT/profile_${PAIR_NAME:-pair}" "$GGUF" "$STASH/draft.gguf" \
         2>&1 | grep -v USDT | tee "$OUT/profile_${PAIR_NAME:-pair}.log" ;;
-    *) echo "unknown stage $stage (prep|kernels|small|dense|graphs|graphs-quant|probe|step|stage-a|pair|pdl-checks|pdl|pdl-step|profile-pair)" >&2; exit 2 ;;
+    *) echo "unknown stage $stage (prep|kernels|small|dense|graphs|graphs-quant|probe|step|stage-a|pair|pdl-checks|pdl|pdl-step|splits|splits-step|profile-pair)" >&2; exit 2 ;;
     esac
 done

@@ -258,6 +258,35 @@ def test_uneven_k_splits_and_unrolled_units(monkeypatch, splits, per_split, fuse
     assert not qmatmul.tile_counters(x.device, 1).any()
 
 
+def test_a_matrix_may_have_its_own_split_target(monkeypatch):
+    """A per-matrix target (FLASHTREE_QMM_SPLITS) sets that matrix's split count, the same for every M:
+    the math and batch invariance hold, and other matrices keep SPLIT_TARGET."""
+    rows, cols = 21, 576  # Q8_0: 9 units of 2 blocks; SPLIT_TARGET alone gives 9 splits
+    raw, _ = case(QT.Q8_0, rows, cols)
+    fields = repack(raw, QT.Q8_0, cols)
+    x = torch.randn(3, cols, generator=torch.Generator().manual_seed(4))
+    launched = []
+    real_k_splits = qmatmul.k_splits
+    monkeypatch.setattr(qmatmul, "k_splits", lambda *a: launched.append(real_k_splits(*a)) or launched[-1])
+    monkeypatch.setitem(qmatmul.SHAPE_SPLITS, qmatmul.split_key("int8", QT.Q8_0, rows, cols), 2 * rows)
+    y = quant_matmul(x, fields, QT.Q8_0, rows, cols, "int8")
+    one = quant_matmul(x[1:2], fields, QT.Q8_0, rows, cols, "int8")
+    assert launched == [(2, 5), (2, 5)]
+    assert rel_err(y, reference_matmul(x, raw, QT.Q8_0, rows, cols)) < EXACT_TOL
+    assert torch.equal(one[0], y[1])
+    quant_matmul(x[:1], fields, QT.Q8_0, rows, cols, "bf16")  # another arithmetic: its own (default) target
+    assert launched[-1] == (9, 1)
+
+
+def test_split_targets_from_the_environment(monkeypatch):
+    monkeypatch.setenv("FLASHTREE_QMM_SPLITS", '{"int8:Q4_K:5120x6144": 32768}')
+    assert qmatmul.splits_from_env() == {"int8:Q4_K:5120x6144": 32768}
+    for bad in ('{"int8:Q4_K:5120x6144": 0}', '{"fp8:Q4_K:5120x6144": 4096}', "[1, 2]", "{"):
+        monkeypatch.setenv("FLASHTREE_QMM_SPLITS", bad)
+        with pytest.raises(FlashtreeError, match="FLASHTREE_QMM_SPLITS"):
+            qmatmul.splits_from_env()
+
+
 def test_k_splits_depend_on_the_shape_only():
     assert k_splits(248320, 20) == (1, 20)  # the 27B output matrix: enough rows
     assert k_splits(5120, 68) == (23, 3)  # its ffn_down: 25 splits wanted, 3 units each

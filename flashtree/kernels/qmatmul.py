@@ -57,6 +57,9 @@ step (5120 rows = 5120 threads for a whole H200), so each row's units are cut in
 shape (`SPLIT_TARGET` (row, split) pairs). At M = 1 the program that finishes a row tile last adds the
 tile's partial sums (`_finish`: an arrival counter per tile, no second launch); for more rows that tail
 is slower than a second kernel (`_sum_splits_kernel`), so `TileConfig.fused_sum` picks per M bucket.
+A matrix may have a target of its own (`SHAPE_SPLITS`, FLASHTREE_QMM_SPLITS, per arithmetic, type and
+shape, chosen by bench/gpu_splits.py on the model's own matrices): still from the shape only, so every M
+of that matrix splits alike.
 
 Before this design (bench/results/issue6-2026-12-02) the kernels decoded weights to fp32 and FMA'd them:
 ~9 instructions per value, 0.14-0.19 of copy bandwidth at M = 1.
@@ -852,6 +855,31 @@ def tile_key(m: int, arithmetic: str = "int8") -> str:
     return "m1" if m == 1 else f"m{columns}"
 
 
+def splits_from_env() -> dict[str, int]:
+    """Per-matrix K-split targets from FLASHTREE_QMM_SPLITS (JSON {"ARITH:TYPE:NxK": target}, e.g.
+    {"int8:Q4_K:5120x6144": 32768}, as bench/gpu_splits.py writes them); other matrices take
+    SPLIT_TARGET. A target holds for every M of that matrix in that arithmetic (batch invariance)."""
+    text = os.environ.get("FLASHTREE_QMM_SPLITS")
+    if not text:
+        return {}
+    try:
+        chosen = {str(key): int(value) for key, value in json.loads(text).items()}
+    except (ValueError, TypeError, AttributeError) as e:
+        expected = 'JSON {"ARITH:TYPE:NxK": target}'
+        raise FlashtreeError(f"FLASHTREE_QMM_SPLITS: expected {expected} ({e})") from None
+    bad = [key for key, value in chosen.items() if value < 1 or key.split(":")[0] not in ARITHMETICS]
+    if bad:
+        raise FlashtreeError(f"FLASHTREE_QMM_SPLITS: bad entries {bad} (keys ARITH:TYPE:NxK, targets >= 1)")
+    return chosen
+
+
+SHAPE_SPLITS = splits_from_env()
+
+
+def split_key(arithmetic: str, qtype: int, n_rows: int, n_cols: int) -> str:
+    return f"{arithmetic}:{type_name(qtype)}:{n_rows}x{n_cols}"
+
+
 def k_splits(n_rows: int, n_units: int, target: int | None = None) -> tuple[int, int]:
     """(splits, units per split) of each row's units, about `target` (default SPLIT_TARGET) (row, split)
     pairs in all (the dense kernel passes row tiles and programs): from the matrix shape only, so that
@@ -921,7 +949,8 @@ def quant_matmul(
     bf16 = arithmetic == "bf16"
     bm = 1 if m == 1 and not bf16 else max(16, triton.next_power_of_2(m))  # tensor-core columns
     n_blocks = n_cols // block_size(qtype)
-    n_splits, per_split = k_splits(n_rows, n_blocks // lay.group)
+    target = SHAPE_SPLITS.get(split_key(arithmetic, qtype, n_rows, n_cols))
+    n_splits, per_split = k_splits(n_rows, n_blocks // lay.group, target)
     y = torch.empty(m, n_rows, dtype=x.dtype, device=x.device)
     parts = y if n_splits == 1 else torch.empty(n_splits, m, n_rows, dtype=torch.float32, device=x.device)
     tile = TILES[tile_key(m, arithmetic)]

@@ -1,0 +1,113 @@
+"""Per-matrix K-split targets for the one-row quantized matvec, swept on a model's own matrices (H200).
+
+    python bench/gpu_splits.py OUT_DIR TARGET_GGUF [--arith int8] [--splits-out FILE]
+
+Why: one SPLIT_TARGET ((row, split) pairs per matrix) serves every matrix, and the 27B's small ones run
+far below the copy ceiling at M = 1 (its 5120 x 6144 output projections at ~0.3 of it, the FFN matrices
+at ~0.6: bench/results/h200-layout-2026-12-03/kernels.json): a 5120-row matrix gets one unit per split
+and a summing tail. A target per matrix shape is still from the shape only, so batch invariance holds
+(qmatmul.SHAPE_SPLITS).
+
+Loads the target packed, groups its QuantLinears by (arithmetic, type, shape) and times, for each group
+and each target of TARGETS, one CUDA graph calling the group's matrices back to back at M = 1 (its own
+weights: the group's bytes leave L2). Prints per group the default's and the best target's time and
+bandwidth fraction, and the step-level sum; writes OUT_DIR/splits.json and, with --splits-out, the
+FLASHTREE_QMM_SPLITS JSON of the targets that beat the default by more than 2 %.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from gpu_kernels import graph_time_us  # bench/ is on sys.path as the script's dir
+
+from flashtree.bench.roofline import measure_ceilings
+from flashtree.bench.run import provenance
+from flashtree.kernels import qmatmul
+from flashtree.kernels.qlinear import QuantLinear, use_arithmetic
+from flashtree.kernels.qmatmul import packed_bytes, quant_matmul, split_key
+from flashtree.models.loader import load_target
+
+TARGETS = tuple(1 << s for s in range(12, 20))  # 4K .. 512K (row, split) pairs; runtime only: no compiles
+MIN_GAIN = 0.02
+
+
+def group_time_us(modules: list[QuantLinear], target: int | None) -> float:
+    """Median us per call of the group's matrices at M = 1 with `target` (None: SPLIT_TARGET)."""
+    first = modules[0]
+    key = split_key(first.arithmetic, first.qtype, first.out_features, first.in_features)
+    x = torch.randn(1, first.in_features, device="cuda", dtype=torch.bfloat16)
+    if target is None:
+        qmatmul.SHAPE_SPLITS.pop(key, None)
+    else:
+        qmatmul.SHAPE_SPLITS[key] = target
+    calls = [
+        lambda m=m: quant_matmul(x, m.fields, m.qtype, m.out_features, m.in_features, m.arithmetic)
+        for m in modules
+    ]
+    try:
+        return graph_time_us(calls * max(1, 8 // len(modules)))
+    finally:
+        qmatmul.SHAPE_SPLITS.pop(key, None)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out", type=Path)
+    parser.add_argument("target", type=Path)
+    parser.add_argument("--arith", default="int8", choices=qmatmul.ARITHMETICS)
+    parser.add_argument("--splits-out", type=Path)
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    ceilings = measure_ceilings(torch.device("cuda"))
+    model, _ = load_target(args.target, device="cuda")
+    use_arithmetic(model, args.arith)
+    qmatmul.SHAPE_SPLITS.clear()  # the sweep sets one group's target at a time
+    groups: dict[str, list[QuantLinear]] = defaultdict(list)
+    for m in model.modules():
+        if isinstance(m, QuantLinear):
+            groups[split_key(args.arith, m.qtype, m.out_features, m.in_features)].append(m)
+    rows, chosen = [], {}
+    total_default = total_best = 0.0
+    n_matrices = sum(map(len, groups.values()))
+    print(f"ceilings: {ceilings}; {n_matrices} matrices in {len(groups)} groups", flush=True)
+    for key, modules in sorted(groups.items(), key=lambda kv: -len(kv[1])):
+        nbytes = packed_bytes(modules[0].fields)
+
+        def frac(us: float, nbytes: int = nbytes) -> float:
+            return nbytes / us / 1e3 / ceilings.copy_gb_s
+
+        default = group_time_us(modules, None)
+        by_target = {t: group_time_us(modules, t) for t in TARGETS}
+        best = min(by_target, key=by_target.get)
+        if by_target[best] < default * (1 - MIN_GAIN):
+            chosen[key] = best
+        total_default += default * len(modules)
+        total_best += min(default, by_target[best]) * len(modules)
+        rows.append({
+            "key": key, "matrices": len(modules), "bytes": nbytes, "default_us": default,
+            "default_bw_frac": frac(default), "by_target_us": by_target, "best_target": best,
+            "best_us": by_target[best], "best_bw_frac": frac(by_target[best]),
+        })  # fmt: skip
+        print(
+            f"{key:28} x{len(modules):3}  default {default:7.1f} us ({frac(default):.2f})  best {best:7} "
+            f"{by_target[best]:7.1f} us ({frac(by_target[best]):.2f})",
+            flush=True,
+        )
+    print(f"all matrices once: default {total_default / 1e3:.3f} ms, chosen {total_best / 1e3:.3f} ms")
+    result = provenance() | {
+        "ceilings": ceilings.as_dict(), "arithmetic": args.arith, "split_target": qmatmul.SPLIT_TARGET,
+        "groups": rows, "chosen": chosen, "total_default_ms": total_default / 1e3,
+        "total_chosen_ms": total_best / 1e3,
+    }  # fmt: skip
+    (args.out / "splits.json").write_text(json.dumps(result, indent=2) + "\n")
+    if args.splits_out:
+        args.splits_out.write_text(json.dumps(chosen))
+
+
+if __name__ == "__main__":
+    main()
