@@ -80,7 +80,7 @@ def test_gated_rms_norm(out_dtype):
     o, w, gen = inputs((6, 4, 40), torch.float32, 5)
     z = (torch.randn(6, 3 * 160, generator=gen) * 4).to(torch.bfloat16)[:, 160:320]
     got = fused.rms_norm(o, w, 1e-6, gate=z, out_dtype=DTYPES[out_dtype])
-    close(got, torch_path(layers.gated_rms_norm, o, w, 1e-6, z, DTYPES[out_dtype]))
+    close(got.reshape(6, 160), torch_path(layers.gated_rms_norm, o, w, 1e-6, z, DTYPES[out_dtype]))
     assert torch.equal(fused.rms_norm(o[:1], w, 1e-6, gate=z[:1], out_dtype=DTYPES[out_dtype]), got[:1])
 
 
@@ -106,3 +106,76 @@ def test_layers_take_the_kernels_only_outside_autograd(monkeypatch):
     assert len(calls) == 1
     layers.rms_norm(x.requires_grad_(), w, 1e-6)  # training: autograd needs the torch ops
     assert len(calls) == 1
+
+
+def same_activations(got, want) -> bool:
+    return all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=list(DTYPES))
+@pytest.mark.parametrize("variant", ["plain", "residual", "gated heads"])
+def test_a_norm_quantizes_its_one_token_output_as_the_matmul_would(variant, dtype):
+    """quantize=True: the same output bits, carrying exactly quantize_activations' codes, scales and sums
+    of the token's row (for the gated norm: its heads read as one row), in one launch."""
+    from flashtree.kernels.qmatmul import int8_of, quantize_activations, reshape_int8
+
+    shape = (1, 4, 64) if variant == "gated heads" else (1, 320)
+    x, w, gen = inputs(shape, DTYPES[dtype] if variant != "gated heads" else torch.float32, 6)
+    kwargs = {}
+    if variant == "residual":
+        kwargs["residual"] = torch.randn(shape, generator=gen).to(x.dtype)
+    if variant == "gated heads":
+        kwargs |= {"gate": torch.randn(1, 256, generator=gen).to(DTYPES[dtype]), "out_dtype": DTYPES[dtype]}
+    plain = fused.rms_norm(x, w, 1e-6, **kwargs)
+    quantized = fused.rms_norm(x, w, 1e-6, **kwargs, quantize=True)
+    if variant == "residual":
+        assert torch.equal(plain[0], quantized[0])
+        plain, quantized = plain[1], quantized[1]
+    assert torch.equal(plain, quantized)
+    row = reshape_int8(quantized, 1, -1)  # what the matmul is handed
+    assert int8_of(row) is not None
+    assert same_activations(int8_of(row), quantize_activations(row))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=list(DTYPES))
+def test_silu_mul_quantizes_its_one_token_output_as_the_matmul_would(dtype):
+    from flashtree.kernels.qmatmul import int8_of, quantize_activations
+
+    gate_up = (torch.randn(1, 2 * 1568, generator=torch.Generator().manual_seed(7)) * 4).to(DTYPES[dtype])
+    gate, up = gate_up[:, :1568], gate_up[:, 1568:]  # 49 blocks: two programs, the second one partly
+    got = fused.silu_mul(gate, up, quantize=True)
+    assert torch.equal(got, fused.silu_mul(gate, up))
+    assert same_activations(int8_of(got), quantize_activations(got))
+
+
+def test_quantize_is_for_rows_of_whole_blocks():
+    with pytest.raises(ValueError, match="multiple of 32"):
+        fused.rms_norm(torch.randn(1, 40), torch.ones(40), 1e-6, quantize=True)
+    with pytest.raises(ValueError, match="one row"):
+        fused.silu_mul(torch.randn(2, 64), torch.randn(2, 64), quantize=True)
+
+
+def test_layers_quantize_only_one_token_for_int8_matrices(monkeypatch):
+    """layers.* quantize where they make the input of packed int8 matrices (qlinear.takes_int8), for one
+    token on the fused path, and nowhere else."""
+    from flashtree.kernels.qlinear import QuantLinear
+    from flashtree.kernels.qmatmul import int8_of
+    from flashtree.models.layers import Linear, MergedLinear
+    from flashtree.quant.formats import QT
+    from flashtree.quant.pack import random_blocks
+
+    raw = torch.from_numpy(random_blocks(int(QT.Q8_0), 8, 64, __import__("numpy").random.default_rng(0)))
+    packed, dense = QuantLinear(raw, int(QT.Q8_0), (8, 64)), Linear(torch.randn(8, 64))
+    packed.arithmetic = "int8"
+    monkeypatch.setattr(kernels, "triton_kernels_for", lambda x: True)
+    x, w = torch.randn(1, 64), torch.ones(64)
+    with torch.no_grad():
+        assert int8_of(layers.rms_norm(x, w, 1e-6, packed)) is not None
+        assert int8_of(layers.rms_norm(x, w, 1e-6, dense)) is None
+        assert int8_of(layers.rms_norm(x, w, 1e-6)) is None
+        assert int8_of(layers.rms_norm(torch.randn(2, 64), w, 1e-6, packed)) is None  # two tokens
+        merged = MergedLinear([packed, dense], [0, 1], [8, 8])
+        assert int8_of(layers.rms_norm(x, w, 1e-6, merged)) is None  # not all packed
+        assert int8_of(layers.silu_mul(x, x, packed)) is not None
+        packed.arithmetic = "bf16"
+        assert int8_of(layers.rms_norm(x, w, 1e-6, packed)) is None

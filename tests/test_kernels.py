@@ -366,3 +366,55 @@ def test_loader_switch_builds_quant_linears_with_the_same_logits(tmp_path):
     ids = torch.randint(0, dense.config.vocab, (12,), generator=torch.Generator().manual_seed(0))
     expected = dense(ids, dense.new_state(16)).logits
     torch.testing.assert_close(packed(ids, packed.new_state(16)).logits, expected, rtol=0, atol=0)
+
+
+def test_a_producers_quantization_replaces_the_matmuls_own():
+    """quant_matmul(act=int8_of(x)) for one row gives the bits of quantizing x itself; int8_of finds the
+    quantization on the tensor object a producer attached it to, and on reshapes by reshape_int8 only."""
+    from flashtree.kernels.qmatmul import int8_of, reshape_int8, with_int8
+
+    rows, cols = 40, 256
+    raw, _ = case(QT.Q4_K, rows, cols)
+    fields = repack(raw, QT.Q4_K, cols)
+    x = torch.randn(1, cols, generator=torch.Generator().manual_seed(5))
+    act = quantize_activations(x)
+    y = quant_matmul(x, fields, QT.Q4_K, rows, cols, "int8", act)
+    assert torch.equal(y, quant_matmul(x, fields, QT.Q4_K, rows, cols, "int8"))
+    heads = with_int8(torch.randn(1, 4, 64), act)
+    assert int8_of(heads) is act and int8_of(reshape_int8(heads, 1, 256)) is act
+    assert int8_of(heads.reshape(1, 256)) is None and int8_of(heads[:, :2]) is None
+    assert int8_of(reshape_int8(torch.randn(1, 4, 64), 1, 256)) is None
+
+
+def test_the_norms_quantization_inside_a_packed_model(monkeypatch, tmp_path):
+    """Every kernel inside a packed tiny qwen35 (DeltaNet and gated attention layers), int8: AR steps give
+    the same logits bit for bit whether the norms and SwiGLU's activation quantize the matmuls' one-token
+    inputs (layers._quantize_for) or the matmuls do, and with them only the gated attention outputs (torch
+    ops) are quantized by their matmul."""
+    from flashtree import kernels
+    from flashtree.convert.synth import synth_model
+    from flashtree.models import layers
+    from flashtree.models.loader import load_target
+
+    path = tmp_path / "tiny.gguf"
+    synth_model("tiny-qwen35", "q4_k_m", path, seed=3)
+    model, _ = load_target(path, device="cpu", quantized=True)
+    monkeypatch.setattr(kernels, "triton_kernels_for", lambda x: True)
+    ids = torch.randint(0, model.config.vocab, (4,), generator=torch.Generator().manual_seed(1))
+    quantized = []
+    real = qmatmul.quantize_activations
+    monkeypatch.setattr(qmatmul, "quantize_activations", lambda *a: quantized.append(1) or real(*a))
+
+    def ar_logits() -> torch.Tensor:
+        state = model.new_state(16)
+        with torch.no_grad():
+            model(ids[:2], state, logits="none")
+            quantized.clear()
+            return torch.cat([model(ids[i : i + 1], state).logits for i in (2, 3)])
+
+    fused = ar_logits()
+    fused_count = len(quantized)
+    monkeypatch.setattr(layers, "_quantize_for", lambda feeds, x: False)
+    assert torch.equal(ar_logits(), fused)
+    attention_layers = sum(not hasattr(layer.mixer, "in_proj") for layer in model.layers)
+    assert len(quantized) > fused_count == 2 * attention_layers > 0

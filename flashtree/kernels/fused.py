@@ -17,18 +17,21 @@ import triton
 import triton.language as tl
 
 from flashtree.kernels.launch import pdl_options, wait_for_inputs
+from flashtree.kernels.qmatmul import new_activations, quantize_blocks, with_int8
 from flashtree.kernels.rotary import rounded
 
 
 @triton.jit
 def _rms_norm_kernel(
-    out_ptr, x_ptr, w_ptr, res_ptr, sum_ptr, gate_ptr, n_inner, D,
+    out_ptr, x_ptr, w_ptr, res_ptr, sum_ptr, gate_ptr, xq_ptr, scale_ptr, xqs_ptr, n_inner, D,
     stride_xo, stride_xi, stride_ro, stride_ri, stride_go, stride_gi, eps,
     HAS_RESIDUAL: tl.constexpr, HAS_GATE: tl.constexpr, BLOCK: tl.constexpr, X_BF16: tl.constexpr,
-    OUT_BF16: tl.constexpr, GDC: tl.constexpr,
+    OUT_BF16: tl.constexpr, QUANT: tl.constexpr, GDC: tl.constexpr,
 ):  # fmt: skip
     """Row (o, i) of (outer, inner, D) tensors: [sum = x + res;] y = norm(sum or x) * w [* silu(gate)].
-    bf16 results are rounded by `rounded` (ties to even, as the GPU's cast; the interpreter's truncates)."""
+    bf16 results are rounded by `rounded` (ties to even, as the GPU's cast; the interpreter's truncates).
+    QUANT: the int8 quantization of y, all rows read as one flat row (one token), for the matmul it feeds,
+    as qmatmul.quantize_activations would make it."""
     wait_for_inputs(GDC)
     o, i = tl.program_id(0) // n_inner, tl.program_id(0) % n_inner
     cols = tl.arange(0, BLOCK)
@@ -44,7 +47,13 @@ def _rms_norm_kernel(
     if HAS_GATE:
         g = tl.load(gate_ptr + o * stride_go + i * stride_gi + cols, mask=ok, other=0.0).to(tl.float32)
         y = y * (g / (1.0 + tl.exp(-g)))
-    tl.store(out_ptr + row, rounded(y, OUT_BF16).to(out_ptr.dtype.element_ty), mask=ok)
+    y = rounded(y, OUT_BF16)
+    tl.store(out_ptr + row, y.to(out_ptr.dtype.element_ty), mask=ok)
+    if QUANT:  # this row's blocks of the flat row; columns past D are zeros of blocks not stored
+        local = tl.arange(0, BLOCK // 32)
+        blocks = tl.program_id(0) * (D // 32) + local
+        quantize_blocks(tl.reshape(y, (BLOCK // 32, 8, 4)), blocks, local < D // 32, 0, 1, D // 32, xq_ptr,
+                        scale_ptr, xqs_ptr)  # fmt: skip
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -66,9 +75,13 @@ def rms_norm(
     residual: torch.Tensor | None = None,
     gate: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
+    quantize: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm of x's last dim in fp32, times weight, in out_dtype (default x's). With `residual`: of
-    x + residual, returned too: (x + residual, its norm). With `gate` (x's shape): times silu(gate)."""
+    x + residual, returned too: (x + residual, its norm). With `gate` (x's shape): times silu(gate).
+    quantize (one token: x's rows, heads say, read as one flat row; D a multiple of 32): the norm carries
+    the int8 quantization of that row for the matmul it feeds (qmatmul.with_int8), made in the same
+    launch."""
     d = x.shape[-1]
     x3 = _rows(x)
     out = torch.empty(x.shape, dtype=out_dtype or x.dtype, device=x.device)
@@ -76,49 +89,58 @@ def rms_norm(
     total = torch.empty_like(out, dtype=x.dtype) if residual is not None else out
     gate3 = _rows(gate.view(x.shape)) if gate is not None else x3
     block = triton.next_power_of_2(d)
-    _rms_norm_kernel[(x3.shape[0] * x3.shape[1],)](
-        out, x3, weight, res3, total, gate3, x3.shape[1], d, x3.stride(0), x3.stride(1),
+    n_rows = x3.shape[0] * x3.shape[1]
+    if quantize and d % 32:
+        raise ValueError(f"quantize: rows of a multiple of 32 values, not {d}")
+    act = new_activations(n_rows * d, 1, x.device) if quantize else (out, out, out)
+    _rms_norm_kernel[(n_rows,)](
+        out, x3, weight, res3, total, gate3, *act, x3.shape[1], d, x3.stride(0), x3.stride(1),
         res3.stride(0), res3.stride(1), gate3.stride(0), gate3.stride(1), eps,
         HAS_RESIDUAL=residual is not None, HAS_GATE=gate is not None, BLOCK=block,
-        X_BF16=x.dtype == torch.bfloat16, OUT_BF16=out.dtype == torch.bfloat16,
-        num_warps=max(1, min(8, block // 512)), **pdl_options(out),
+        X_BF16=x.dtype == torch.bfloat16, OUT_BF16=out.dtype == torch.bfloat16, QUANT=quantize,
+        num_warps=max(1, min(8, block // 512)), enable_fp_fusion=False, **pdl_options(out),
     )  # fmt: skip
+    if quantize:
+        with_int8(out, act)
     return (total, out) if residual is not None else out
 
 
 @triton.jit
 def _silu_mul_kernel(
-    out_ptr, gate_ptr, up_ptr, n_cols, stride_g, stride_u, BLOCK: tl.constexpr, BF16: tl.constexpr,
-    GDC: tl.constexpr,
+    out_ptr, gate_ptr, up_ptr, xq_ptr, scale_ptr, xqs_ptr, n_cols, stride_g, stride_u, BLOCK: tl.constexpr,
+    BF16: tl.constexpr, QUANT: tl.constexpr, GDC: tl.constexpr,
 ):  # fmt: skip
     """out = silu(gate) * up for columns [j * BLOCK, j * BLOCK + BLOCK) of row program_id(0): silu in
-    fp32 rounded to the inputs' dtype, then the product rounded, as torch's two ops round."""
+    fp32 rounded to the inputs' dtype, then the product rounded, as torch's two ops round. QUANT (one
+    row): the int8 quantization of these columns' blocks, as qmatmul.quantize_activations."""
     wait_for_inputs(GDC)
     row, cols = tl.program_id(0), tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < n_cols
     g = tl.load(gate_ptr + row * stride_g + cols, mask=ok, other=0.0).to(tl.float32)
     u = tl.load(up_ptr + row * stride_u + cols, mask=ok, other=0.0).to(tl.float32)
     act = rounded(g / (1.0 + tl.exp(-g)), BF16)
-    tl.store(out_ptr + row * n_cols + cols, rounded(act * u, BF16).to(out_ptr.dtype.element_ty), mask=ok)
+    y = rounded(act * u, BF16)
+    tl.store(out_ptr + row * n_cols + cols, y.to(out_ptr.dtype.element_ty), mask=ok)
+    if QUANT:
+        blocks = tl.program_id(1) * (BLOCK // 32) + tl.arange(0, BLOCK // 32)
+        n_blocks = n_cols // 32
+        quantize_blocks(tl.reshape(y, (BLOCK // 32, 8, 4)), blocks, blocks < n_blocks, 0, 1, n_blocks, xq_ptr,
+                        scale_ptr, xqs_ptr)  # fmt: skip
 
 
-def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+def silu_mul(gate: torch.Tensor, up: torch.Tensor, quantize: bool = False) -> torch.Tensor:
     """silu(gate) * up for (rows, n) tensors (the halves of a merged gate/up projection's output, say),
-    one launch."""
+    one launch. quantize (one row, n a multiple of 32): the result carries its int8 quantization for the
+    matmul it feeds (qmatmul.with_int8), made in the same launch."""
     gate, up = (t if t.stride(-1) == 1 else t.contiguous() for t in (gate, up))
     rows, n = gate.shape
+    if quantize and (rows != 1 or n % 32):
+        raise ValueError(f"quantize: one row of a multiple of 32 values, not {rows} x {n}")
     out = torch.empty(rows, n, dtype=gate.dtype, device=gate.device)
+    act = new_activations(n, 1, gate.device) if quantize else (out, out, out)
     block = 1024
     _silu_mul_kernel[(rows, triton.cdiv(n, block))](
-        out,
-        gate,
-        up,
-        n,
-        gate.stride(0),
-        up.stride(0),
-        BLOCK=block,
-        BF16=gate.dtype == torch.bfloat16,
-        num_warps=4,
-        **pdl_options(out),
-    )
-    return out
+        out, gate, up, *act, n, gate.stride(0), up.stride(0), BLOCK=block, BF16=gate.dtype == torch.bfloat16,
+        QUANT=quantize, num_warps=4, enable_fp_fusion=False, **pdl_options(out),
+    )  # fmt: skip
+    return with_int8(out, act) if quantize else out

@@ -6,9 +6,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from flashtree import kernels
 from flashtree.errors import FlashtreeError
 from flashtree.kernels import qmatmul
-from flashtree.kernels.qmatmul import ARITHMETICS, quant_matmul, repack, unpack
+from flashtree.kernels.qmatmul import ARITHMETICS, int8_of, quant_matmul, repack, unpack
 from flashtree.quant.dequant import dequantize
 from flashtree.quant.formats import type_name
 
@@ -17,7 +18,8 @@ class QuantLinear(nn.Module):
     """y = x @ W^T with W kept as quantized blocks, same interface as `Linear`. CUDA runs the Triton
     kernels in `arithmetic` (None: qmatmul.ARITHMETIC; int8: x quantized to int8 per 32 values, bf16:
     the weights decoded to bf16; for up to 64 rows each row's result is bit-identical whatever the
-    batch); any other device dequantizes with the reference decoder on every call."""
+    batch; a one-row input may carry its int8 quantization, qmatmul.int8_of); any other device
+    dequantizes with the reference decoder on every call."""
 
     def __init__(self, raw: torch.Tensor, qtype: int, shape: tuple[int, int]):
         """raw: the GGUF rows (out, row_bytes) uint8 on the layer's device; shape: (out, in)."""
@@ -41,9 +43,9 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)  # (M, in)
-        if x.is_cuda:
+        if kernels.triton_kernels_for(x):
             shape = (self.out_features, self.in_features)
-            y = quant_matmul(x2, self.fields, self.qtype, *shape, self.arithmetic)
+            y = quant_matmul(x2, self.fields, self.qtype, *shape, self.arithmetic, int8_of(x))
         else:
             y = F.linear(x2, self.dense_weight(x.dtype))
         return y.reshape(*x.shape[:-1], self.out_features)
@@ -62,6 +64,15 @@ def use_arithmetic(model: nn.Module, arithmetic: str) -> int:
     for m in packed:
         m.arithmetic = arithmetic
     return len(packed)
+
+
+def takes_int8(linear: nn.Module) -> bool:
+    """Whether `linear` (a QuantLinear, or any module of matrices: a MergedLinear) is packed matrices only,
+    all in the int8 arithmetic: their one-row product quantizes its input first, which the kernel that
+    makes the input can do instead (kernels/fused.py)."""
+    matrices = [m for m in linear.modules() if not list(m.children())]
+    int8 = [isinstance(m, QuantLinear) and (m.arithmetic or qmatmul.ARITHMETIC) == "int8" for m in matrices]
+    return all(int8)
 
 
 def arithmetic_of(model: nn.Module) -> str | None:

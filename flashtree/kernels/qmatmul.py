@@ -733,22 +733,14 @@ def _dequant_kernel(
         tl.store(ptrs, w.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
-@triton.jit(do_not_specialize=_SHAPE_ARGS)
-def _quantize_kernel(
-    x_ptr, xq_ptr, scale_ptr, xqs_ptr, M, R, n_blocks, stride_x, NB: tl.constexpr, GDC: tl.constexpr
-):
-    """Blocks [j * NB, j * NB + NB) of row i of x, 32 values each: int8 codes round(x * 127 / amax) (ties
-    to even) packed 4 per int32 word (little-endian), dx = amax / 127, and the codes' sums per 16 values.
-    Rows M <= i < R (padding up to the tensor-core tile) come out all zero."""
-    wait_for_inputs(GDC)
-    m = tl.program_id(0)
-    blocks = tl.program_id(1) * NB + tl.arange(0, NB)
-    ok = blocks < n_blocks
-    w = tl.arange(0, 8)[None, :, None]
+@triton.jit
+def quantize_blocks(x, blocks, ok, m, R, n_blocks, xq_ptr, scale_ptr, xqs_ptr):
+    """Stores the int8 quantization of blocks `blocks` (NB,) of row m, x (NB, 8, 4) fp32 (32 values a
+    block), where `ok`: codes round(x * 127 / amax) (ties to even) packed 4 per int32 word (little-endian),
+    dx = amax / 127, and the codes' sums per 16 values (QuantizedActivations' layout, R rows). Shared by
+    `_quantize_kernel` and the kernels that produce a matmul's input (kernels/fused.py), which must be
+    compiled without fp fusion like it, so that both give the same bits."""
     i = tl.arange(0, 4)[None, None, :]
-    at = blocks[:, None, None] * 32 + w * 4 + i
-    real = ok & (blocks * 0 + m < M)  # (NB,): a block of one of x's rows, not of the padding
-    x = tl.load(x_ptr + m * stride_x + at, mask=real[:, None, None], other=0.0).to(tl.float32)
     amax = tl.max(tl.max(tl.abs(x), axis=2), axis=1)  # (NB,)
     # floored: 127 / amax stays finite for all-zero and subnormal blocks (their codes then stay small)
     inv = tl.math.div_rn(127.0, tl.maximum(amax, 1e-30))
@@ -764,6 +756,22 @@ def _quantize_kernel(
     tl.store(scale_ptr + at, tl.math.div_rn(amax, 127.0), mask=ok)
     tl.store(xqs_ptr + 2 * at, tl.sum(tl.where(first_half, word_sums, 0), axis=1), mask=ok)
     tl.store(xqs_ptr + 2 * at + 1, tl.sum(tl.where(first_half, 0, word_sums), axis=1), mask=ok)
+
+
+@triton.jit(do_not_specialize=_SHAPE_ARGS)
+def _quantize_kernel(
+    x_ptr, xq_ptr, scale_ptr, xqs_ptr, M, R, n_blocks, stride_x, NB: tl.constexpr, GDC: tl.constexpr
+):
+    """Blocks [j * NB, j * NB + NB) of row i of x (`quantize_blocks`). Rows M <= i < R (padding up to the
+    tensor-core tile) come out all zero."""
+    wait_for_inputs(GDC)
+    m = tl.program_id(0)
+    blocks = tl.program_id(1) * NB + tl.arange(0, NB)
+    ok = blocks < n_blocks
+    at = blocks[:, None, None] * 32 + tl.arange(0, 8)[None, :, None] * 4 + tl.arange(0, 4)[None, None, :]
+    real = ok & (blocks * 0 + m < M)  # (NB,): a block of one of x's rows, not of the padding
+    x = tl.load(x_ptr + m * stride_x + at, mask=real[:, None, None], other=0.0).to(tl.float32)
+    quantize_blocks(x, blocks, ok, m, R, n_blocks, xq_ptr, scale_ptr, xqs_ptr)
 
 
 # --- launchers -----------------------------------------------------------------------------------------
@@ -897,22 +905,50 @@ class QuantizedActivations(NamedTuple):
     code_sums: torch.Tensor  # (K / 32, R, 2) int32: the codes' sums over each half of a block
 
 
+def new_activations(k: int, rows: int, device: torch.device) -> QuantizedActivations:
+    """Uninitialized buffers for `rows` rows of K values quantized per 32."""
+    return QuantizedActivations(
+        torch.empty(rows, k // 4, dtype=torch.int32, device=device),
+        torch.empty(k // 32, rows, dtype=torch.float32, device=device),
+        torch.empty(k // 32, rows, 2, dtype=torch.int32, device=device),
+    )
+
+
 def quantize_activations(x: torch.Tensor, rows: int | None = None) -> QuantizedActivations:
     """x (M, K) float, K a multiple of 32 -> its int8 quantization per 32 values (see the module doc),
     padded with zero rows up to `rows` (default M)."""
     m, k = x.shape
     rows = rows or m
     n_blocks = k // 32
-    act = QuantizedActivations(
-        torch.empty(rows, k // 4, dtype=torch.int32, device=x.device),
-        torch.empty(n_blocks, rows, dtype=torch.float32, device=x.device),
-        torch.empty(n_blocks, rows, 2, dtype=torch.int32, device=x.device),
-    )
+    act = new_activations(k, rows, x.device)
     nb = 32  # blocks per program
     _quantize_kernel[(rows, triton.cdiv(n_blocks, nb))](
         x, *act, m, rows, n_blocks, x.stride(0), NB=nb, num_warps=4, enable_fp_fusion=False, **pdl_options(x)
     )
     return act
+
+
+# A one-row matmul input may come with its quantization, made by the kernel that produced it (the norms and
+# SwiGLU's activation in kernels/fused.py: one launch fewer per matmul): attached to that tensor object.
+_INT8 = "_flashtree_int8"
+
+
+def with_int8(x: torch.Tensor, act: QuantizedActivations) -> torch.Tensor:
+    """x, carrying `act` = quantize_activations(x.reshape(1, -1)) for the matmuls it feeds."""
+    setattr(x, _INT8, act)
+    return x
+
+
+def int8_of(x: torch.Tensor) -> QuantizedActivations | None:
+    """The quantization attached to x (this tensor object: a view or a copy is another), else None."""
+    return getattr(x, _INT8, None)
+
+
+def reshape_int8(x: torch.Tensor, *shape) -> torch.Tensor:
+    """x.reshape(*shape), carrying x's quantization if it has one (the same values in the same order: a
+    view's own attributes are its own, and views made in inference mode do not record their base)."""
+    act, y = int8_of(x), x.reshape(*shape)
+    return y if act is None else with_int8(y, act)
 
 
 def _pointers(fields: list[torch.Tensor], lay: Layout, as_bytes: bool) -> list[torch.Tensor]:
@@ -934,13 +970,14 @@ def _static_args(lay: Layout, device: torch.device) -> dict:
 
 def quant_matmul(
     x: torch.Tensor, fields: list[torch.Tensor], qtype: int, n_rows: int, n_cols: int,
-    arithmetic: str | None = None,
+    arithmetic: str | None = None, act: QuantizedActivations | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """x (M, n_cols) @ W^T for a repacked W (n_rows, n_cols) -> (M, n_rows) in x's dtype.
 
     M <= 64: in `arithmetic` (default ARITHMETIC: int8 activations x the codes, or bf16 x x weights
-    decoded to bf16), batch-invariant (see the module doc); above: dequantize + matmul. Works on CUDA
-    tensors, and on CPU tensors under TRITON_INTERPRET=1."""
+    decoded to bf16), batch-invariant (see the module doc); above: dequantize + matmul. `act`: x's int8
+    quantization when a producer made it (`int8_of`), used by the one-row int8 product instead of
+    quantizing x again. Works on CUDA tensors, and on CPU tensors under TRITON_INTERPRET=1."""
     lay = layout(qtype, n_cols)
     m = x.shape[0]
     if m > MAX_FUSED_M:
@@ -965,7 +1002,8 @@ def quant_matmul(
             per_split, n_splits, BM=bm, BF16=True, enable_fp_fusion=False, **launch, **pdl_options(y),
         )  # fmt: skip
     elif m == 1:
-        act = quantize_activations(x.contiguous(), bm)
+        if act is None or act.codes.shape != (1, n_cols // 4):
+            act = quantize_activations(x.contiguous(), bm)
         _matvec_kernel[grid](
             y, parts, counters, *act, *_pointers(fields, lay, False), n_rows, n_blocks, per_split, n_splits,
             UNROLL=tile.unroll, enable_fp_fusion=False, **launch, **pdl_options(y),

@@ -34,6 +34,11 @@ class Attention(nn.Module):
         self.k_norm = nn.Parameter(k_norm, requires_grad=False) if k_norm is not None else None
         self.output_gate = output_gate
 
+    @property
+    def input_projection(self) -> MergedLinear:
+        """The matmul that reads the layer's input."""
+        return self.qkv
+
     def forward(self, x: torch.Tensor, kv: KVCache, fp: ForwardPass) -> torch.Tensor:
         t, hd = x.shape[0], self.head_dim
         q, k, v = self.qkv(x)  # (T, q rows), (T, n_kv * hd) x 2

@@ -172,6 +172,11 @@ class GatedDeltaNet(nn.Module):
         return o
 
     @property
+    def input_projection(self) -> MergedLinear:
+        """The matmul that reads the layer's input."""
+        return self.in_proj
+
+    @property
     def _head_args(self) -> tuple:
         return self.dt_bias, self.ssm_a, self.n_k_heads, self.k_dim, self.v_dim
 
@@ -192,6 +197,4 @@ class GatedDeltaNet(nn.Module):
             conv_out = self.causal_conv(mixed, st.conv, fp, windows)
             o = self.tree_recurrence(conv_out, alpha, beta, st.recurrent, fp, states)
 
-        nv, vd = self.n_v_heads, self.v_dim
-        o = gated_rms_norm(o, self.norm_weight, self.eps, z, x.dtype)  # (T, nv, vd)
-        return self.out(o.reshape(t, nv * vd))
+        return self.out(gated_rms_norm(o, self.norm_weight, self.eps, z, x.dtype, self.out))  # (T, nv * vd)

@@ -11,6 +11,8 @@ from torch import nn
 
 from flashtree import kernels
 from flashtree.kernels import dense_matmul, fused
+from flashtree.kernels.qlinear import takes_int8
+from flashtree.kernels.qmatmul import reshape_int8
 
 
 class Linear(nn.Module):
@@ -124,39 +126,60 @@ def _fused_kernels(x: torch.Tensor) -> bool:
     return kernels.triton_kernels_for(x) and not torch.is_grad_enabled()
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def _quantize_for(feeds: nn.Module | None, x: torch.Tensor) -> bool:
+    """Whether the fused kernel making the input of `feeds` (the matmul it goes to) quantizes it too: one
+    token (x's first dim), on the fused path, into packed int8 matrices only (qlinear.takes_int8)."""
+    return feeds is not None and x.shape[0] == 1 and _fused_kernels(x) and takes_int8(feeds)
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, feeds: nn.Module | None = None
+) -> torch.Tensor:
     """Plain RMSNorm in fp32 (GGUF files already carry the +1 of zero-centred norms), in x's dtype.
-    torch's op is bit-identical to the formula on the CPU."""
+    torch's op is bit-identical to the formula on the CPU. feeds: the matmul the result goes to (see
+    _quantize_for)."""
     if _fused_kernels(x):
-        return fused.rms_norm(x, weight, eps)
+        return fused.rms_norm(x, weight, eps, quantize=_quantize_for(feeds, x))
     return F.rms_norm(x.float(), weight.shape, weight.float(), eps).to(x.dtype)
 
 
 def add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, feeds: nn.Module | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(h, rms_norm(h)) for h = x + residual: the residual stream and the next block's input."""
+    """(h, rms_norm(h)) for h = x + residual: the residual stream and the next block's input (for
+    `feeds`)."""
     if _fused_kernels(x):
-        return fused.rms_norm(x, weight, eps, residual=residual)
+        return fused.rms_norm(x, weight, eps, residual=residual, quantize=_quantize_for(feeds, x))
     h = x + residual
     return h, rms_norm(h, weight, eps)
 
 
 def gated_rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, gate: torch.Tensor, out_dtype: torch.dtype
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    gate: torch.Tensor,
+    out_dtype: torch.dtype,
+    feeds: nn.Module | None = None,
 ) -> torch.Tensor:
-    """rms_norm(x) * silu(gate) in fp32 (gate viewed as x's shape), in out_dtype."""
+    """rms_norm(x) * silu(gate) in fp32 of x (T, heads, dim) per head (gate viewed as x's shape), as
+    (T, heads * dim) in out_dtype: the input of `feeds`."""
+    t = x.shape[0]
     if _fused_kernels(x):
-        return fused.rms_norm(x, weight, eps, gate=gate, out_dtype=out_dtype)
+        quantize = _quantize_for(feeds, x)
+        return reshape_int8(
+            fused.rms_norm(x, weight, eps, gate=gate, out_dtype=out_dtype, quantize=quantize), t, -1
+        )
     normed = F.rms_norm(x.float(), weight.shape, weight.float(), eps)
-    return (normed * F.silu(gate.float().view(x.shape))).to(out_dtype)
+    return (normed * F.silu(gate.float().view(x.shape))).to(out_dtype).reshape(t, -1)
 
 
-def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """SwiGLU's activation, silu(gate) * up, in their dtype."""
+def silu_mul(gate: torch.Tensor, up: torch.Tensor, feeds: nn.Module | None = None) -> torch.Tensor:
+    """SwiGLU's activation, silu(gate) * up, in their dtype (for `feeds`)."""
     if _fused_kernels(gate):
         n = gate.shape[-1]
-        return fused.silu_mul(gate.reshape(-1, n), up.reshape(-1, n)).view(gate.shape)
+        quantize = _quantize_for(feeds, gate.reshape(-1, n))
+        return reshape_int8(fused.silu_mul(gate.reshape(-1, n), up.reshape(-1, n), quantize), gate.shape)
     return F.silu(gate) * up
 
 
@@ -170,8 +193,8 @@ class RMSNorm(nn.Module):
     def args(self) -> tuple[torch.Tensor, float]:
         return self.weight, self.eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
+    def forward(self, x: torch.Tensor, feeds: nn.Module | None = None) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps, feeds)
 
 
 class Rotary(nn.Module):
@@ -242,4 +265,4 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x)
-        return self.down(silu_mul(gate, up))
+        return self.down(silu_mul(gate, up, self.down))

@@ -28,11 +28,12 @@ class DecoderLayer(nn.Module):
         """The layer's input is x + pending (pending None: x): the previous layer's MLP output joins the
         residual stream inside this layer's first RMSNorm (one fused launch, kernels/fused.py), not in
         an add of its own. Returns (the input, the residual after the mixer, the MLP output to add)."""
+        feeds = self.mixer.input_projection  # the norms' outputs feed these matmuls (see layers.rms_norm)
         if pending is None:
-            normed = self.mixer_norm(x)
+            normed = self.mixer_norm(x, feeds)
         else:
-            x, normed = add_rms_norm(x, pending, *self.mixer_norm.args)
-        h, normed = add_rms_norm(x, self.mixer(normed, state, fp), *self.mlp_norm.args)
+            x, normed = add_rms_norm(x, pending, *self.mixer_norm.args, feeds)
+        h, normed = add_rms_norm(x, self.mixer(normed, state, fp), *self.mlp_norm.args, self.mlp.gate_up)
         return x, h, self.mlp(normed)
 
 
@@ -146,9 +147,9 @@ class DecoderModel(nn.Module):
                 captured[last] = x + pending
         else:  # the last layer's MLP output joins the stream inside the final norm: one launch
             rows = slice(None) if logits == "all" or last in capture else slice(-1, None)
-            out, normed = add_rms_norm(x[rows], pending[rows], *self.norm.args)
+            out, normed = add_rms_norm(x[rows], pending[rows], *self.norm.args, self.lm_head)
             if last in capture:
                 captured[last] = out
-            head = normed if logits == "all" else normed[-1:]
+            head = normed if logits == "all" or normed.shape[0] == 1 else normed[-1:]  # keeps its int8
         feats = torch.cat([captured[i] for i in capture], dim=-1) if capture else None
         return ForwardOutput(None if head is None else self.lm_head(head).float(), feats)
