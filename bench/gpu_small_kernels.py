@@ -45,6 +45,7 @@ from flashtree.kernels.attention import (
     split_positions,
     tree_attention,
 )
+from flashtree.kernels.qmatmul import int8_of, quantize_activations, reshape_int8
 from flashtree.kernels.rotary import rotary, rotary_store
 from flashtree.kernels.tree_conv import tree_conv_silu
 from flashtree.kernels.tree_deltanet import tree_gated_delta_rule
@@ -268,6 +269,7 @@ def check_fused() -> list[dict]:
     heads = randn(t, 24 * 512)[:, : 24 * 256].view(t, 24, 256)  # gated q: a strided head view
     o, z = randn(t, 48, 128, dtype=torch.float32), randn(t, 3 * 6144)[:, 6144 : 2 * 6144]
     gate_up = randn(t, 2 * ff)
+    q_gate, heads_out = randn(t, 24, 512)[..., 256:], randn(t, 24 * 256)  # gated q: [q_h | gate_h] per head
     cases = {  # name: (kernel(rows), torch path(rows)) -> tuples of outputs; rows: a slice of the tokens
         "rms_norm": (lambda r: (fused.rms_norm(x[r], w, 1e-6),), lambda r: (layers.rms_norm(x[r], w, 1e-6),)),
         "rms_norm heads": (
@@ -279,11 +281,15 @@ def check_fused() -> list[dict]:
             lambda r: layers.add_rms_norm(x[r], residual[r], w, 1e-6),
         ),
         "gated_rms_norm": (
-            lambda r: (fused.rms_norm(o[r], w[:128], 1e-6, gate=z[r], out_dtype=torch.bfloat16),),
+            lambda r: (fused.rms_norm(o[r], w[:128], 1e-6, gate=z[r], out_dtype=torch.bfloat16).flatten(1),),
             lambda r: (layers.gated_rms_norm(o[r], w[:128], 1e-6, z[r], torch.bfloat16),),
         ),
+        "sigmoid_gate": (  # the gated attention output: gate a strided head view
+            lambda r: (fused.gate_mul(q_gate[r], heads_out[r], "sigmoid"),),
+            lambda r: (layers.sigmoid_gate(heads_out[r], q_gate[r]),),
+        ),
         "silu_mul": (
-            lambda r: (fused.silu_mul(gate_up[r, :ff], gate_up[r, ff:]),),
+            lambda r: (fused.gate_mul(gate_up[r, :ff], gate_up[r, ff:]),),
             lambda r: (layers.silu_mul(gate_up[r, :ff], gate_up[r, ff:]),),
         ),
     }
@@ -303,6 +309,30 @@ def check_fused() -> list[dict]:
             "max_abs_diff": max(
                 (g.float() - w_.float()).abs().max().item() for g, w_ in zip(got, want, strict=True)
             ),
+        })  # fmt: skip
+    return rows + check_fused_quantize(x, residual, w, o, z, gate_up, ff, q_gate, heads_out)
+
+
+def check_fused_quantize(x, residual, w, o, z, gate_up, ff, q_gate, heads_out) -> list[dict]:
+    """quantize=True on one token (the AR step of int8 matrices): the same output bits, carrying exactly
+    qmatmul.quantize_activations' codes, scales and sums of the token's row."""
+    cases = {
+        "rms_norm": lambda q: fused.rms_norm(x[:1], w, 1e-6, quantize=q),
+        "add_rms_norm": lambda q: fused.rms_norm(x[:1], w, 1e-6, residual=residual[:1], quantize=q)[1],
+        "gated_rms_norm": lambda q: fused.rms_norm(
+            o[:1], w[:128], 1e-6, gate=z[:1], out_dtype=torch.bfloat16, quantize=q
+        ),
+        "silu_mul": lambda q: fused.gate_mul(gate_up[:1, :ff], gate_up[:1, ff:], quantize=q),
+        "sigmoid_gate": lambda q: fused.gate_mul(q_gate[:1], heads_out[:1], "sigmoid", quantize=q),
+    }
+    rows = []
+    for name, make in cases.items():
+        plain, quantized = make(False), make(True)
+        row = reshape_int8(quantized, 1, -1)
+        same = [torch.equal(a, b) for a, b in zip(int8_of(row), quantize_activations(row), strict=True)]
+        rows.append({
+            "kernel": f"{name} quantized", "within_rounding": torch.equal(plain, quantized),
+            "rows_bitwise": all(same), "max_abs_diff": 0.0 if all(same) else float("nan"),
         })  # fmt: skip
     return rows
 

@@ -91,9 +91,9 @@ def test_silu_mul(rows, dtype):
         DTYPES[dtype]
     )
     gate, up = gate_up[:, :1536], gate_up[:, 1536:]
-    got = fused.silu_mul(gate, up)
+    got = fused.gate_mul(gate, up)
     close(got, F.silu(gate) * up)
-    assert torch.equal(fused.silu_mul(gate[-1:], up[-1:]), got[-1:])
+    assert torch.equal(fused.gate_mul(gate[-1:], up[-1:]), got[-1:])
 
 
 def test_layers_take_the_kernels_only_outside_autograd(monkeypatch):
@@ -143,8 +143,8 @@ def test_silu_mul_quantizes_its_one_token_output_as_the_matmul_would(dtype):
 
     gate_up = (torch.randn(1, 2 * 1568, generator=torch.Generator().manual_seed(7)) * 4).to(DTYPES[dtype])
     gate, up = gate_up[:, :1568], gate_up[:, 1568:]  # 49 blocks: two programs, the second one partly
-    got = fused.silu_mul(gate, up, quantize=True)
-    assert torch.equal(got, fused.silu_mul(gate, up))
+    got = fused.gate_mul(gate, up, quantize=True)
+    assert torch.equal(got, fused.gate_mul(gate, up))
     assert same_activations(int8_of(got), quantize_activations(got))
 
 
@@ -152,7 +152,7 @@ def test_quantize_is_for_rows_of_whole_blocks():
     with pytest.raises(ValueError, match="multiple of 32"):
         fused.rms_norm(torch.randn(1, 40), torch.ones(40), 1e-6, quantize=True)
     with pytest.raises(ValueError, match="one row"):
-        fused.silu_mul(torch.randn(2, 64), torch.randn(2, 64), quantize=True)
+        fused.gate_mul(torch.randn(2, 64), torch.randn(2, 64), quantize=True)
 
 
 def test_layers_quantize_only_one_token_for_int8_matrices(monkeypatch):
@@ -179,3 +179,23 @@ def test_layers_quantize_only_one_token_for_int8_matrices(monkeypatch):
         assert int8_of(layers.silu_mul(x, x, packed)) is not None
         packed.arithmetic = "bf16"
         assert int8_of(layers.rms_norm(x, w, 1e-6, packed)) is None
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=list(DTYPES))
+@pytest.mark.parametrize("rows", [1, 5])
+def test_sigmoid_gate_of_a_strided_head_view(rows, dtype):
+    """qwen3.5's attention output gate: x * sigmoid(gate), gate the (T, heads, head_dim) half of each
+    head's [q | gate] rows, read in place; one token quantizes like the matmul would."""
+    from flashtree.kernels.qmatmul import int8_of, quantize_activations
+
+    gen = torch.Generator().manual_seed(rows)
+    q_proj = (torch.randn(rows, 3 * 2 * 64, generator=gen) * 4).to(DTYPES[dtype])
+    gate = q_proj.view(rows, 3, 128)[..., 64:]  # (rows, 3, 64), strides (384, 128, 1)
+    x = (torch.randn(rows, 3 * 64, generator=gen) * 2).to(DTYPES[dtype])
+    got = fused.gate_mul(gate, x, "sigmoid")
+    close(got, torch_path(layers.sigmoid_gate, x, gate))
+    assert torch.equal(fused.gate_mul(gate[-1:], x[-1:], "sigmoid"), got[-1:])
+    if rows == 1:
+        quantized = fused.gate_mul(gate, x, "sigmoid", quantize=True)
+        assert torch.equal(quantized, got)
+        assert same_activations(int8_of(quantized), quantize_activations(quantized))

@@ -1,5 +1,6 @@
 """Small fused kernels for the decode and verify steps: RMSNorm (optionally after a residual add, or
-followed by a SiLU gate) and SiLU-and-multiply, one Triton launch each.
+followed by a SiLU gate) and a gate's activation times a value (SwiGLU's silu(gate) * up, the attention
+output's x * sigmoid(gate)), one Triton launch each.
 
 Why: a decode step at batch 1 is bound by kernel launches outside its matmuls. torch's RMSNorm on a
 bf16 row ran three (cast to fp32, the norm, cast back) at ~2 + 5 + 2 us on an H200 for a 5120-value
@@ -106,20 +107,23 @@ def rms_norm(
 
 
 @triton.jit
-def _silu_mul_kernel(
-    out_ptr, gate_ptr, up_ptr, xq_ptr, scale_ptr, xqs_ptr, n_cols, stride_g, stride_u, BLOCK: tl.constexpr,
-    BF16: tl.constexpr, QUANT: tl.constexpr, GDC: tl.constexpr,
+def _gate_mul_kernel(
+    out_ptr, gate_ptr, x_ptr, xq_ptr, scale_ptr, xqs_ptr, n_cols, stride_g, gate_inner, stride_gh, stride_x,
+    BLOCK: tl.constexpr, BF16: tl.constexpr, SIGMOID: tl.constexpr, QUANT: tl.constexpr, GDC: tl.constexpr,
 ):  # fmt: skip
-    """out = silu(gate) * up for columns [j * BLOCK, j * BLOCK + BLOCK) of row program_id(0): silu in
-    fp32 rounded to the inputs' dtype, then the product rounded, as torch's two ops round. QUANT (one
-    row): the int8 quantization of these columns' blocks, as qmatmul.quantize_activations."""
+    """out = act(gate) * x for columns [j * BLOCK, j * BLOCK + BLOCK) of row program_id(0), act = silu (or
+    SIGMOID: sigmoid) in fp32 rounded to the inputs' dtype, then the product rounded, as torch's ops round.
+    Gate column c of a row sits at (c // gate_inner) * stride_gh + c % gate_inner (heads of a strided
+    view). QUANT (one row): the int8 quantization of these columns' blocks, as
+    qmatmul.quantize_activations."""
     wait_for_inputs(GDC)
     row, cols = tl.program_id(0), tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < n_cols
-    g = tl.load(gate_ptr + row * stride_g + cols, mask=ok, other=0.0).to(tl.float32)
-    u = tl.load(up_ptr + row * stride_u + cols, mask=ok, other=0.0).to(tl.float32)
-    act = rounded(g / (1.0 + tl.exp(-g)), BF16)
-    y = rounded(act * u, BF16)
+    g_at = gate_ptr + row * stride_g + (cols // gate_inner) * stride_gh + cols % gate_inner
+    g = tl.load(g_at, mask=ok, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
+    act = rounded((1.0 if SIGMOID else g) / (1.0 + tl.exp(-g)), BF16)  # sigmoid(g), or g * sigmoid(g)
+    y = rounded(act * x, BF16)
     tl.store(out_ptr + row * n_cols + cols, y.to(out_ptr.dtype.element_ty), mask=ok)
     if QUANT:
         blocks = tl.program_id(1) * (BLOCK // 32) + tl.arange(0, BLOCK // 32)
@@ -128,19 +132,22 @@ def _silu_mul_kernel(
                         scale_ptr, xqs_ptr)  # fmt: skip
 
 
-def silu_mul(gate: torch.Tensor, up: torch.Tensor, quantize: bool = False) -> torch.Tensor:
-    """silu(gate) * up for (rows, n) tensors (the halves of a merged gate/up projection's output, say),
-    one launch. quantize (one row, n a multiple of 32): the result carries its int8 quantization for the
-    matmul it feeds (qmatmul.with_int8), made in the same launch."""
-    gate, up = (t if t.stride(-1) == 1 else t.contiguous() for t in (gate, up))
-    rows, n = gate.shape
+def gate_mul(gate: torch.Tensor, x: torch.Tensor, act: str = "silu", quantize: bool = False) -> torch.Tensor:
+    """act(gate) * x, act "silu" (SwiGLU: gate and x the halves of a merged gate/up projection's output)
+    or "sigmoid" (qwen3.5's attention output gate: gate (rows, heads, head_dim), a strided head view), x
+    (rows, n), one launch. quantize (one row, n a multiple of 32): the result carries its int8
+    quantization for the matmul it feeds (qmatmul.with_int8), made in the same launch."""
+    gate, x = (t if t.stride(-1) == 1 else t.contiguous() for t in (gate, x))
+    rows, n = x.shape
+    inner, stride_gh = (n, 0) if gate.dim() == 2 else (gate.shape[-1], gate.stride(1))
     if quantize and (rows != 1 or n % 32):
         raise ValueError(f"quantize: one row of a multiple of 32 values, not {rows} x {n}")
-    out = torch.empty(rows, n, dtype=gate.dtype, device=gate.device)
-    act = new_activations(n, 1, gate.device) if quantize else (out, out, out)
+    out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    quantized = new_activations(n, 1, x.device) if quantize else (out, out, out)
     block = 1024
-    _silu_mul_kernel[(rows, triton.cdiv(n, block))](
-        out, gate, up, *act, n, gate.stride(0), up.stride(0), BLOCK=block, BF16=gate.dtype == torch.bfloat16,
-        QUANT=quantize, num_warps=4, enable_fp_fusion=False, **pdl_options(out),
+    _gate_mul_kernel[(rows, triton.cdiv(n, block))](
+        out, gate, x, *quantized, n, gate.stride(0), inner, stride_gh, x.stride(0), BLOCK=block,
+        BF16=x.dtype == torch.bfloat16, SIGMOID=act == "sigmoid", QUANT=quantize, num_warps=4,
+        enable_fp_fusion=False, **pdl_options(out),
     )  # fmt: skip
-    return with_int8(out, act) if quantize else out
+    return with_int8(out, quantized) if quantize else out

@@ -8,7 +8,7 @@ from torch import nn
 
 from flashtree import kernels
 from flashtree.kernels.attention import tree_attention
-from flashtree.models.layers import Linear, MergedLinear, rms_norm
+from flashtree.models.layers import Linear, MergedLinear, rms_norm, sigmoid_gate
 from flashtree.models.pass_ import ForwardPass
 from flashtree.models.state import KVCache
 
@@ -44,8 +44,7 @@ class Attention(nn.Module):
         q, k, v = self.qkv(x)  # (T, q rows), (T, n_kv * hd) x 2
         gate = None
         if self.output_gate:  # q_proj rows are packed per head as [q_h | gate_h]
-            q, gate = q.view(t, self.n_heads, 2 * hd).split(hd, dim=-1)
-            gate = gate.reshape(t, self.n_heads * hd)
+            q, gate = q.view(t, self.n_heads, 2 * hd).split(hd, dim=-1)  # gate (T, heads, hd)
         q = q.reshape(t, self.n_heads, hd)
         k = k.view(t, self.n_kv_heads, hd)
         v = v.view(t, self.n_kv_heads, hd)
@@ -70,5 +69,5 @@ class Attention(nn.Module):
             )[0].transpose(0, 1)
         out = out.reshape(t, self.n_heads * hd)
         if gate is not None:
-            out = out * torch.sigmoid(gate)
+            out = sigmoid_gate(out, gate, self.o)
         return self.o(out)

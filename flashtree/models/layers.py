@@ -179,8 +179,17 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, feeds: nn.Module | None = Non
     if _fused_kernels(gate):
         n = gate.shape[-1]
         quantize = _quantize_for(feeds, gate.reshape(-1, n))
-        return reshape_int8(fused.silu_mul(gate.reshape(-1, n), up.reshape(-1, n), quantize), gate.shape)
+        out = fused.gate_mul(gate.reshape(-1, n), up.reshape(-1, n), "silu", quantize)
+        return reshape_int8(out, gate.shape)
     return F.silu(gate) * up
+
+
+def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor, feeds: nn.Module | None = None) -> torch.Tensor:
+    """x * sigmoid(gate) in x's dtype: x (T, heads * dim), gate (T, heads, dim) (a strided head view);
+    qwen3.5's attention output gate (for `feeds`)."""
+    if _fused_kernels(x):
+        return fused.gate_mul(gate, x, "sigmoid", _quantize_for(feeds, x))
+    return x * torch.sigmoid(gate.reshape(x.shape))
 
 
 class RMSNorm(nn.Module):
