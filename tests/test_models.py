@@ -118,6 +118,22 @@ def test_commit_path_state_equals_ar_state(family, tiny_root):
             torch.testing.assert_close(a.conv, b.conv, atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("n", [2, 9])  # fewer prompt tokens than the conv's kernel - 1 (3), and more
+def test_a_prefill_leaves_the_conv_state_of_token_by_token_steps(n, tiny_root):
+    """The chunked prefill keeps its last kernel-1 conv inputs (of the prompt, or state rows and the
+    prompt when it is shorter) as AR steps over the same tokens would (up to the in-projection's fp32
+    rounding: an n-token matmul rounds differently from 1-token ones)."""
+    ours = load("qwen35", 1, tiny_root)
+    ids = prompt(n, seed=5)
+    state, ref = ours.new_state(32), ours.new_state(32)
+    ours(ids, state, logits="none")
+    for t in ids:
+        ours(t[None], ref, logits="none")
+    for a, b in zip(state.layers, ref.layers, strict=True):
+        if not hasattr(a, "k"):
+            torch.testing.assert_close(a.conv, b.conv, atol=1e-5, rtol=1e-4)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_layer_states_are_slices_of_one_store_per_kind(family, tiny_root):
     """So that commit_path moves every layer's accepted K/V, and adopts every DeltaNet layer's state, in

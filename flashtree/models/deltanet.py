@@ -185,7 +185,8 @@ class GatedDeltaNet(nn.Module):
         mixed, z, beta, alpha = self.in_proj(x)  # (T, conv channels), (T, nv * vd), (T, nv) x 2
         if fp.commit and t > 1:  # prefill: chunked form, only the final states are kept
             conv_out = self.causal_conv(mixed, st.conv, fp, None)
-            st.conv.copy_(torch.cat([st.conv, mixed], dim=0)[1 - self.kernel :])  # its last kernel-1 inputs
+            tail = torch.cat([st.conv, mixed[1 - self.kernel :]], dim=0)  # not the whole prompt's inputs
+            st.conv.copy_(tail[1 - self.kernel :])  # its last kernel-1 inputs
             inputs = delta_rule_inputs(conv_out, alpha, beta, *self._head_args)
             o, final = chunked_delta_rule(*inputs, st.recurrent)
             st.recurrent.copy_(final)
