@@ -192,15 +192,15 @@ class Engine:
         token = self._prefill(prompt_ids, sampling)
         _sync(self.device)
         stats.prefill_s = time.perf_counter() - t0
-        emitted = [token]
+        emitted = self._clip([token], budget, stop)
         t0 = time.perf_counter()
         while True:
-            emitted = self._clip(emitted, budget - stats.n_generated, stop)
             stats.n_generated += len(emitted)
             yield emitted
             if stats.n_generated >= budget or emitted[-1] in stop:
                 break
-            emitted = self._step(emitted[-1], sampling)
+            # A step's count is what it emits: tokens accepted past max_tokens or a stop id are not.
+            emitted = self._clip(self._step(emitted[-1], sampling), budget - stats.n_generated, stop)
             stats.record_step(len(emitted))
             stats.decode_s = time.perf_counter() - t0
 

@@ -69,6 +69,9 @@ def test_greedy_identity_oracle_draft(pair, error, config, monkeypatch):
         oracle = OracleDraft(prompt + ar, target.config.vocab, config["block_size"], error, seed=i)
         spec, stats = generate(target, oracle, prompt, 48, **config)
         assert spec == ar
+        # every token after the prefill's counted once: none past max_tokens (a perfect draft's last
+        # step accepts more than fits)
+        assert sum(n * c for n, c in enumerate(stats.accept_hist)) + 1 == len(spec)
         for n, c in enumerate(stats.accept_hist):
             hist_total[n] += c
     block = config["block_size"]
