@@ -45,17 +45,36 @@ def kernels_and_launches(module) -> tuple[list[ast.FunctionDef], list[ast.Call]]
     return kernels, launches
 
 
+# What a kernel may call before its wait: index arithmetic, and the prefetch of weights (constants that
+# no kernel writes) into L2, which reads nothing into a register and writes nothing
+BEFORE_THE_WAIT = {"tl.program_id", "tl.arange", "tl.minimum", "rows.to", "tl.static_range", "_prefetch_unit"}
+
+
 @pytest.mark.parametrize("module", DECODE_MODULES, ids=lambda m: m.__name__.rsplit(".", 1)[-1])
 def test_every_decode_kernel_waits_for_its_inputs_first(module):
     kernels, launches = kernels_and_launches(module)
     assert kernels and launches
     for kernel in kernels:
         body = kernel.body[1:] if isinstance(kernel.body[0].value, ast.Constant) else kernel.body
-        assert ast.unparse(body[0]) == "wait_for_inputs(GDC)", kernel.name
+        statements = [ast.unparse(s) for s in body]
+        assert "wait_for_inputs(GDC)" in statements, kernel.name
+        before = body[: statements.index("wait_for_inputs(GDC)")]
+        called = {ast.unparse(c.func) for s in before for c in ast.walk(s) if isinstance(c, ast.Call)}
+        assert called <= BEFORE_THE_WAIT, (kernel.name, called - BEFORE_THE_WAIT)
         assert kernel.args.args[-1].arg == "GDC", kernel.name
     for call in launches:
         unpacked = [ast.unparse(k.value) for k in call.keywords if k.arg is None]
         assert any(u.startswith("pdl_options(") for u in unpacked), ast.unparse(call.func)
+
+
+def test_the_prefetch_only_prefetches():
+    """_prefetch_unit's calls end in one inline PTX prefetch, with no output that anything reads."""
+    source = inspect.getsource(qmatmul._prefetch_l2.fn)
+    assert "prefetch.global.L2" in source and "ld." not in source and "st." not in source
+    for helper in (qmatmul._prefetch_unit, qmatmul._prefetch_field):
+        called = {ast.unparse(c.func) for c in ast.walk(ast.parse(inspect.getsource(helper.fn).lstrip()))
+                  if isinstance(c, ast.Call)}  # fmt: skip
+        assert called <= {"_prefetch_field", "_prefetch_l2", "_at", "tl.static_range"}, called
 
 
 def test_pdl_only_on_cuda_when_enabled(monkeypatch):
