@@ -7,10 +7,7 @@ weights) must match to fp32 rounding; against the plain fp64 x @ W^T they differ
 error. The same checks, in bf16 and with the PTX, run on the GPU in bench/gpu_kernels.py.
 """
 
-import json
 import os
-import subprocess
-import sys
 
 os.environ["TRITON_INTERPRET"] = "1"  # before triton.jit runs: the kernels then execute on CPU tensors
 
@@ -288,82 +285,6 @@ def test_split_targets_from_the_environment(monkeypatch):
         monkeypatch.setenv("FLASHTREE_QMM_SPLITS", bad)
         with pytest.raises(FlashtreeError, match="FLASHTREE_QMM_SPLITS"):
             qmatmul.splits_from_env()
-
-
-def test_prefetch_units_fit_half_the_l2(monkeypatch):
-    """The M = 1 kernel prefetches under PDL (FLASHTREE_QMM_PREFETCH=1) as many units of each split as
-    fit in half the L2 over all rows and splits (the 27B's matrices on an H200's 50 MiB), at most
-    MAX_PREFETCH and never more than a split has; off, or off CUDA, none."""
-    cuda = torch.device("cuda", 0)
-    monkeypatch.setattr(qmatmul, "_l2_bytes", lambda index: 50 << 20)
-    monkeypatch.setattr(qmatmul, "PREFETCH", True)
-    q4k, q6k = qmatmul.layout(QT.Q4_K, 6144), qmatmul.layout(QT.Q6_K, 5120)
-    assert qmatmul.prefetch_units(q4k, 5120, 24, 1, cuda) == 1  # a 17.7 MB output projection: whole
-    assert qmatmul.prefetch_units(q4k, 1024, 6, 4, cuda) == 4  # small: up to MAX_PREFETCH units a split
-    assert qmatmul.prefetch_units(q4k, 34816, 3, 7, cuda) == 1  # 100 MB gate/up: the first unit of each
-    assert qmatmul.prefetch_units(q6k, 248320, 1, 20, cuda) == 0  # the 1 GB LM head: one unit overflows
-    assert qmatmul.prefetch_units(q4k, 5120, 24, 1, torch.device("cpu")) == 0
-    monkeypatch.setattr(qmatmul, "PREFETCH", False)
-    assert qmatmul.prefetch_units(q4k, 5120, 24, 1, cuda) == 0
-
-
-def test_prefetch_from_the_environment(monkeypatch):
-    monkeypatch.delenv("FLASHTREE_QMM_PREFETCH", raising=False)
-    assert not qmatmul.prefetch_from_env()
-    monkeypatch.setenv("FLASHTREE_QMM_PREFETCH", "1")
-    assert qmatmul.prefetch_from_env()
-    monkeypatch.setenv("FLASHTREE_QMM_PREFETCH", "0")
-    assert not qmatmul.prefetch_from_env()
-
-
-# Compiles _matvec_kernel's PDL variant of every type for an H200 and reports, per type, what its PTX
-# does before and after griddepcontrol.wait. Run in a process of its own: under TRITON_INTERPRET the
-# kernels are interpreted functions, which the compiler does not take.
-SM90_COMPILE = """
-import inspect, json, torch, triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from flashtree.kernels import qmatmul
-from flashtree.quant.formats import QT
-
-kernel = qmatmul._matvec_kernel
-names = list(inspect.signature(kernel.fn).parameters)
-fp = {"d_ptr": "*fp16", "m_ptr": "*fp16", "y_ptr": "*fp32", "part_ptr": "*fp32", "scale_ptr": "*fp32"}
-report = {}
-for qtype in sorted(qmatmul.KERNEL_TYPES):
-    lay = qmatmul.layout(qtype, 4096)
-    const = qmatmul._static_args(lay, torch.device("cuda"))
-    const |= {"BN": 64, "UNROLL": 2, "FUSED_SUM": True, "GDC": True}
-    sig = {n: fp.get(n, "*i32" if n.endswith("_ptr") else "i32") for n in names}
-    sig |= {n: "constexpr" for n in const}
-    src = ASTSource(kernel, sig, {(names.index(k),): v for k, v in const.items()})
-    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 2}).asm["ptx"]
-    before, wait, after = ptx.partition("griddepcontrol.wait")
-    report[QT(qtype).name] = {
-        "waits": bool(wait), "prefetch_before": before.count("prefetch.global.L2"),
-        "prefetch_after": after.count("prefetch.global.L2"), "loads_before": before.count("ld.global"),
-    }
-print(json.dumps(report))
-"""
-
-
-@pytest.fixture(scope="module")
-def sm90_matvec() -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", SM90_COMPILE], env=env, capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.splitlines()[-1])
-
-
-@pytest.mark.parametrize("qtype", sorted(qmatmul.KERNEL_TYPES), ids=lambda t: QT(t).name)
-def test_the_pdl_matvec_compiles_for_sm90_with_its_prefetches_before_the_wait(sm90_matvec, qtype):
-    """The interpreter never runs the PDL variant (no PTX off CUDA), so it is compiled for an H200 here
-    (ptxas ships with Triton): every prefetch comes before griddepcontrol.wait, no load does."""
-    lay = qmatmul.layout(qtype, 4096)
-    fields = len(lay.fields) * (lay.group if lay.qtype in (QT.Q4_0, QT.Q4_1, QT.Q8_0) else 1)
-    got = sm90_matvec[QT(qtype).name]
-    assert got["waits"] and got["prefetch_after"] == 0 and got["loads_before"] == 0
-    assert got["prefetch_before"] >= qmatmul.MAX_PREFETCH.value * fields
 
 
 def test_k_splits_depend_on_the_shape_only():

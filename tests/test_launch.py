@@ -5,6 +5,10 @@ interpreter runs no PDL; on the H200, `bench/gpu_step.sh pdl-checks` checks the 
 
 import ast
 import inspect
+import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -21,6 +25,7 @@ from flashtree.kernels import (
     tree_conv,
     tree_deltanet,
 )
+from flashtree.quant.formats import QT
 
 # every module whose kernels run in decode steps (cross_entropy's run in draft training only)
 DECODE_MODULES = [accept, attention, ddtree, dense_matmul, fused, qmatmul, rotary, tree_conv, tree_deltanet]
@@ -47,7 +52,10 @@ def kernels_and_launches(module) -> tuple[list[ast.FunctionDef], list[ast.Call]]
 
 # What a kernel may call before its wait: index arithmetic, and the prefetch of weights (constants that
 # no kernel writes) into L2, which reads nothing into a register and writes nothing
-BEFORE_THE_WAIT = {"tl.program_id", "tl.arange", "tl.minimum", "rows.to", "tl.static_range", "_prefetch_unit"}
+BEFORE_THE_WAIT = {
+    "tl.program_id", "tl.arange", "tl.minimum", "tl.cdiv", "rows.to", "range", "tl.static_range",
+    "prefetch_l2", "_prefetch_unit",
+}  # fmt: skip
 
 
 @pytest.mark.parametrize("module", DECODE_MODULES, ids=lambda m: m.__name__.rsplit(".", 1)[-1])
@@ -68,13 +76,109 @@ def test_every_decode_kernel_waits_for_its_inputs_first(module):
 
 
 def test_the_prefetch_only_prefetches():
-    """_prefetch_unit's calls end in one inline PTX prefetch, with no output that anything reads."""
-    source = inspect.getsource(qmatmul._prefetch_l2.fn)
+    """prefetch_l2 is one inline PTX prefetch whose output nothing reads; qmatmul's per-type helpers only
+    call it."""
+    source = inspect.getsource(launch.prefetch_l2.fn)
     assert "prefetch.global.L2" in source and "ld." not in source and "st." not in source
     for helper in (qmatmul._prefetch_unit, qmatmul._prefetch_field):
         called = {ast.unparse(c.func) for c in ast.walk(ast.parse(inspect.getsource(helper.fn).lstrip()))
                   if isinstance(c, ast.Call)}  # fmt: skip
-        assert called <= {"_prefetch_field", "_prefetch_l2", "_at", "tl.static_range"}, called
+        assert called <= {"_prefetch_field", "prefetch_l2", "_at", "tl.static_range"}, called
+
+
+def test_prefetch_units_fit_half_the_l2(monkeypatch):
+    """Under PDL with FLASHTREE_PREFETCH=1 a program prefetches as many units of its split as fit in half
+    the L2 over all programs (the 27B's matrices on an H200's 50 MiB), at most the cap and never more than
+    its split has; off, without PDL or off CUDA, none."""
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(launch, "_l2_bytes", lambda index: 50 << 20)
+    monkeypatch.setattr(launch, "_supports_pdl", lambda index: True)
+    monkeypatch.setattr(launch, "PREFETCH", True)
+    monkeypatch.setattr(launch, "ENABLED", True)
+    q4k, q6k = qmatmul.layout(QT.Q4_K, 6144), qmatmul.layout(QT.Q6_K, 5120)
+    assert qmatmul.prefetch_units(q4k, 5120, 24, 1, cuda) == 1  # a 17.7 MB output projection: whole
+    assert qmatmul.prefetch_units(q4k, 1024, 6, 4, cuda) == 4  # small: up to MAX_PREFETCH units a split
+    assert qmatmul.prefetch_units(q4k, 1024, 6, 9, cuda) == qmatmul.MAX_PREFETCH.value
+    assert qmatmul.prefetch_units(q4k, 34816, 3, 7, cuda) == 1  # 100 MB gate/up: the first unit of each
+    assert qmatmul.prefetch_units(q6k, 248320, 1, 20, cuda) == 0  # the 1 GB LM head: one unit overflows
+    assert launch.units_to_prefetch(3072 * 9 * 64 * 4, 3, 3, cuda) == 3  # the pair's fp32 gate/up: whole
+    assert launch.units_to_prefetch(1 << 20, 5, 5, torch.device("cpu")) == 0
+    monkeypatch.setattr(launch, "ENABLED", False)
+    assert launch.units_to_prefetch(1 << 20, 5, 5, cuda) == 0
+    monkeypatch.setattr(launch, "ENABLED", True)
+    monkeypatch.setattr(launch, "PREFETCH", False)
+    assert launch.units_to_prefetch(1 << 20, 5, 5, cuda) == 0
+
+
+def test_prefetch_is_off_unless_turned_on(monkeypatch):
+    monkeypatch.delenv("FLASHTREE_PREFETCH", raising=False)
+    assert not launch.prefetch_from_env()
+    monkeypatch.setenv("FLASHTREE_PREFETCH", "1")
+    assert launch.prefetch_from_env()
+    monkeypatch.setenv("FLASHTREE_PREFETCH", "0")
+    assert not launch.prefetch_from_env()
+
+
+# Compiles the two weight-streaming kernels' PDL variants for an H200 (the M = 1 quantized matvec of every
+# type, the dense fp32 kernel) and reports what each one's PTX does before and after griddepcontrol.wait.
+# In a process of its own: under TRITON_INTERPRET the kernels are interpreted functions, which the
+# compiler does not take.
+SM90_COMPILE = """
+import inspect, json, torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from flashtree.kernels import dense_matmul, qmatmul
+from flashtree.quant.formats import QT
+
+FP = {"d_ptr": "*fp16", "m_ptr": "*fp16", "y_ptr": "*fp32", "part_ptr": "*fp32", "scale_ptr": "*fp32"}
+
+
+def compiled(kernel, const, fp, warps):
+    names = list(inspect.signature(kernel.fn).parameters)
+    sig = {n: fp.get(n, "*i32" if n.endswith("_ptr") else "i32") for n in names}
+    sig |= {n: "constexpr" for n in const}
+    src = ASTSource(kernel, sig, {(names.index(k),): v for k, v in const.items()})
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps}).asm["ptx"]
+    before, wait, after = ptx.partition("griddepcontrol.wait")
+    return {
+        "waits": bool(wait), "prefetch_before": before.count("prefetch.global.L2"),
+        "prefetch_after": after.count("prefetch.global.L2"), "loads_before": before.count("ld.global"),
+    }
+
+
+report = {}
+for qtype in sorted(qmatmul.KERNEL_TYPES):
+    const = qmatmul._static_args(qmatmul.layout(qtype, 4096), torch.device("cuda"))
+    const |= {"BN": 64, "UNROLL": 2, "FUSED_SUM": True, "GDC": True}
+    report[QT(qtype).name] = compiled(qmatmul._matvec_kernel, const, FP, 2)
+const = {"BN": 64, "BM": 16, "BK": 64, "FUSED_SUM": True, "GDC": True}
+report["dense"] = compiled(dense_matmul._dense_kernel, const, FP | {"x_ptr": "*fp32", "w_ptr": "*fp32"}, 4)
+print(json.dumps(report))
+"""
+
+
+@pytest.fixture(scope="module")
+def sm90() -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", SM90_COMPILE], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+@pytest.mark.parametrize("kernel", [QT(t).name for t in sorted(qmatmul.KERNEL_TYPES)] + ["dense"])
+def test_the_pdl_kernels_compile_for_sm90_with_their_prefetches_before_the_wait(sm90, kernel):
+    """The interpreter never runs the PDL variants (no PTX off CUDA), so they are compiled for an H200
+    here (ptxas ships with Triton): every prefetch comes before griddepcontrol.wait, no load does. The
+    matvec prefetches up to MAX_PREFETCH units of every field of its blocks (statically unrolled); the
+    dense kernel's loop over its units holds one prefetch per 128-byte line of a tile's row."""
+    got = sm90[kernel]
+    assert got["waits"] and got["prefetch_after"] == 0 and got["loads_before"] == 0
+    if kernel == "dense":
+        assert got["prefetch_before"] >= 1
+    else:
+        lay = qmatmul.layout(QT[kernel], 4096)
+        fields = len(lay.fields) * (lay.group if QT[kernel] in (QT.Q4_0, QT.Q4_1, QT.Q8_0) else 1)
+        assert got["prefetch_before"] >= qmatmul.MAX_PREFETCH.value * fields
 
 
 def test_pdl_only_on_cuda_when_enabled(monkeypatch):

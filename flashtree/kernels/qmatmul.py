@@ -61,11 +61,12 @@ A matrix may have a target of its own (`SHAPE_SPLITS`, FLASHTREE_QMM_SPLITS, per
 shape, chosen by bench/gpu_splits.py on the model's own matrices): still from the shape only, so every M
 of that matrix splits alike.
 
-Prefetch (FLASHTREE_QMM_PREFETCH=1; off until measured): at M = 1 a kernel is ~5-7 us even for a 4 MB
+Prefetch (FLASHTREE_PREFETCH=1; off until measured): at M = 1 a kernel is ~5-7 us even for a 4 MB
 matrix (bench/results/h200-fused-quant-2026-12-04/splits.log: 1024 x 5120 Q6_K 7.4 us, 5120 x 6144 Q4_K
 11.0 us, where the bytes take 1-4 us), ~1.4 ms of the 27B AR step's 5.5 ms of matvecs. Under PDL the
 next kernel's programs are resident while this one runs, so before their wait they ask L2 for their first
-units (`prefetch_units`: weights are constants, the wait still orders every read of x and every write).
+units (`launch.units_to_prefetch`: weights are constants; the wait still orders every read of x and
+every write).
 
 Before this design (bench/results/issue6-2026-12-02) the kernels decoded weights to fp32 and FMA'd them:
 ~9 instructions per value, 0.14-0.19 of copy bandwidth at M = 1.
@@ -84,7 +85,7 @@ import triton
 import triton.language as tl
 
 from flashtree.errors import FlashtreeError
-from flashtree.kernels.launch import pdl_options, wait_for_inputs
+from flashtree.kernels.launch import pdl_options, prefetch_l2, units_to_prefetch, wait_for_inputs
 from flashtree.quant.dequant import dequantize
 from flashtree.quant.formats import QT, block_bytes, block_size, row_bytes, type_name
 
@@ -424,20 +425,11 @@ def _group_words(QTYPE: tl.constexpr, q_ptr, qh_ptr, rows, N, blk, row_ok, g: tl
 
 
 @triton.jit
-def _prefetch_l2(ptrs, ok):
-    """Ask L2 for the lines holding `ptrs` where ok: nothing written, nothing waited for (PTX prefetch)."""
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.b32 $0, 0; }",
-        "=r,l,r", [ptrs, ok.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1,
-    )  # fmt: skip
-
-
-@triton.jit
 def _prefetch_field(ptr, rows, N, blk, ok, BLOCKS: tl.constexpr, CHUNKS: tl.constexpr, WIDTH: tl.constexpr):
     """`rows`' bytes of BLOCKS blocks from `blk` of one field (CHUNKS chunks per block, see `_at`)."""
     for b in tl.static_range(BLOCKS):
         for c in tl.static_range(CHUNKS):
-            _prefetch_l2(ptr + _at(rows, N, blk + b, CHUNKS, c, WIDTH), ok)
+            prefetch_l2(ptr + _at(rows, N, blk + b, CHUNKS, c, WIDTH), ok)
 
 
 @triton.jit
@@ -1014,29 +1006,10 @@ def _pointers(fields: list[torch.Tensor], lay: Layout, as_bytes: bool) -> list[t
     return [q, by_name.get("hdr", q), qh, by_name.get("d", q), by_name.get("m", q)]
 
 
-def prefetch_from_env() -> bool:
-    """FLASHTREE_QMM_PREFETCH=1: the M = 1 kernel prefetches (`prefetch_units`); off unless set."""
-    return os.environ.get("FLASHTREE_QMM_PREFETCH", "0") != "0"
-
-
-PREFETCH = prefetch_from_env()
-
-
-@cache
-def _l2_bytes(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).L2_cache_size
-
-
 def prefetch_units(lay: Layout, n_rows: int, n_splits: int, per_split: int, device: torch.device) -> int:
-    """Units of each K-split that the M = 1 kernel asks L2 for before PDL's wait (PREFETCH): under PDL
-    the next kernel's programs start while this one runs, so its weights (constants) can stream in
-    meanwhile instead of after a launch gap and a DRAM round trip. As many units as fit, over all rows and
-    splits, in half the L2 (the other half serves the kernel running meanwhile), at most MAX_PREFETCH:
-    a small matrix whole, a large one its first units, none where one unit of every split overflows."""
-    if not PREFETCH or device.type != "cuda":
-        return 0
-    per_unit = n_rows * n_splits * lay.group * block_bytes(lay.qtype)
-    return min(per_split, MAX_PREFETCH.value, _l2_bytes(device.index or 0) // 2 // per_unit)
+    """Units of each K-split the M = 1 kernel prefetches before PDL's wait (launch.units_to_prefetch)."""
+    unit_bytes = n_rows * n_splits * lay.group * block_bytes(lay.qtype)
+    return units_to_prefetch(unit_bytes, per_split, MAX_PREFETCH.value, device)
 
 
 def _static_args(lay: Layout, device: torch.device) -> dict:
