@@ -1,14 +1,11 @@
 """Programmatic dependent launch (kernels/launch.py): a kernel launched with PDL may start before the
 kernel ahead of it has finished, so every decode-path kernel must wait for its inputs before it touches
-memory, and every launch of one must say whether PDL is on. Checked on the source, since the CPU
-interpreter runs no PDL; on the H200, `bench/gpu_step.sh pdl-checks` checks the bits."""
+memory, and every launch of one must say whether PDL is on. Checked on the source here and on the
+kernels' sm_90 PTX by test_sm90_compile, since the CPU interpreter runs no PDL; on the H200,
+`bench/gpu_step.sh pdl-checks` checks the bits."""
 
 import ast
 import inspect
-import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -117,68 +114,6 @@ def test_prefetch_is_off_unless_turned_on(monkeypatch):
     assert launch.prefetch_from_env()
     monkeypatch.setenv("FLASHTREE_PREFETCH", "0")
     assert not launch.prefetch_from_env()
-
-
-# Compiles the two weight-streaming kernels' PDL variants for an H200 (the M = 1 quantized matvec of every
-# type, the dense fp32 kernel) and reports what each one's PTX does before and after griddepcontrol.wait.
-# In a process of its own: under TRITON_INTERPRET the kernels are interpreted functions, which the
-# compiler does not take.
-SM90_COMPILE = """
-import inspect, json, torch, triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from flashtree.kernels import dense_matmul, qmatmul
-from flashtree.quant.formats import QT
-
-FP = {"d_ptr": "*fp16", "m_ptr": "*fp16", "y_ptr": "*fp32", "part_ptr": "*fp32", "scale_ptr": "*fp32"}
-
-
-def compiled(kernel, const, fp, warps):
-    names = list(inspect.signature(kernel.fn).parameters)
-    sig = {n: fp.get(n, "*i32" if n.endswith("_ptr") else "i32") for n in names}
-    sig |= {n: "constexpr" for n in const}
-    src = ASTSource(kernel, sig, {(names.index(k),): v for k, v in const.items()})
-    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps}).asm["ptx"]
-    before, wait, after = ptx.partition("griddepcontrol.wait")
-    return {
-        "waits": bool(wait), "prefetch_before": before.count("prefetch.global.L2"),
-        "prefetch_after": after.count("prefetch.global.L2"), "loads_before": before.count("ld.global"),
-    }
-
-
-report = {}
-for qtype in sorted(qmatmul.KERNEL_TYPES):
-    const = qmatmul._static_args(qmatmul.layout(qtype, 4096), torch.device("cuda"))
-    const |= {"BN": 64, "UNROLL": 2, "FUSED_SUM": True, "GDC": True}
-    report[QT(qtype).name] = compiled(qmatmul._matvec_kernel, const, FP, 2)
-const = {"BN": 64, "BM": 16, "BK": 64, "FUSED_SUM": True, "GDC": True}
-report["dense"] = compiled(dense_matmul._dense_kernel, const, FP | {"x_ptr": "*fp32", "w_ptr": "*fp32"}, 4)
-print(json.dumps(report))
-"""
-
-
-@pytest.fixture(scope="module")
-def sm90() -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", SM90_COMPILE], env=env, capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.splitlines()[-1])
-
-
-@pytest.mark.parametrize("kernel", [QT(t).name for t in sorted(qmatmul.KERNEL_TYPES)] + ["dense"])
-def test_the_pdl_kernels_compile_for_sm90_with_their_prefetches_before_the_wait(sm90, kernel):
-    """The interpreter never runs the PDL variants (no PTX off CUDA), so they are compiled for an H200
-    here (ptxas ships with Triton): every prefetch comes before griddepcontrol.wait, no load does. The
-    matvec prefetches up to MAX_PREFETCH units of every field of its blocks (statically unrolled); the
-    dense kernel's loop over its units holds one prefetch per 128-byte line of a tile's row."""
-    got = sm90[kernel]
-    assert got["waits"] and got["prefetch_after"] == 0 and got["loads_before"] == 0
-    if kernel == "dense":
-        assert got["prefetch_before"] >= 1
-    else:
-        lay = qmatmul.layout(QT[kernel], 4096)
-        fields = len(lay.fields) * (lay.group if QT[kernel] in (QT.Q4_0, QT.Q4_1, QT.Q8_0) else 1)
-        assert got["prefetch_before"] >= qmatmul.MAX_PREFETCH.value * fields
 
 
 def test_pdl_only_on_cuda_when_enabled(monkeypatch):
