@@ -88,8 +88,9 @@ def prefetch_l2(ptrs, ok):
 
 @triton.jit
 def wait_for_inputs(GDC: tl.constexpr):
-    """The first statement of every decode-path kernel: under PDL, wait until the kernel before this one
-    has completed and its memory writes are visible, then let the kernel after this one launch."""
+    """Before every decode-path kernel's first read or write (only index math and `prefetch_l2` of
+    constant weights come before it): under PDL, wait until the kernel before this one has completed and
+    its memory writes are visible, then let the kernel after this one launch."""
     if GDC:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
