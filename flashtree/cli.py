@@ -240,6 +240,12 @@ def train_draft(
     anchors: int = typer.Option(64, "--anchors", help="Blocks per sequence."),
     lr: float = typer.Option(6e-4, "--lr"),
     gamma: float | None = typer.Option(None, "--gamma", help="Loss decay (default 7 for block 16)."),
+    val_sequences: int = typer.Option(
+        64,
+        "--val-sequences",
+        min=0,
+        help="Greedy responses held out of training; their replayed chain/tree AL is logged at checkpoints.",
+    ),
     seed: int = typer.Option(0, "--seed"),
     device: str | None = DeviceOpt,
 ):

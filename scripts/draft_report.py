@@ -4,7 +4,8 @@
         [--not-shipped RUN]
 
 RESULTS_DIR holds the run's $OUT: draft-q8_0.gguf.part.* and results.tar.gz unpacked (log,
-run/{config,train_config}.json, run/train_log.jsonl, bench/). Writes the shipped draft
+run/{config,train_config}.json, run/train_log.jsonl, run/val_log.jsonl where the run held sequences out,
+bench/). Writes the shipped draft
 (flashtree/drafts/smollm2-135m-instruct.gguf), bench/results/draft-training/{report.json,
 training_curve.png} (README.md is written by hand) and copies the `flashtree bench` run of the new
 draft to --bench-dir. With --not-shipped RUN (a run whose draft did not beat the shipped one), the
@@ -53,17 +54,26 @@ def data_stats(train_log: str) -> dict:
     }
 
 
-def plot_curve(rows: list[dict], path: Path) -> None:
+def plot_curve(rows: list[dict], val: list[dict], path: Path) -> None:
     steps = [r["step"] for r in rows]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
     ax1.plot(steps, [r["loss"] for r in rows])
     ax1.set_xlabel("step")
     ax1.set_ylabel("weighted CE loss")
     ax1.set_title("loss")
-    ax2.plot(steps, [r["accept_len"] for r in rows], color="tab:green")
+    ax2.plot(
+        steps, [r["accept_len"] for r in rows], color="tab:green", label="training blocks (every anchor)"
+    )
+    for key, label in (
+        ("val_chain_al", "held out, chain (replayed)"),
+        ("val_tree_al", "held out, tree (replayed)"),
+    ):
+        if val:
+            ax2.plot([r["step"] for r in val], [r[key] for r in val], marker="o", label=label)
     ax2.set_xlabel("step")
-    ax2.set_ylabel("accept length (teacher-forced blocks)")
-    ax2.set_title("per-block accept length on training batches")
+    ax2.set_ylabel("accept length")
+    ax2.set_title("accept length")
+    ax2.legend(fontsize=8)
     for ax in (ax1, ax2):
         ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -91,8 +101,13 @@ def main() -> None:
         install_draft(a.results)
     REPORT_DIR.mkdir(parents=True, exist_ok=True)
     run = a.results / "run"
-    rows = [json.loads(x) for x in (run / "train_log.jsonl").read_text().splitlines() if x.strip()]
-    plot_curve(rows, REPORT_DIR / f"training_curve{suffix}.png")
+    rows, val = (
+        [json.loads(x) for x in (run / name).read_text().splitlines() if x.strip()]
+        if (run / name).exists()
+        else []
+        for name in ("train_log.jsonl", "val_log.jsonl")
+    )
+    plot_curve(rows, val, REPORT_DIR / f"training_curve{suffix}.png")
     shutil.copytree(a.results / "bench", a.bench_dir, dirs_exist_ok=True)
     bench = json.loads((a.results / "bench" / "results.json").read_text())
     bench["git"]["commit"] = a.commit  # the pipeline ran from a copy without .git
@@ -109,7 +124,7 @@ def main() -> None:
         "shipped": not a.not_shipped,
         "train_config": json.loads((run / "train_config.json").read_text()),
         "data": data_stats(log),
-        "training": {"final": rows[-1], "first": rows[0], "log_rows": len(rows)},
+        "training": {"final": rows[-1], "first": rows[0], "log_rows": len(rows), "validation": val},
         "evaluation": {
             "settings": bench["options"],
             "source": str(a.bench_dir.relative_to(ROOT) if a.bench_dir.is_absolute() else a.bench_dir),

@@ -67,9 +67,9 @@ pipeline_running() {  # a failed pipeline ends the wait at once instead of after
   pgrep -f "train_draft_gpu.sh pipeline" >/dev/null
 }
 
-results() {  # what exists of the log, the run's configs and training log, the bench
-  tar -czf $OUT/results.tar.gz -C $STASH log run/config.json run/train_log.jsonl run/train_config.json \
-    bench 2>/dev/null || true
+results() {  # what exists of the log, the run's configs, training and validation logs, the bench
+  tar -czf $OUT/results.tar.gz -C $STASH log run/config.json run/train_log.jsonl run/val_log.jsonl \
+    run/train_config.json bench 2>/dev/null || true
 }
 
 collect() {  # the artifacts, at most 8 files of 16 MiB for $OUT; the draft only once

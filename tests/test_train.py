@@ -406,13 +406,15 @@ def test_tiny_run_lowers_loss_raises_accept_len_and_resumes(tiny, tiny_data, tmp
     draft = new_draft(_shape(gguf), model, seed=0)
     start = [Trainer(draft, hf, tiny_data, cfg, tmp_path / "probe").train_step(b) for b in probe]
 
+    _, greedy = D.hold_out(tiny_data, len(tiny_data), seed=0)  # validated on, here trained on too
+    before = Trainer(draft, hf, tiny_data, cfg, tmp_path / "probe", val=greedy).validate()
     first = Trainer(draft, hf, tiny_data, cfg, tmp_path, log=lambda m: None)
     batches = D.iterate_batches(tiny_data, cfg.batch, cfg.seed, 0)
     for _ in range(30):  # half the run, then a checkpoint: as if the machine went away
         first.train_step(next(batches))
     first.save_checkpoint()
     resumed = Trainer(
-        new_draft(_shape(gguf), model, seed=9), hf, tiny_data, cfg, tmp_path, log=lambda m: None
+        new_draft(_shape(gguf), model, seed=9), hf, tiny_data, cfg, tmp_path, log=lambda m: None, val=greedy
     )
     assert resumed.step == 30 and resumed.progress == 0.5
     for a, b in zip(draft.state_dict().values(), resumed.draft.state_dict().values(), strict=True):
@@ -425,6 +427,12 @@ def test_tiny_run_lowers_loss_raises_accept_len_and_resumes(tiny, tiny_data, tmp
     acc0, acc1 = (sum(s["accept_len"] for s in x) / 2 for x in (start, end))
     assert loss1 < 0.7 * loss0, (loss0, loss1)
     assert acc1 > acc0 + 0.5, (acc0, acc1)
+    # replayed decoding of the greedy sequences, at the resumed run's start and its last checkpoint
+    validated = [json.loads(line) for line in (tmp_path / "val_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in validated] == [30, 60]
+    for key in ("val_chain_al", "val_tree_al"):
+        assert validated[-1][key] > before[key] + 0.5, (key, before, validated)
+    assert validated[-1]["val_tree_al"] >= validated[-1]["val_chain_al"]
     logged = [json.loads(line) for line in (tmp_path / "train_log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in logged] == list(range(35, 61, 5))
     phases = ("ms_features", "ms_forward", "ms_backward", "ms_optimizer")

@@ -11,7 +11,7 @@ from flashtree.models.model import DecoderModel
 from flashtree.models.state import ModelState
 from flashtree.sampling import sample
 from flashtree.spec.accept import accept_path
-from flashtree.spec.tree import DraftTree, build_tree, chain_tree, fills_budget
+from flashtree.spec.tree import DraftTree, draft_tree, fills_budget
 
 
 class SpecDecoder:
@@ -45,10 +45,7 @@ class SpecDecoder:
 
     def draft_tree(self, root: torch.Tensor, n_keys: int | None = None) -> DraftTree:
         logits = self.draft.propose(self.context, root, self.block_size, n_keys)  # (B - 1, V)
-        if self.spec.mode == "chain":
-            return chain_tree(root, logits)
-        s = self.spec
-        return build_tree(root, logits, s.budget, s.tree_top_k, s.chain_seed, s.draft_temperature)
+        return draft_tree(self.spec, root, logits)
 
     def step(
         self,

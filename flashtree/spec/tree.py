@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from flashtree import kernels
+from flashtree.config import SpecConfig
 from flashtree.models.block import BlockLayout
 
 NEG_INF = float("-inf")
@@ -34,6 +35,15 @@ def chain_tree(root: torch.Tensor, draft_logits: torch.Tensor) -> DraftTree:
     """Chain decoding: the draft's argmax at every depth. root: 0-d long on the device."""
     tokens = torch.cat([root.view(1), draft_logits.argmax(-1)])
     return DraftTree(tokens, BlockLayout.chain(tokens.shape[0], tokens.device))
+
+
+def draft_tree(spec: SpecConfig, root: torch.Tensor, draft_logits: torch.Tensor) -> DraftTree:
+    """The verify block of a chain or tree step (spec.mode) from the draft's logits (L, V)."""
+    if spec.mode == "chain":
+        return chain_tree(root, draft_logits)
+    return build_tree(
+        root, draft_logits, spec.budget, spec.tree_top_k, spec.chain_seed, spec.draft_temperature
+    )
 
 
 def fills_budget(top_k: int, depth: int, budget: int) -> bool:

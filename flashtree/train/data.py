@@ -143,6 +143,7 @@ def generate_dataset(
 class Sequences:
     tokens: list[torch.Tensor]  # (L,) long per sequence: prompt + response
     prompt_lens: list[int]
+    sampled: list[bool]  # a sampled response (else the target's greedy one)
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -155,16 +156,32 @@ class Sequences:
 def load_sequences(data_dirs: list[Path], min_response: int) -> Sequences:
     """Every sequence of every shard of each directory in turn, in shard order, dropping responses
     shorter than min_response."""
-    tokens, prompt_lens = [], []
+    seqs = Sequences([], [], [])
     for path in (shard for d in data_dirs for shard in sorted(d.glob("shard-*.pt"))):
         shard = torch.load(path, weights_only=True)
         offsets = shard["offsets"].tolist()
         for i, p in enumerate(shard["prompt_lens"].tolist()):
             seq = shard["tokens"][offsets[i] : offsets[i + 1]].long()
             if len(seq) - p >= min_response:
-                tokens.append(seq)
-                prompt_lens.append(p)
-    return Sequences(tokens, prompt_lens)
+                seqs.tokens.append(seq)
+                seqs.prompt_lens.append(p)
+                seqs.sampled.append(bool(shard["sampled"]))
+    return seqs
+
+
+def hold_out(seqs: Sequences, n: int, seed: int) -> tuple[Sequences, Sequences]:
+    """(training, held-out): up to n greedy sequences, chosen by seed, kept out of training (never more
+    than half of them). Greedy, because replayed decoding (replay.py) needs the target's own output."""
+    greedy = [i for i, s in enumerate(seqs.sampled) if not s]
+    chosen = set(random.Random(seed).sample(greedy, min(n, len(greedy), len(seqs) // 2)))
+
+    def subset(keep) -> Sequences:
+        idx = [i for i in range(len(seqs)) if keep(i)]
+        return Sequences(
+            *([field[i] for i in idx] for field in (seqs.tokens, seqs.prompt_lens, seqs.sampled))
+        )
+
+    return subset(lambda i: i not in chosen), subset(lambda i: i in chosen)
 
 
 def epoch_batches(seqs: Sequences, batch_size: int, epoch: int, seed: int) -> list[list[int]]:

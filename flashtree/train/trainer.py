@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from flashtree.bench.hf_baseline import hf_model_from
+from flashtree.config import SpecConfig
 from flashtree.convert.synth import draft_shape_for
 from flashtree.errors import FlashtreeError
 from flashtree.models.dflash import DFlashDraft, load_draft
@@ -32,6 +33,7 @@ from flashtree.train.forward import draft_hidden, new_draft, save_draft
 from flashtree.train.hf_target import hf_features
 from flashtree.train.loss import dflash_loss, gamma_for, make_blocks, sample_anchors
 from flashtree.train.prompts import build_prompts, read_prompts, write_prompts
+from flashtree.train.replay import replay_draft
 
 
 @dataclass
@@ -48,6 +50,7 @@ class TrainConfig:
     seed: int = 0
     checkpoint_every: float = 120.0  # seconds
     log_every: int = 10
+    val_batch: int = 8  # held-out sequences per target forward when validating
 
 
 class PhaseClock:
@@ -97,12 +100,14 @@ class Trainer:
         out_dir: Path,
         log=print,
         export: Callable[[Path], None] | None = None,
+        val: D.Sequences | None = None,
     ):
         """`export(dir)`, if given, writes the draft as it stands; it runs at every checkpoint into
-        out_dir/snapshot, replaced whole, so a run cut short still leaves a usable draft."""
+        out_dir/snapshot, replaced whole, so a run cut short still leaves a usable draft. `val`: held-out
+        greedy sequences, replayed (validate) at every checkpoint into out_dir/val_log.jsonl."""
         if (cfg.steps is None) == (cfg.time_limit is None):
             raise FlashtreeError("training needs exactly one of --steps and --train-minutes")
-        self.draft, self.hf, self.seqs, self.cfg = draft, hf_model, seqs, cfg
+        self.draft, self.hf, self.seqs, self.cfg, self.val = draft, hf_model, seqs, cfg, val
         self.out_dir, self.log, self.export = out_dir, log, export
         self.gamma = cfg.gamma or gamma_for(cfg.block_size)
         self.optimizer = torch.optim.AdamW(draft.parameters(), lr=cfg.lr, weight_decay=0.0)
@@ -140,6 +145,8 @@ class Trainer:
         tmp.replace(self.checkpoint_path)
         if self.export is not None:
             self._write_snapshot()
+        if self.val is not None and len(self.val):
+            self._log_validation()
 
     def _write_snapshot(self) -> None:
         tmp, snapshot = self.out_dir / "snapshot.tmp", self.out_dir / "snapshot"
@@ -148,6 +155,40 @@ class Trainer:
         (tmp / "step").write_text(f"{self.step}\n")
         shutil.rmtree(snapshot, ignore_errors=True)
         tmp.rename(snapshot)
+
+    @torch.no_grad()
+    def validate(self) -> dict[str, float]:
+        """Mean accept length of greedy chain and tree decoding (default settings, the run's block size)
+        over the held-out sequences, replayed (replay.py): what `flashtree bench` would measure on them.
+        Not the training batches' accept_len, which counts every anchor alike, and so reads far higher,
+        since a long accepted run holds many anchors while decoding steps over it once (the eleventh run:
+        6.8 in training, chain 3.8 in the benchmark, whose steps replay exactly)."""
+        specs = {"val_chain_al": SpecConfig(mode="chain"), "val_tree_al": SpecConfig(mode="tree")}
+        per_seq = {k: [] for k in specs}
+        val, b = self.val, self.cfg.val_batch
+        for start in range(0, len(val), b):
+            rows = list(range(start, min(start + b, len(val))))
+            ids, _ = D.collate(val, rows, self.device)
+            features = hf_features(self.hf, ids, self.draft.config.target_layer_ids)
+            for row, i in enumerate(rows):
+                n = len(val.tokens[i])
+                with torch.autocast(self.device.type, torch.bfloat16, enabled=self.device.type == "cuda"):
+                    stats = replay_draft(
+                        self.draft, features[row, :n], ids[row, :n], val.prompt_lens[i],
+                        list(specs.values()), self.cfg.block_size,
+                    )  # fmt: skip
+                for key, st in zip(specs, stats, strict=True):
+                    per_seq[key].append(st.mean_accept_len)
+        return {k: sum(v) / len(v) for k, v in per_seq.items()}
+
+    def _log_validation(self) -> None:
+        row = {"step": self.step, "progress": round(self.progress, 4), **self.validate()}
+        with open(self.out_dir / "val_log.jsonl", "a", encoding="utf-8") as f:
+            f.write(json.dumps(row) + "\n")
+        self.log(
+            f"validation: step {self.step} held-out chain AL {row['val_chain_al']:.2f} tree AL "
+            f"{row['val_tree_al']:.2f} ({len(self.val)} sequences, replayed)"
+        )
 
     def train_step(self, indices: list[int]) -> dict:
         cfg = self.cfg
@@ -186,6 +227,8 @@ class Trainer:
         """Train to the end of the schedule, checkpointing every `checkpoint_every` seconds and at the end."""
         cfg = self.cfg
         log_path = self.out_dir / "train_log.jsonl"
+        if self.val is not None and len(self.val):
+            self._log_validation()  # where the run starts from
         last_save, window = time.perf_counter(), []
         batches = D.iterate_batches(self.seqs, cfg.batch, cfg.seed, self.step)
         while self.progress < 1.0:
@@ -244,6 +287,7 @@ def train_draft_command(
     anchors: int,
     lr: float,
     gamma: float | None,
+    val_sequences: int,
     seed: int,
     device: str | None,
 ) -> None:
@@ -288,14 +332,15 @@ def train_draft_command(
     seqs = D.load_sequences([out / "data", *extra_dirs], min_response=2 * block_size)
     if not len(seqs):
         raise FlashtreeError(f"{out / 'data'}: no sequence with a response of {2 * block_size}+ tokens")
-    print(f"data: {len(seqs)} sequences, {seqs.n_response_tokens} response tokens")
+    seqs, val = D.hold_out(seqs, val_sequences, seed)
+    print(f"data: {len(seqs)} sequences, {seqs.n_response_tokens} response tokens; {len(val)} held out")
 
     cfg = TrainConfig(
         block_size=block_size, anchors=anchors, batch=batch, lr=lr, gamma=gamma, steps=steps,
         time_limit=None if train_minutes is None else train_minutes * 60, seed=seed,
     )  # fmt: skip
     (out / "train_config.json").write_text(json.dumps({"layers": layers, **asdict(cfg)}, indent=2))
-    Trainer(draft, hf, seqs, cfg, out, export=lambda d: save_draft(draft, shape, d)).run()
+    Trainer(draft, hf, seqs, cfg, out, export=lambda d: save_draft(draft, shape, d), val=val).run()
     save_draft(draft, shape, out)
     print(f"draft written to {out}")
 
