@@ -53,7 +53,7 @@ def test_replay_takes_the_steps_decoding_takes_with_an_often_right_draft(target,
         out, stats = generate(model, oracle, prompt, N_NEW, **spec)
         assert out == ar
         ids = torch.tensor(prompt + ar)
-        replayed = replay(ids, len(prompt), _oracle_logits_at(oracle, block), SpecConfig(**spec), block)
+        (replayed,) = replay(ids, len(prompt), _oracle_logits_at(oracle, block), [SpecConfig(**spec)], block)
         assert (replayed.steps, replayed.accept_hist) == (stats.steps, stats.accept_hist), f"prompt {i}"
         hists.append(stats.accept_hist)
     lengths = {n for h in hists for n, c in enumerate(h) if c}
@@ -86,15 +86,17 @@ def test_replay_of_a_dflash_draft_equals_its_decoding(target, tmp_path):
     ]
     hist = [0] * (BLOCK + 1)
     for prompt, ar in zip(prompt_ids, outputs, strict=True):
-        ids = torch.tensor(prompt + ar)
+        ids, replayed = torch.tensor(prompt + ar), []
         feats = model(ids, model.new_state(128), capture=layers).features
         forced = TeacherForcedDraft(draft, feats, ids, BLOCK, chunk=16)
         for p in (len(prompt), len(prompt) + 17, len(ids) - 2):
             ctx = draft.new_context(128)
             draft.append_context(ctx, feats[:p])
             torch.testing.assert_close(forced(p), draft.propose(ctx, ids[p], BLOCK), atol=1e-4, rtol=1e-4)
-        for spec in specs:  # each block size in its own pass (the blocks differ)
-            got = replay_draft(draft, feats, ids, len(prompt), [spec], spec.block_size)[0]
+        for block_size in (BLOCK, 4):  # the specs of one block size walk together over one pass
+            same = [s for s in specs if s.block_size == block_size]
+            replayed += zip(same, replay_draft(draft, feats, ids, len(prompt), same, block_size), strict=True)
+        for spec, got in replayed:
             settings = {k: v for k, v in vars(spec).items() if k != "draft_ctx"}
             _, stats = generate(model, draft, prompt, N_NEW, **settings)
             assert (got.steps, got.accept_hist) == (stats.steps, stats.accept_hist), spec

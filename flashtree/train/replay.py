@@ -31,43 +31,48 @@ LogitsAt = Callable[[int], torch.Tensor]  # root position p -> the draft's logit
 
 
 def replay(
-    ids: torch.Tensor, first: int, logits_at: LogitsAt, spec: SpecConfig, block_size: int
-) -> GenerationStats:
+    ids: torch.Tensor, first: int, logits_at: LogitsAt, specs: list[SpecConfig], block_size: int
+) -> list[GenerationStats]:
     """Decode steps over ids (prompt + greedy output, 1-D long), the first generated token (the prefill's)
-    at position `first`: each step's emitted count, as GenerationStats records them."""
-    stats = GenerationStats(spec.mode)
+    at position `first`, under each spec: every step's emitted count, as GenerationStats records them.
+    The walks advance together, the one furthest behind first, so that logits_at is asked for positions
+    that only grow (TeacherForcedDraft keeps one chunk of them)."""
     n = ids.shape[0]
     # label of a node at depth d = x_{p+d+1}; -1 past the end matches nothing
     padded = torch.cat([ids, torch.full((block_size + 1,), -1, dtype=ids.dtype, device=ids.device)])
-    p = first
-    while p < n - 1:
-        tree = draft_tree(spec, ids[p], logits_at(p))
+    stats = [GenerationStats(spec.mode) for spec in specs]
+    roots = [first] * len(specs)
+    while (p := min(roots)) < n - 1:
+        i = roots.index(p)
+        tree = draft_tree(specs[i], ids[p], logits_at(p))
         samples = padded[p + 1 + tree.layout.depths]
         accepted = int(accept_path(tree.tokens, tree.layout, samples).n)  # root + draft nodes = emitted
-        stats.record_step(min(accepted, n - 1 - p))
-        p += accepted
+        stats[i].record_step(min(accepted, n - 1 - p))
+        roots[i] = p + accepted
     return stats
 
 
 class TeacherForcedDraft:
     """A DFlash draft's logits for roots at any position of one sequence, from the training forward
-    (train/forward.draft_hidden, equal to DFlashDraft.propose per block): `chunk` roots per pass, computed
-    the first time one of them is asked for and kept (a walk moves forward, so each chunk runs once)."""
+    (train/forward.draft_hidden, equal to DFlashDraft.propose per block): `chunk` roots per pass and one
+    LM head matmul for all of them (per root it would read the whole head each time), computed when one
+    of them is first asked for. Only the latest chunk is kept: callers ask for positions that only grow."""
 
     def __init__(
         self, draft: DFlashDraft, features: torch.Tensor, ids: torch.Tensor, block_size: int, chunk: int = 64
     ):
         self.draft, self.features, self.ids = draft, features[None], ids[None]  # (1, S, F), (1, S)
         self.block_size, self.chunk = block_size, chunk
-        self.hidden: dict[int, torch.Tensor] = {}  # chunk index -> (chunk, B, H) final-normed states
+        self.start, self.logits = -1, None  # the kept chunk's first root, its (chunk, B - 1, V) logits
 
     @torch.no_grad()
     def __call__(self, p: int) -> torch.Tensor:
-        c = p // self.chunk
-        if c not in self.hidden:
-            self.hidden[c] = self._block_states(c * self.chunk)
-        h = self.hidden[c][p - c * self.chunk, 1:]  # the block's mask positions
-        return self.draft.target.lm_head(h.to(self.draft.target.dtype)).float()
+        start = p - p % self.chunk
+        if start != self.start:
+            self.start, self.logits = start, None  # the old chunk's memory goes first
+            h = self._block_states(start)[:, 1:]  # the blocks' mask positions
+            self.logits = self.draft.target.lm_head(h.to(self.draft.target.dtype)).float()
+        return self.logits[p - start]
 
     def _block_states(self, start: int) -> torch.Tensor:
         s, b = self.ids.shape[1], self.block_size
@@ -95,5 +100,4 @@ def replay_draft(
 ) -> list[GenerationStats]:
     """replay() of a DFlash draft under each of `specs` (chain, trees of other settings), sharing one
     teacher-forced pass. features: (S, n_feat * H) the target's captured features at every position."""
-    logits_at = TeacherForcedDraft(draft, features, ids, block_size)
-    return [replay(ids, first, logits_at, spec, block_size) for spec in specs]
+    return replay(ids, first, TeacherForcedDraft(draft, features, ids, block_size), specs, block_size)
