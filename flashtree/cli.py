@@ -56,7 +56,9 @@ def run(
     block_size: int | None = typer.Option(None, "--block-size"),
     budget: int = typer.Option(22, "--budget"),
     tree_top_k: int = typer.Option(8, "--tree-top-k"),
-    no_chain_seed: bool = typer.Option(False, "--no-chain-seed"),
+    chain_seed: bool = typer.Option(
+        False, "--chain-seed/--no-chain-seed", help="Put the draft's greedy chain in every tree (lowers the mean AL)."
+    ),
     draft_ctx: int = typer.Option(4096, "--draft-ctx", help="Past target features the draft attends to."),
     draft_temperature: float = typer.Option(
         1.0, "--draft-temperature", help="Temperature of the draft distributions the tree is built from."

@@ -20,7 +20,7 @@ def engine_from_options(
     block_size=None,
     budget=22,
     tree_top_k=8,
-    no_chain_seed=False,
+    chain_seed=False,
     draft_ctx=4096,
     draft_temperature=1.0,
 ) -> Engine:
@@ -30,7 +30,7 @@ def engine_from_options(
         block_size=block_size,
         budget=budget,
         tree_top_k=tree_top_k,
-        chain_seed=not no_chain_seed,
+        chain_seed=chain_seed,
         draft_ctx=draft_ctx,
         draft_temperature=draft_temperature,
     )
@@ -51,7 +51,7 @@ def run_command(
     block_size,
     budget,
     tree_top_k,
-    no_chain_seed,
+    chain_seed,
     draft_ctx,
     draft_temperature,
     max_ctx,
@@ -68,7 +68,7 @@ def run_command(
         block_size,
         budget,
         tree_top_k,
-        no_chain_seed,
+        chain_seed,
         draft_ctx,
         draft_temperature,
     )

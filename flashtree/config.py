@@ -40,7 +40,7 @@ class SpecConfig:
     block_size: int | None = None  # None = the draft's own block size
     budget: int = 22  # DDTree non-root nodes
     tree_top_k: int = 8  # candidates per depth considered by the tree builder
-    chain_seed: bool = True  # insert the draft's greedy chain first
+    chain_seed: bool = False  # insert the draft's greedy chain first (lowers the mean AL: spec/tree.py)
     draft_temperature: float = 1.0  # temperature of the draft distributions the tree is built from
     draft_ctx: int = 4096  # ring of past target features the draft attends to
 

@@ -31,7 +31,9 @@
 # from init.gguf if staged), write the draft, convert it to the Q8_0 GGUF that ships, then
 # `flashtree bench` on the default pair with it (AR, chain, tree, HF and plain-AR baselines; 10 prompts per set).
 # BASELINES (default hf,plain): the bench's --baseline (plain alone saves the ~40 s of HF generation).
-# PROMPTS (default prompts.jsonl.gz): the prompt file of the stage to generate from; prompts-fresh.jsonl.gz
+# PROMPTS (default prompts.jsonl.gz): the prompt file(s) of the stage to generate from (several,
+# space-separated: one mix, whose batches a time-limited generation covers in a seeded random order,
+# e.g. after the earlier runs' data was lost with the checkout in session 18); prompts-fresh.jsonl.gz
 # once the first pool's greedy responses are used (with SAMPLED_EVERY=0 PASSES=1: greedy responses
 # to new prompts are what moved the draft; the sixth run's sampled ones did not); prompts-fresh2.jsonl.gz
 # once both are used (the eighth run trained on both: stage its data and the seventh's under extra/).
@@ -134,7 +136,8 @@ pipeline)  # run from $STASH/src
   nvidia-smi -L
   earlier=() && [ ! -f $STAGE/init.gguf ] || earlier=(--init $STAGE/init.gguf)  # what earlier runs left
   for d in $STASH/extra/*/data; do [ ! -d "$d" ] || earlier+=(--extra-data "$d"); done
-  python3 -m flashtree train-draft --target $GGUF --out $RUN --layers 5 --prompts $STAGE/${PROMPTS:-prompts.jsonl.gz} \
+  prompts=() && for f in ${PROMPTS:-prompts.jsonl.gz}; do prompts+=(--prompts "$STAGE/$f"); done
+  python3 -m flashtree train-draft --target $GGUF --out $RUN --layers 5 "${prompts[@]}" \
     "${earlier[@]}" --seed "${SEED:-0}" --gen-batch 2048 --sampled-every "${SAMPLED_EVERY:-4}" --passes "${PASSES:-1}" \
     --gen-minutes "${GEN_MINUTES:-7}" \
     --train-minutes "${TRAIN_MINUTES:-12}" --batch 32 --anchors 64 --lr "${LR:-6e-4}" --device cuda || exit 1

@@ -6,7 +6,9 @@ log-probs. Because a child never scores above its parent, the `budget` best rank
 it level by level with fixed-size torch ops (no heap, no host sync, same shapes every step):
 keep the `budget` best candidates per depth, then take the `budget` best over all depths.
 With `chain_seed` the draft's greedy chain is inserted first (as the peer does), so the tree never
-accepts less than chain decoding would.
+accepts less than chain decoding would in a step. Off by default: over many steps it accepts less, the
+chain's deep nodes taking 15 of 22 nodes that likelier paths would use (the shipped pair's held-out
+tree AL: see bench/results/cpu-replay-2026-12-05/).
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ def build_tree(
     draft_logits: torch.Tensor,  # (L, V): depth d + 1 distribution in row d
     budget: int,
     top_k: int,
-    chain_seed: bool = True,
+    chain_seed: bool = False,
     temperature: float = 1.0,
 ) -> DraftTree:
     depth_l, vocab = draft_logits.shape
