@@ -57,7 +57,7 @@ def run(
     budget: int = typer.Option(22, "--budget"),
     tree_top_k: int = typer.Option(8, "--tree-top-k"),
     chain_seed: bool = typer.Option(
-        False, "--chain-seed/--no-chain-seed", help="Put the draft's greedy chain in every tree (lowers the mean AL)."
+        False, "--chain-seed/--no-chain-seed", help="Seed each tree with the greedy chain (lowers AL)."
     ),
     draft_ctx: int = typer.Option(4096, "--draft-ctx", help="Past target features the draft attends to."),
     draft_temperature: float = typer.Option(
