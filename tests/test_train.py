@@ -432,7 +432,6 @@ def test_tiny_run_lowers_loss_raises_accept_len_and_resumes(tiny, tiny_data, tmp
     assert [r["step"] for r in validated] == [30, 60]
     for key in ("val_chain_al", "val_tree_al"):
         assert validated[-1][key] > before[key] + 0.5, (key, before, validated)
-    assert validated[-1]["val_tree_al"] >= validated[-1]["val_chain_al"]
     logged = [json.loads(line) for line in (tmp_path / "train_log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in logged] == list(range(35, 61, 5))
     phases = ("ms_features", "ms_forward", "ms_backward", "ms_optimizer")

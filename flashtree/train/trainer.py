@@ -332,8 +332,9 @@ def train_draft_command(
     seqs = D.load_sequences([out / "data", *extra_dirs], min_response=2 * block_size)
     if not len(seqs):
         raise FlashtreeError(f"{out / 'data'}: no sequence with a response of {2 * block_size}+ tokens")
+    print(f"data: {len(seqs)} sequences, {seqs.n_response_tokens} response tokens")
     seqs, val = D.hold_out(seqs, val_sequences, seed)
-    print(f"data: {len(seqs)} sequences, {seqs.n_response_tokens} response tokens; {len(val)} held out")
+    print(f"validation: {len(val)} greedy sequences held out of training")
 
     cfg = TrainConfig(
         block_size=block_size, anchors=anchors, batch=batch, lr=lr, gamma=gamma, steps=steps,
