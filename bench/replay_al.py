@@ -89,11 +89,11 @@ def main() -> None:
 
     model, gguf = load_target(args.target or default_target_path(), device="cpu", dtype=torch.float32)
     sequences = greedy_outputs(args, model, gguf)
-    specs = [SpecConfig(mode="chain"), SpecConfig(mode="tree")]
+    settings = {"chain": SpecConfig(mode="chain"), "tree": SpecConfig(mode="tree")}
     if args.set:
         name, values = parse_setting(args.set)
-        specs += [replace(SpecConfig(mode="tree"), **{name: v}) for v in values]
-    labels = [f"{s.mode}" if i < 2 else f"tree {name}={getattr(s, name)}" for i, s in enumerate(specs)]
+        settings |= {f"tree {name}={v}": replace(SpecConfig(mode="tree"), **{name: v}) for v in values}
+    labels, specs = list(settings), list(settings.values())
     rows = []
     for draft_path in args.draft or [default_draft_path()]:
         draft = load_draft(draft_path, model)

@@ -145,7 +145,7 @@ class Trainer:
         tmp.replace(self.checkpoint_path)
         if self.export is not None:
             self._write_snapshot()
-        if self.val is not None and len(self.val):
+        if self.val:  # None or empty: no validation
             self._log_validation()
 
     def _write_snapshot(self) -> None:
@@ -166,13 +166,14 @@ class Trainer:
         specs = {"val_chain_al": SpecConfig(mode="chain"), "val_tree_al": SpecConfig(mode="tree")}
         per_seq = {k: [] for k in specs}
         val, b = self.val, self.cfg.val_batch
+        autocast = torch.autocast(self.device.type, torch.bfloat16, enabled=self.device.type == "cuda")
         for start in range(0, len(val), b):
             rows = list(range(start, min(start + b, len(val))))
             ids, _ = D.collate(val, rows, self.device)
             features = hf_features(self.hf, ids, self.draft.config.target_layer_ids)
             for row, i in enumerate(rows):
                 n = len(val.tokens[i])
-                with torch.autocast(self.device.type, torch.bfloat16, enabled=self.device.type == "cuda"):
+                with autocast:
                     stats = replay_draft(
                         self.draft, features[row, :n], ids[row, :n], val.prompt_lens[i],
                         list(specs.values()), self.cfg.block_size,
@@ -227,7 +228,7 @@ class Trainer:
         """Train to the end of the schedule, checkpointing every `checkpoint_every` seconds and at the end."""
         cfg = self.cfg
         log_path = self.out_dir / "train_log.jsonl"
-        if self.val is not None and len(self.val):
+        if self.val:
             self._log_validation()  # where the run starts from
         last_save, window = time.perf_counter(), []
         batches = D.iterate_batches(self.seqs, cfg.batch, cfg.seed, self.step)
