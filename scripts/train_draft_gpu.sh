@@ -31,6 +31,8 @@
 # from init.gguf if staged), write the draft, convert it to the Q8_0 GGUF that ships, then
 # `flashtree bench` on the default pair with it (AR, chain, tree, HF and plain-AR baselines; 10 prompts per set).
 # BASELINES (default hf,plain): the bench's --baseline (plain alone saves the ~40 s of HF generation).
+# BENCH_INIT=1: also bench init.gguf's tree against plain AR (the draft trained from, in the same run);
+# PROFILE=0: no step profile at the end (a lease short of time).
 # PROMPTS (default prompts.jsonl.gz): the prompt file(s) of the stage to generate from (several,
 # space-separated: one mix, whose batches a time-limited generation covers in a seeded random order,
 # e.g. after the earlier runs' data was lost with the checkout in session 18); prompts-fresh.jsonl.gz
@@ -144,7 +146,12 @@ pipeline)  # run from $STASH/src
   python3 -m flashtree convert $RUN $DRAFT_GGUF --type q8_0 || exit 1
   python3 -m flashtree bench --target $GGUF --draft $DRAFT_GGUF --n 10 --max-tokens 256 --modes ar,chain,tree \
     --budget 22 --baseline "${BASELINES:-hf,plain}" --seed 0 --out $BENCH --device cuda
-  python3 bench/gpu_profile_steps.py $BENCH/profile_steps $GGUF $DRAFT_GGUF 2>&1 | grep -v USDT | tail -n 60
+  if [ "${BENCH_INIT:-0}" = 1 ] && [ -f $STAGE/init.gguf ]; then  # the draft trained from, side by side
+    python3 -m flashtree bench --target $GGUF --draft $STAGE/init.gguf --n 10 --max-tokens 256 --modes tree \
+      --budget 22 --baseline plain --seed 0 --out $BENCH/init --device cuda
+  fi
+  [ "${PROFILE:-1}" = 0 ] || python3 bench/gpu_profile_steps.py $BENCH/profile_steps $GGUF $DRAFT_GGUF 2>&1 \
+    | grep -v USDT | tail -n 60
   touch $STASH/done
   ;;
 wait)  # until the pipeline is done, the draft is written (returned at once: the bench may not
