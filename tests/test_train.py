@@ -439,6 +439,17 @@ def test_tiny_run_lowers_loss_raises_accept_len_and_resumes(tiny, tiny_data, tmp
     assert logged[-1]["lr"] < 0.05 * cfg.lr  # the cosine ran to its end
 
 
+def test_run_validates_each_checkpoint_once(tiny, tiny_data, tmp_path):
+    """A timed checkpoint at the last step is the final one: the end neither saves nor validates again."""
+    _, model, gguf = tiny
+    cfg = TrainConfig(block_size=BLOCK, anchors=8, batch=4, steps=3, checkpoint_every=0.0)
+    _, greedy = D.hold_out(tiny_data, 2, seed=0)
+    draft = new_draft(_shape(gguf), model, seed=0)
+    Trainer(draft, hf_model_from(model), tiny_data, cfg, tmp_path, log=lambda m: None, val=greedy).run()
+    validated = [json.loads(line) for line in (tmp_path / "val_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in validated] == [0, 1, 2, 3]
+
+
 def test_time_limited_schedule_follows_training_seconds():
     cfg = TrainConfig(lr=1.0, warmup_steps=10, time_limit=100.0)
     assert lr_at(0, 0.0, cfg) == pytest.approx(0.1)  # warmup by steps

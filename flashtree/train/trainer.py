@@ -230,7 +230,7 @@ class Trainer:
         log_path = self.out_dir / "train_log.jsonl"
         if self.val:
             self._log_validation()  # where the run starts from
-        last_save, window = time.perf_counter(), []
+        last_save, saved_step, window = time.perf_counter(), None, []
         batches = D.iterate_batches(self.seqs, cfg.batch, cfg.seed, self.step)
         while self.progress < 1.0:
             t0 = time.perf_counter()
@@ -241,8 +241,9 @@ class Trainer:
                 window = []
             if time.perf_counter() - last_save > cfg.checkpoint_every:
                 self.save_checkpoint()
-                last_save = time.perf_counter()
-        self.save_checkpoint()
+                last_save, saved_step = time.perf_counter(), self.step
+        if saved_step != self.step:  # the last step's timed checkpoint is the final one (one validation)
+            self.save_checkpoint()
 
     def _log_window(self, window: list[dict], log_path: Path) -> None:
         row = {
