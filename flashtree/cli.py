@@ -12,6 +12,7 @@ from pathlib import Path
 
 import typer
 
+from flashtree.bench.datasets import REPORT_N, REPORT_SEED
 from flashtree.errors import FlashtreeError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__.splitlines()[0])
@@ -121,7 +122,7 @@ def bench(
     target: Path | None = TargetOpt,
     draft: str | None = DraftOpt,
     datasets: str = typer.Option("humaneval,gsm8k,math500", "--datasets", help="Comma-separated benchmarks."),
-    n: int = typer.Option(10, "--n", help="Prompts per dataset, chosen by --seed."),
+    n: int = typer.Option(REPORT_N, "--n", help="Prompts per dataset, chosen by --seed."),
     max_tokens: int = typer.Option(256, "--max-tokens"),
     modes: str = typer.Option("ar,chain,tree", "--modes", help="Comma-separated: ar, chain, tree."),
     budget: int = typer.Option(22, "--budget", help="DDTree nodes (tree mode)."),
@@ -132,7 +133,7 @@ def bench(
         help="Comma-separated: hf (transformers on the same weights), plain (our plain AR).",
     ),
     raw: bool = typer.Option(False, "--raw", help="Raw completion prompts, no chat template."),
-    seed: int = typer.Option(0, "--seed"),
+    seed: int = typer.Option(REPORT_SEED, "--seed"),
     device: str | None = DeviceOpt,
     out: Path = typer.Option(..., "--out", help="Directory for results.json, results.md and plots."),
 ):
@@ -247,6 +248,13 @@ def train_draft(
         "--val-sequences",
         min=0,
         help="Greedy responses held out of training; their replayed chain/tree AL is logged at checkpoints.",
+    ),
+    dev_prompts: int = typer.Option(
+        0,
+        "--dev-prompts",
+        min=0,
+        help="Also log the replayed AL of the target's greedy responses to up to N prompts per benchmark "
+        "set (bench.datasets.dev_prompts: none of the reports'), the benchmark's own figure.",
     ),
     seed: int = typer.Option(0, "--seed"),
     device: str | None = DeviceOpt,

@@ -67,9 +67,12 @@ def plot_curve(rows: list[dict], val: list[dict], path: Path) -> None:
     for key, label in (
         ("val_chain_al", "held out, chain (replayed)"),
         ("val_tree_al", "held out, tree (replayed)"),
+        ("dev_chain_al", "benchmark dev prompts, chain (replayed)"),
+        ("dev_tree_al", "benchmark dev prompts, tree (replayed)"),
     ):
-        if val:
-            ax2.plot([r["step"] for r in val], [r[key] for r in val], marker="o", label=label)
+        logged = [r for r in val if key in r]
+        if logged:
+            ax2.plot([r["step"] for r in logged], [r[key] for r in logged], marker="o", label=label)
     ax2.set_xlabel("step")
     ax2.set_ylabel("accept length")
     ax2.set_title("accept length")

@@ -33,6 +33,9 @@
 # BASELINES (default hf,plain): the bench's --baseline (plain alone saves the ~40 s of HF generation).
 # BENCH_INIT=1: also bench init.gguf's tree against plain AR (the draft trained from, in the same run);
 # PROFILE=0: no step profile at the end (a lease short of time).
+# DEV_PROMPTS (default 10): train-draft --dev-prompts, the replayed AL of the target's greedy responses to
+# that many development prompts per benchmark set (none of the reports') in val_log.jsonl at every
+# checkpoint beside the held-out responses' (which rose in the twelfth run while the benchmark did not).
 # PROMPTS (default prompts.jsonl.gz): the prompt file(s) of the stage to generate from (several,
 # space-separated: one mix, whose batches a time-limited generation covers in a seeded random order,
 # e.g. after the earlier runs' data was lost with the checkout in session 18); prompts-fresh.jsonl.gz
@@ -107,7 +110,7 @@ smoke)
   nvidia-smi -L
   python3 -m flashtree train-draft --target $STAGE/tiny.gguf --out /tmp/smoke --layers 2 \
     --prompts $STAGE/smoke_prompts.jsonl.gz --max-new-tokens 40 --gen-batch 8 --gen-minutes 0.3 \
-    --passes 2 --train-minutes 0.1 --batch 4 --anchors 8 --device cuda || exit 1
+    --passes 2 --train-minutes 0.1 --batch 4 --anchors 8 --dev-prompts 1 --device cuda || exit 1
   python3 -m flashtree convert /tmp/smoke /tmp/smoke.gguf --type q8_0 || exit 1
   python3 -m flashtree bench --target $STAGE/tiny.gguf --draft /tmp/smoke.gguf --n 1 --max-tokens 24 \
     --baseline hf,plain --out /tmp/smoke-bench --device cuda || exit 1
@@ -142,7 +145,8 @@ pipeline)  # run from $STASH/src
   python3 -m flashtree train-draft --target $GGUF --out $RUN --layers 5 "${prompts[@]}" \
     "${earlier[@]}" --seed "${SEED:-0}" --gen-batch 2048 --sampled-every "${SAMPLED_EVERY:-4}" --passes "${PASSES:-1}" \
     --gen-minutes "${GEN_MINUTES:-7}" \
-    --train-minutes "${TRAIN_MINUTES:-12}" --batch 32 --anchors 64 --lr "${LR:-6e-4}" --device cuda || exit 1
+    --train-minutes "${TRAIN_MINUTES:-12}" --batch 32 --anchors 64 --lr "${LR:-6e-4}" \
+    --dev-prompts "${DEV_PROMPTS:-10}" --device cuda || exit 1
   python3 -m flashtree convert $RUN $DRAFT_GGUF --type q8_0 || exit 1
   python3 -m flashtree bench --target $GGUF --draft $DRAFT_GGUF --n 10 --max-tokens 256 --modes ar,chain,tree \
     --budget 22 --baseline "${BASELINES:-hf,plain}" --seed 0 --out $BENCH --device cuda

@@ -15,7 +15,16 @@ from matplotlib.image import imread
 from typer.testing import CliRunner
 
 from flashtree.bench import datasets
-from flashtree.bench.datasets import Prompt, dataset_path, load_prompts, parse_dataset_names, read_records
+from flashtree.bench.datasets import (
+    REPORT_N,
+    REPORT_SEED,
+    Prompt,
+    dataset_path,
+    dev_prompts,
+    load_prompts,
+    parse_dataset_names,
+    read_records,
+)
 from flashtree.bench.hf_baseline import HFBaseline, group_v_heads, hf_model_from
 from flashtree.bench.report import summarize, write_report
 from flashtree.bench.roofline import measure_ceilings, weight_bytes
@@ -69,6 +78,16 @@ def test_prompts_come_from_the_packages_and_the_seed_fixes_the_choice(name):
     assert len({p.id for p in first}) == 5
     assert [p.id for p in load_prompts(name, 5, seed=1)] != [p.id for p in first]
     assert all(p.dataset == name for p in first)
+
+
+@pytest.mark.parametrize("name", list(SIZES))
+def test_development_prompts_are_none_of_the_reports(name):
+    """Tuning and a training run's validation use dev_prompts: never a prompt the reports are on."""
+    reported = {p.id for p in load_prompts(name, REPORT_N, REPORT_SEED)}
+    dev = dev_prompts(name, 100)
+    assert dev == dev_prompts(name, 100) and not reported & {p.id for p in dev}
+    assert 100 - REPORT_N <= len(dev) <= 100  # the seed-1 choice, less those the reports share
+    assert dev_prompts(name, 10) == load_prompts(name, 10, seed=1)  # what bench/replay_al.py tuned on
 
 
 def test_prompt_formats_chat_and_raw():

@@ -407,14 +407,20 @@ def test_tiny_run_lowers_loss_raises_accept_len_and_resumes(tiny, tiny_data, tmp
     start = [Trainer(draft, hf, tiny_data, cfg, tmp_path / "probe").train_step(b) for b in probe]
 
     _, greedy = D.hold_out(tiny_data, len(tiny_data), seed=0)  # validated on, here trained on too
-    before = Trainer(draft, hf, tiny_data, cfg, tmp_path / "probe", val=greedy).validate()
+    before = Trainer(draft, hf, tiny_data, cfg, tmp_path / "probe", val={"val": greedy}).validate()
     first = Trainer(draft, hf, tiny_data, cfg, tmp_path, log=lambda m: None)
     batches = D.iterate_batches(tiny_data, cfg.batch, cfg.seed, 0)
     for _ in range(30):  # half the run, then a checkpoint: as if the machine went away
         first.train_step(next(batches))
     first.save_checkpoint()
     resumed = Trainer(
-        new_draft(_shape(gguf), model, seed=9), hf, tiny_data, cfg, tmp_path, log=lambda m: None, val=greedy
+        new_draft(_shape(gguf), model, seed=9),
+        hf,
+        tiny_data,
+        cfg,
+        tmp_path,
+        log=lambda m: None,
+        val={"val": greedy},
     )
     assert resumed.step == 30 and resumed.progress == 0.5
     for a, b in zip(draft.state_dict().values(), resumed.draft.state_dict().values(), strict=True):
@@ -445,9 +451,11 @@ def test_run_validates_each_checkpoint_once(tiny, tiny_data, tmp_path):
     cfg = TrainConfig(block_size=BLOCK, anchors=8, batch=4, steps=3, checkpoint_every=0.0)
     _, greedy = D.hold_out(tiny_data, 2, seed=0)
     draft = new_draft(_shape(gguf), model, seed=0)
-    Trainer(draft, hf_model_from(model), tiny_data, cfg, tmp_path, log=lambda m: None, val=greedy).run()
+    val = {"val": greedy, "empty": D.Sequences([], [], [])}  # an empty set is not validated
+    Trainer(draft, hf_model_from(model), tiny_data, cfg, tmp_path, log=lambda m: None, val=val).run()
     validated = [json.loads(line) for line in (tmp_path / "val_log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in validated] == [0, 1, 2, 3]
+    assert all(r.keys() == {"step", "progress", "val_chain_al", "val_tree_al"} for r in validated)
 
 
 def test_time_limited_schedule_follows_training_seconds():
@@ -463,12 +471,20 @@ def test_train_draft_command_writes_a_loadable_draft(tiny, tmp_path):
     out = tmp_path / "run"
     args = ["train-draft", "--target", str(path), "--out", str(out), "--layers", "1", "--block-size", "8",
             "--prompts", str(tmp_path / "p.jsonl.gz"), "--max-new-tokens", "24", "--gen-batch", "4",
-            "--steps", "2", "--batch", "2", "--anchors", "4", "--device", "cpu"]  # fmt: skip
+            "--steps", "2", "--batch", "2", "--anchors", "4", "--dev-prompts", "1",
+            "--device", "cpu"]  # fmt: skip
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
     draft = load_draft(out, model)
     assert draft.config.n_layers == 1 and draft.config.block_size == 8
     assert (out / "checkpoint.pt").is_file() and len(list((out / "data").glob("shard-*.pt"))) == 1
+    # validated at the start and the end on held-out responses and on one development prompt per set
+    assert "validation: 3 greedy responses to benchmark development prompts" in result.output, result.output
+    validated = [json.loads(line) for line in (out / "val_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in validated] == [0, 2]
+    for row in validated:
+        assert {"val_chain_al", "val_tree_al", "dev_chain_al", "dev_tree_al"} <= row.keys()
+        assert all(row[k] >= 1.0 for k in ("dev_chain_al", "dev_tree_al")), row
 
 
 def test_train_draft_adds_the_responses_of_extra_data_dirs(tiny, tmp_path):

@@ -98,6 +98,17 @@ def load_prompts(name: str, n: int, seed: int, raw: bool = False) -> list[Prompt
     return [_prompt(name, records[i], template) for i in chosen]
 
 
+REPORT_N, REPORT_SEED = 10, 0  # `flashtree bench`'s defaults: the prompts the reports are on
+DEV_SEED = 1
+
+
+def dev_prompts(name: str, n: int) -> list[Prompt]:
+    """Development prompts of dataset `name` (tuning, a training run's validation): load_prompts at
+    DEV_SEED, less any the reports use (load_prompts at REPORT_N, REPORT_SEED), so up to n."""
+    reported = {p.id for p in load_prompts(name, REPORT_N, REPORT_SEED)}
+    return [p for p in load_prompts(name, n, DEV_SEED) if p.id not in reported]
+
+
 def _prompt(name: str, record: dict, template: str) -> Prompt:
     if name == "humaneval":
         return Prompt(name, record["task_id"], template.format(prompt=record["prompt"]))

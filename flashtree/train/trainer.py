@@ -100,14 +100,16 @@ class Trainer:
         out_dir: Path,
         log=print,
         export: Callable[[Path], None] | None = None,
-        val: D.Sequences | None = None,
+        val: dict[str, D.Sequences] | None = None,
     ):
         """`export(dir)`, if given, writes the draft as it stands; it runs at every checkpoint into
-        out_dir/snapshot, replaced whole, so a run cut short still leaves a usable draft. `val`: held-out
-        greedy sequences, replayed (validate) at every checkpoint into out_dir/val_log.jsonl."""
+        out_dir/snapshot, replaced whole, so a run cut short still leaves a usable draft. `val`: sets of
+        greedy sequences by name ("val": held out of the data, "dev": responses to benchmark prompts),
+        replayed (validate) at every checkpoint into out_dir/val_log.jsonl."""
         if (cfg.steps is None) == (cfg.time_limit is None):
             raise FlashtreeError("training needs exactly one of --steps and --train-minutes")
-        self.draft, self.hf, self.seqs, self.cfg, self.val = draft, hf_model, seqs, cfg, val
+        self.draft, self.hf, self.seqs, self.cfg = draft, hf_model, seqs, cfg
+        self.val = {name: v for name, v in (val or {}).items() if len(v)}
         self.out_dir, self.log, self.export = out_dir, log, export
         self.gamma = cfg.gamma or gamma_for(cfg.block_size)
         self.optimizer = torch.optim.AdamW(draft.parameters(), lr=cfg.lr, weight_decay=0.0)
@@ -145,7 +147,7 @@ class Trainer:
         tmp.replace(self.checkpoint_path)
         if self.export is not None:
             self._write_snapshot()
-        if self.val:  # None or empty: no validation
+        if self.val:
             self._log_validation()
 
     def _write_snapshot(self) -> None:
@@ -159,13 +161,17 @@ class Trainer:
     @torch.no_grad()
     def validate(self) -> dict[str, float]:
         """Mean accept length of greedy chain and tree decoding (default settings, the run's block size)
-        over the held-out sequences, replayed (replay.py): what `flashtree bench` would measure on them.
-        Not the training batches' accept_len, which counts every anchor alike, and so reads far higher,
-        since a long accepted run holds many anchors while decoding steps over it once (the eleventh run:
-        6.8 in training, chain 3.8 in the benchmark, whose steps replay exactly)."""
-        specs = {"val_chain_al": SpecConfig(mode="chain"), "val_tree_al": SpecConfig(mode="tree")}
+        over each validation set, replayed (replay.py): what `flashtree bench` would measure on them, as
+        {NAME_chain_al, NAME_tree_al}. Not the training batches' accept_len, which counts every anchor
+        alike, and so reads far higher, since a long accepted run holds many anchors while decoding steps
+        over it once (the eleventh run: 6.8 in training, chain 3.8 in the benchmark, whose steps replay
+        exactly)."""
+        return {k: v for name, seqs in self.val.items() for k, v in self._replayed_al(name, seqs).items()}
+
+    def _replayed_al(self, name: str, val: D.Sequences) -> dict[str, float]:
+        specs = {f"{name}_chain_al": SpecConfig(mode="chain"), f"{name}_tree_al": SpecConfig(mode="tree")}
         per_seq = {k: [] for k in specs}
-        val, b = self.val, self.cfg.val_batch
+        b = self.cfg.val_batch
         autocast = torch.autocast(self.device.type, torch.bfloat16, enabled=self.device.type == "cuda")
         for start in range(0, len(val), b):
             rows = list(range(start, min(start + b, len(val))))
@@ -186,10 +192,12 @@ class Trainer:
         row = {"step": self.step, "progress": round(self.progress, 4), **self.validate()}
         with open(self.out_dir / "val_log.jsonl", "a", encoding="utf-8") as f:
             f.write(json.dumps(row) + "\n")
-        self.log(
-            f"validation: step {self.step} held-out chain AL {row['val_chain_al']:.2f} tree AL "
-            f"{row['val_tree_al']:.2f} ({len(self.val)} sequences, replayed)"
+        sets = "; ".join(
+            f"{name} chain AL {row[f'{name}_chain_al']:.2f} tree AL {row[f'{name}_tree_al']:.2f} "
+            f"({len(seqs)} sequences)"
+            for name, seqs in self.val.items()
         )
+        self.log(f"validation: step {self.step} {sets} (replayed)")
 
     def train_step(self, indices: list[int]) -> dict:
         cfg = self.cfg
@@ -267,6 +275,25 @@ def default_code_roots() -> list[Path]:
     return [Path(sysconfig.get_paths()["stdlib"]), *map(Path, site.getsitepackages())]
 
 
+def dev_sequences(hf, tokenizer, n_per_set: int, max_new_tokens: int, stop_ids: list[int]) -> D.Sequences:
+    """The target's greedy responses to up to n_per_set development prompts of each benchmark set
+    (bench.datasets.dev_prompts: none of those the reports are on): their replayed AL is the benchmark's
+    own figure, where the data's held-out responses read higher and can rise while it does not (the
+    twelfth run: held-out tree AL 6.34 -> 6.57, benchmark 4.89 -> 4.90)."""
+    from flashtree.bench.datasets import DATASETS, dev_prompts
+
+    if n_per_set == 0:
+        return D.Sequences([], [], [])
+    chosen = [p for ds in DATASETS for p in dev_prompts(ds, n_per_set)]
+    prompt_ids = [D.chat_prompt_ids(tokenizer, p.text) for p in chosen]
+    outputs = D.generate_responses(hf, prompt_ids, max_new_tokens, stop_ids)
+    return D.Sequences(
+        [torch.tensor(ids + out) for ids, out in zip(prompt_ids, outputs, strict=True)],
+        [len(ids) for ids in prompt_ids],
+        [False] * len(prompt_ids),
+    )
+
+
 def train_draft_command(
     target: Path | None,
     out: Path,
@@ -290,6 +317,7 @@ def train_draft_command(
     lr: float,
     gamma: float | None,
     val_sequences: int,
+    dev_prompts: int,
     seed: int,
     device: str | None,
 ) -> None:
@@ -337,13 +365,18 @@ def train_draft_command(
     print(f"data: {len(seqs)} sequences, {seqs.n_response_tokens} response tokens")
     seqs, val = D.hold_out(seqs, val_sequences, seed)
     print(f"validation: {len(val)} greedy sequences held out of training")
+    dev = dev_sequences(hf, tokenizer, dev_prompts, max_new_tokens, stop_ids)
+    if dev_prompts:
+        print(f"validation: {len(dev)} greedy responses to benchmark development prompts")
 
     cfg = TrainConfig(
         block_size=block_size, anchors=anchors, batch=batch, lr=lr, gamma=gamma, steps=steps,
         time_limit=None if train_minutes is None else train_minutes * 60, seed=seed,
     )  # fmt: skip
     (out / "train_config.json").write_text(json.dumps({"layers": layers, **asdict(cfg)}, indent=2))
-    Trainer(draft, hf, seqs, cfg, out, export=lambda d: save_draft(draft, shape, d), val=val).run()
+    Trainer(
+        draft, hf, seqs, cfg, out, export=lambda d: save_draft(draft, shape, d), val={"val": val, "dev": dev}
+    ).run()
     save_draft(draft, shape, out)
     print(f"draft written to {out}")
 
