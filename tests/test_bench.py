@@ -88,6 +88,7 @@ def test_development_prompts_are_none_of_the_reports(name):
     assert dev == dev_prompts(name, 100) and not reported & {p.id for p in dev}
     assert 100 - REPORT_N <= len(dev) <= 100  # the seed-1 choice, less those the reports share
     assert dev_prompts(name, 10) == load_prompts(name, 10, seed=1)  # what bench/replay_al.py tuned on
+    assert len(dev_prompts(name, 10**6)) == SIZES[name] - REPORT_N  # the whole set but the reports'
 
 
 def test_prompt_formats_chat_and_raw():

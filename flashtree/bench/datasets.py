@@ -104,9 +104,11 @@ DEV_SEED = 1
 
 def dev_prompts(name: str, n: int) -> list[Prompt]:
     """Development prompts of dataset `name` (tuning, a training run's validation): load_prompts at
-    DEV_SEED, less any the reports use (load_prompts at REPORT_N, REPORT_SEED), so up to n."""
+    DEV_SEED, less any the reports use (load_prompts at REPORT_N, REPORT_SEED), so up to n (at most the
+    whole set, less those)."""
     reported = {p.id for p in load_prompts(name, REPORT_N, REPORT_SEED)}
-    return [p for p in load_prompts(name, n, DEV_SEED) if p.id not in reported]
+    chosen = load_prompts(name, min(n, len(read_records(name))), DEV_SEED)
+    return [p for p in chosen if p.id not in reported]
 
 
 def _prompt(name: str, record: dict, template: str) -> Prompt:
