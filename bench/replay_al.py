@@ -4,13 +4,14 @@ draft pass per prompt, equal step for step to what `flashtree bench` measures, m
 decode of every mode takes most of an hour. For tuning tree settings and comparing drafts without a GPU.
 
     python bench/replay_al.py OUT.json [--set draft_temperature=1.0,0.8] [--draft D ...] [--n 10]
-        [--max-tokens 256] [--seed 1] [--outputs RESULTS.json] [--target T.gguf]
+        [--max-tokens 256] [--seed 1] [--outputs RESULTS.json] [--target T.gguf] [--fp8]
 
 Prompts: --n per set (HumanEval, GSM8K, MATH-500) chosen by --seed; the default seed 1 keeps them apart
 from the held-out report's (seed 0). Greedy outputs: batched greedy decoding of the target as a
 transformers model (train/data.generate_responses), or the AR rows of a `flashtree bench` run
 (--outputs, its prompts and settings). Rows: chain at the draft's defaults, then tree at the defaults
-and with each value of --set (a SpecConfig field: draft_temperature, tree_top_k, budget, chain_seed).
+and with each value of --set (a SpecConfig field: draft_temperature, tree_top_k, budget, chain_seed); with
+--fp8 every draft twice, as loaded and with its matrices and LM head in fp8 (kernels/fp8.py).
 """
 
 from __future__ import annotations
@@ -83,6 +84,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--outputs", type=Path, help="a `flashtree bench` results.json: its AR rows' outputs")
     ap.add_argument("--target")
+    ap.add_argument("--fp8", action="store_true", help="also replay each draft with fp8 matrices")
     args = ap.parse_args()
     made_by = provenance()  # git, settings: as the run starts
     torch.set_grad_enabled(False)
@@ -95,8 +97,10 @@ def main() -> None:
         settings |= {f"tree {name}={v}": replace(SpecConfig(mode="tree"), **{name: v}) for v in values}
     labels, specs = list(settings), list(settings.values())
     rows = []
-    for draft_path in args.draft or [default_draft_path()]:
-        draft = load_draft(draft_path, model)
+    precisions = (False, True) if args.fp8 else (False,)
+    runs = [(path, in_fp8) for path in args.draft or [default_draft_path()] for in_fp8 in precisions]
+    for draft_path, in_fp8 in runs:
+        draft = load_draft(draft_path, model, in_fp8)
         block = draft.config.block_size
         start, per_prompt = time.time(), []
         for seq in sequences:
@@ -106,14 +110,20 @@ def main() -> None:
             stats = replay_draft(draft, feats.features, seq["ids"], seq["first"], specs, block)
             per_prompt.append([st.mean_accept_len for st in stats])
         for j, label in enumerate(labels):
-            row = {"draft": str(draft_path), "setting": label, "al": [p[j] for p in per_prompt]}
+            row = {
+                "draft": str(draft_path),
+                "fp8": in_fp8,
+                "setting": label,
+                "al": [p[j] for p in per_prompt],
+            }
             for ds in DATASETS:
                 row[ds] = fmean(
                     p[j] for p, s in zip(per_prompt, sequences, strict=True) if s["dataset"] == ds
                 )
             row["mean_al"] = fmean(row["al"])
             rows.append(row)
-            print(f"{Path(draft_path).name:40s} {label:32s} mean AL {row['mean_al']:.3f}  "
+            name = Path(draft_path).name + (" (fp8)" if in_fp8 else "")
+            print(f"{name:40s} {label:32s} mean AL {row['mean_al']:.3f}  "
                   + "  ".join(f"{ds} {row[ds]:.2f}" for ds in DATASETS), flush=True)  # fmt: skip
         print(f"({time.time() - start:.0f} s)", flush=True)
     result = {

@@ -2,11 +2,12 @@
 
 Measured in one run: copy bandwidth and bf16 matmul rate (roofline.py); the AR step (a 1-token forward,
 eager and, on CUDA, replayed from a CUDA graph, at a fixed position); verify forwards of tree layouts with
-N = 16, 23, 32, 64 tokens (eager and graphed); the draft step (DFlash propose + tree build); the engine's
+N = 16, 23, 32, 64 tokens (eager and graphed); the draft step (DFlash propose + tree build), also with
+the draft's matrices in fp8 where the device has fp8 (`draft_step_fp8`, kernels/fp8.py); the engine's
 own decode steps end to end (AR, and tree: draft + verify + accept + commit, one host read each; CUDA
 graphs on CUDA, exactly as `flashtree run` does them); prefill tok/s at 512 and 8192 tokens (in the
-engine's chunks); peak memory; and a kernel-time profile of the AR step and the 23-token verify, so a
-missed target says what bounds it. Times are medians of CUDA-event timings after warm-up.
+engine's chunks); peak memory; and a kernel-time profile of the AR step, the 23-token verify and the draft
+steps, so a missed target says what bounds it. Times are medians of CUDA-event timings after warm-up.
 AR roofline ratio = (weight bytes read per token / copy bandwidth) / AR step time.
 """
 
@@ -28,6 +29,7 @@ from flashtree.convert.inspect import describe
 from flashtree.cuda_graphs import kv_bucket
 from flashtree.errors import FlashtreeError
 from flashtree.generate import PREFILL_CHUNK, Engine
+from flashtree.kernels import fp8
 from flashtree.models.dflash import load_draft
 from flashtree.models.loader import default_device, load_target
 from flashtree.spec.tree import build_tree
@@ -144,7 +146,9 @@ class StepBench:
     ):
         self.device = default_device()
         self.model, self.gguf = load_target(target, device=self.device, quantized=quantized)
-        self.draft = load_draft(draft, self.model)
+        self.draft = load_draft(draft, self.model, in_fp8=False)
+        # the same draft with fp8 matrices (kernels/fp8.py), timed next to it where the device has fp8
+        self.draft_fp8 = load_draft(draft, self.model, in_fp8=True) if fp8.supported(self.device) else None
         self.n_quant_linears = sum(type(m).__name__ == "QuantLinear" for m in self.model.modules())
         self.budget, self.block_size, self.repeats = budget, block_size, repeats
         self.vocab = self.model.config.vocab
@@ -194,19 +198,19 @@ class StepBench:
         state.pending = 0  # nothing of the verify is kept
         return step, found
 
-    def draft_step(self, features: torch.Tensor, state) -> dict:
-        ctx = self.draft.new_context(4096, block=self.block_size)
-        self.draft.append_context(ctx, features)
+    def draft_step(self, features: torch.Tensor, state, draft) -> tuple[Callable[[], object], dict]:
+        ctx = draft.new_context(4096, block=self.block_size)
+        draft.append_context(ctx, features)
         root = torch.zeros((), dtype=torch.long, device=self.device)
         n_keys = self.n_keys(state)  # the ring read the engine's step makes at this length
-        logits = self.draft.propose(ctx, root, self.block_size, n_keys)
-        propose = lambda: self.draft.propose(ctx, root, self.block_size, n_keys)  # noqa: E731
+        logits = draft.propose(ctx, root, self.block_size, n_keys)
+        propose = lambda: draft.propose(ctx, root, self.block_size, n_keys)  # noqa: E731
         tree = lambda: build_tree(root, logits, self.budget, TREE_TOP_K)  # noqa: E731
         found = {"propose_ms": self.time(propose), "tree_ms": self.time(tree)}
         found["total_ms"] = found["propose_ms"] + found["tree_ms"]
         if self.device.type == "cuda":
             found["graph_ms"] = _try(lambda: self.graph_ms(lambda: (propose(), tree())))
-        return found
+        return lambda: (propose(), tree()), found
 
     def engine_steps(self) -> dict:
         """Per-step time of the engine's own decoding (Engine.generate, greedy, stop tokens off) from
@@ -275,16 +279,23 @@ def run_bench_step(
     ar_fn, ar_ms = bench.ar_step(state)
     ar_graph_ms = _try(lambda: bench.graph_ms(ar_fn)) if device.type == "cuda" else None
     verify = {n: bench.verify(state, n) for n in verify_sizes}
+    drafts = {"draft_step": bench.draft}
+    if bench.draft_fp8 is not None:
+        drafts["draft_step_fp8"] = bench.draft_fp8
+    draft_steps = {name: bench.draft_step(features, state, d) for name, d in drafts.items()}
     results = {
         "ar": {"eager_ms": ar_ms, "graph_ms": ar_graph_ms},
         "verify_ms": {str(n): _best(found) for n, (_, found) in verify.items()},
         "verify": {str(n): found for n, (_, found) in verify.items()},
-        "draft_step": bench.draft_step(features, state),
+        **{name: found for name, (_, found) in draft_steps.items()},
         "engine_step_ms": bench.engine_steps(),
         "prefill": [bench.prefill(n) for n in prefill_sizes],
         "profile": {
             "ar_step": _try(lambda: profile_kernels(ar_fn, device)),
             f"verify_{verify_sizes[1]}": _try(lambda: profile_kernels(verify[verify_sizes[1]][0], device)),
+            **{
+                name: _try(lambda fn=fn: profile_kernels(fn, device)) for name, (fn, _) in draft_steps.items()
+            },
         },
         "peak_memory_gb": torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None,
     }
@@ -298,6 +309,8 @@ def run_bench_step(
         "verify_23_over_ar": results["verify_ms"].get("23", float("nan")) / best_ar,
         "draft_over_ar": _best(results["draft_step"], "total_ms") / best_ar,
     }
+    if "draft_step_fp8" in results:
+        results["ratios"]["draft_fp8_over_ar"] = _best(results["draft_step_fp8"], "total_ms") / best_ar
     if bench.n_quant_linears:
         from flashtree.kernels.qmatmul import ARITHMETIC, TILES
 
@@ -346,11 +359,13 @@ def summary_lines(r: dict) -> list[str]:
         f" (eager {ar['ar_roofline_ratio_eager']:.2f})",
     ]
     lines += [f"verify N={n:<3}      {_ms(ms)}  {ms / best:5.2f}x AR" for n, ms in r["verify_ms"].items()]
-    d = r["draft_step"]
-    lines.append(
-        f"draft step        {_ms(_best(d, 'total_ms'))}  {_best(d, 'total_ms') / best:5.2f}x AR"
-        f" (eager: propose {d['propose_ms']:.3f} + tree {d['tree_ms']:.3f})"
-    )
+    for key, label in (("draft_step", "draft step       "), ("draft_step_fp8", "draft step, fp8  ")):
+        if key in r:
+            d = r[key]
+            lines.append(
+                f"{label} {_ms(_best(d, 'total_ms'))}  {_best(d, 'total_ms') / best:5.2f}x AR"
+                f" (eager: propose {d['propose_ms']:.3f} + tree {d['tree_ms']:.3f})"
+            )
     e = r["engine_step_ms"]
     lines.append(f"engine AR step    {_ms(e['ar_ms'])}   engine tree step {_ms(e['tree_ms'])}")
     lines += [f"prefill {p['tokens']:>5}     {p['tok_s']:8.0f} tok/s" for p in r["prefill"]]

@@ -22,7 +22,9 @@ from torch import nn
 
 from flashtree import kernels
 from flashtree.errors import FlashtreeError
+from flashtree.kernels import fp8
 from flashtree.models.layers import (
+    Fp8Linear,
     Linear,
     MergedLinear,
     RMSNorm,
@@ -140,19 +142,22 @@ class RingRead(NamedTuple):
 
 
 class DraftLayer(nn.Module):
-    def __init__(self, cfg: DraftConfig, t: dict[str, torch.Tensor], i: int):
+    def __init__(
+        self, cfg: DraftConfig, t: dict[str, torch.Tensor], i: int, matrix: type[nn.Module] = Linear
+    ):
+        """matrix: the module every weight matrix becomes (Linear, or Fp8Linear: see DFlashDraft)."""
         super().__init__()
         p = f"blk.{i}"
-        self.q, self.o = Linear(t[f"{p}.attn_q.weight"]), Linear(t[f"{p}.attn_output.weight"])
+        self.q, self.o = matrix(t[f"{p}.attn_q.weight"]), matrix(t[f"{p}.attn_output.weight"])
         # K and V in one matmul; Q apart: the context features need no queries
-        self.kv = MergedLinear.dense([t[f"{p}.attn_k.weight"], t[f"{p}.attn_v.weight"]])
+        self.kv = MergedLinear.dense([t[f"{p}.attn_k.weight"], t[f"{p}.attn_v.weight"]], matrix)
         self.k, self.v = self.kv.parts
         self.q_norm = nn.Parameter(t[f"{p}.attn_q_norm.weight"].float(), requires_grad=False)
         self.k_norm = nn.Parameter(t[f"{p}.attn_k_norm.weight"].float(), requires_grad=False)
         self.attn_norm = RMSNorm(t[f"{p}.attn_norm.weight"].float(), cfg.rms_eps)
         self.mlp_norm = RMSNorm(t[f"{p}.ffn_norm.weight"].float(), cfg.rms_eps)
-        gate_up = MergedLinear.dense([t[f"{p}.ffn_gate.weight"], t[f"{p}.ffn_up.weight"]])
-        self.mlp = SwiGLU(gate_up, Linear(t[f"{p}.ffn_down.weight"]))
+        gate_up = MergedLinear.dense([t[f"{p}.ffn_gate.weight"], t[f"{p}.ffn_up.weight"]], matrix)
+        self.mlp = SwiGLU(gate_up, matrix(t[f"{p}.ffn_down.weight"]))
         self.window = cfg.sliding_window if cfg.layer_types[i] == SLIDING else None
         self.n_heads, self.n_kv_heads, self.head_dim, self.eps = (
             cfg.n_heads,
@@ -241,15 +246,23 @@ class DraftContext:
 
 
 class DFlashDraft(nn.Module):
-    def __init__(self, cfg: DraftConfig, tensors: dict[str, torch.Tensor], target: DecoderModel):
+    def __init__(
+        self, cfg: DraftConfig, tensors: dict[str, torch.Tensor], target: DecoderModel, in_fp8: bool = False
+    ):
+        """in_fp8: every weight matrix, and a copy of the target's LM head, in fp8 (kernels/fp8.py): half the
+        bytes a step reads; the draft's arithmetic changes what it proposes, never what is emitted."""
         super().__init__()
         self.config = cfg
-        self.fc = Linear(tensors["fc.weight"])
+        fc = tensors["fc.weight"]
+        self.dtype, self.in_fp8 = fc.dtype, in_fp8  # the activations' dtype, fixed at construction
+        matrix = Fp8Linear if in_fp8 else Linear
+        self.fc = matrix(fc)
         self.hidden_norm = RMSNorm(tensors["hidden_norm.weight"].float(), cfg.rms_eps)
         self.norm = RMSNorm(tensors["output_norm.weight"].float(), cfg.rms_eps)
-        self.layers = nn.ModuleList(DraftLayer(cfg, tensors, i) for i in range(cfg.n_layers))
-        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta).to(self.fc.weight.device)
+        self.layers = nn.ModuleList(DraftLayer(cfg, tensors, i, matrix) for i in range(cfg.n_layers))
+        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta).to(fc.device)
         self._target = [target]  # shared embedding + LM head; a list keeps it out of our parameters
+        self.head = Fp8Linear(target.lm_head) if in_fp8 else None  # the shared head, rounded once
 
     @property
     def target(self) -> DecoderModel:
@@ -257,11 +270,12 @@ class DFlashDraft(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return self.fc.weight.device
+        return self.hidden_norm.weight.device
 
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.fc.weight.dtype
+    def lm_head(self, h: torch.Tensor) -> torch.Tensor:
+        """Logits of the draft's final states h (rows of the target's dtype), in fp32: the target's LM
+        head, or its fp8 copy."""
+        return (self.head or self.target.lm_head)(h).float()
 
     def new_context(self, size: int, spare: int = 0, block: int | None = None) -> DraftContext:
         return DraftContext(self, size, spare, block)
@@ -312,8 +326,7 @@ class DFlashDraft(nn.Module):
             if layer.window is not None:
                 mask = mask & (positions[:, None] - slot_pos[None, :] < layer.window)
             x = layer(x, cos, sin, RingRead(ctx.layer(i), read, n_slots, ctx.block_slots), mask)
-        h = self.norm(x[1:]).to(self.target.dtype)
-        return self.target.lm_head(h).float()
+        return self.lm_head(self.norm(x[1:]).to(self.target.dtype))
 
 
 def _zlab_tensors(path: Path) -> tuple[DraftConfig, dict[str, torch.Tensor]]:
@@ -361,8 +374,9 @@ def _gguf_tensors(path: Path) -> tuple[DraftConfig, dict[str, torch.Tensor]]:
     return DraftConfig.from_gguf(g), {name: g.tensor(name) for name in g.tensors}
 
 
-def load_draft(path: str | Path, target: DecoderModel) -> DFlashDraft:
-    """Load a z-lab draft dir or a draft GGUF, check it fits `target`, and build it next to it."""
+def load_draft(path: str | Path, target: DecoderModel, in_fp8: bool | None = None) -> DFlashDraft:
+    """Load a z-lab draft dir or a draft GGUF, check it fits `target`, and build it next to it, its
+    matrices in fp8 when in_fp8 (None: FLASHTREE_DRAFT_FP8, fp8.wanted)."""
     path = Path(path)
     if not path.exists():
         raise FlashtreeError(f"{path}: draft not found")
@@ -374,6 +388,15 @@ def load_draft(path: str | Path, target: DecoderModel) -> DFlashDraft:
             f"{path}: fc.weight has shape {tuple(tensors['fc.weight'].shape)}, expected {expected} "
             f"for {len(cfg.target_layer_ids)} feature layers"
         )
+    in_fp8 = fp8.wanted(target.device) if in_fp8 is None else in_fp8
+    if in_fp8:
+        shapes = {k: tuple(t.shape) for k, t in tensors.items() if t.dim() == 2}
+        shapes["the target's LM head"] = (target.config.vocab, cfg.hidden)
+        odd = [f"{k} {shape}" for k, shape in shapes.items() if not fp8.fits(*shape)]
+        if odd:
+            raise FlashtreeError(
+                f"{path}: an fp8 draft needs matrix sides that are multiples of {fp8.ALIGN}: {odd[0]}"
+            )
     dtype = target.dtype
     tensors = {k: v.to(device=target.device, dtype=dtype) for k, v in tensors.items()}
-    return DFlashDraft(cfg, tensors, target).eval()
+    return DFlashDraft(cfg, tensors, target, in_fp8).eval()

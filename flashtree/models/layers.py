@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from flashtree import kernels
-from flashtree.kernels import dense_matmul, fused
+from flashtree.kernels import dense_matmul, fp8, fused
 from flashtree.kernels.qlinear import takes_int8
 from flashtree.kernels.qmatmul import reshape_int8
 
@@ -51,6 +51,38 @@ def use_dense_kernel(model: nn.Module, on: bool) -> int:
     return len(dense)
 
 
+class Fp8Linear(nn.Module):
+    """y = x @ W^T with W kept in fp8 e4m3, one scale per row (kernels/fp8.py), same interface as Linear.
+    For the draft only: its arithmetic decides how many tokens are accepted, never which."""
+
+    CHUNK_ROWS = 8192  # rows rounded at a time: a 27B LM head would be 5 GB decoded to fp32 at once
+
+    def __init__(self, weight: torch.Tensor | nn.Module):
+        """weight: a dense (out, in) weight, or a module offering dense_weight(dtype, rows) (Linear,
+        QuantLinear: an LM head shared with the target, rounded to fp8 chunk by chunk)."""
+        super().__init__()
+        rows_of = weight.dense_weight if isinstance(weight, nn.Module) else lambda _, rows: weight[rows]
+        n_rows = weight.out_features if isinstance(weight, nn.Module) else weight.shape[0]
+        parts = [
+            fp8.quantize_rows_reference(rows_of(torch.float32, slice(r, r + self.CHUNK_ROWS)))
+            for r in range(0, n_rows, self.CHUNK_ROWS)
+        ]
+        self.register_buffer("codes", torch.cat([c for c, _ in parts]), persistent=False)
+        self.register_buffer("scales", torch.cat([s for _, s in parts])[:, 0], persistent=False)
+
+    @property
+    def out_features(self) -> int:
+        return self.codes.shape[0]
+
+    def dense_weight(self, dtype: torch.dtype = torch.float32, rows: slice = slice(None)) -> torch.Tensor:
+        return (self.codes[rows].float() * self.scales[rows, None]).to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, x.shape[-1])
+        y = fp8.fp8_matmul(x2, self.codes, self.scales, kernel=_fused_kernels(x2))
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+
 class LinearPart:
     """One matrix of a MergedLinear: rows `rows` of one of its groups. For code that reads weights (HF
     export, draft initialisation), it offers what a Linear of its own would."""
@@ -81,7 +113,7 @@ class MergedLinear(nn.Module):
     a part alone (qmatmul.k_splits counts rows), so its fp32 sums can round differently; batch invariance
     holds as before."""
 
-    def __init__(self, groups: list[Linear], part_groups: list[int], part_sizes: list[int]):
+    def __init__(self, groups: list[nn.Module], part_groups: list[int], part_sizes: list[int]):
         """groups: the merged matrices; part i is the next part_sizes[i] rows of groups[part_groups[i]]."""
         super().__init__()
         self.groups = nn.ModuleList(groups)
@@ -95,7 +127,9 @@ class MergedLinear(nn.Module):
 
     @staticmethod
     def from_rows(
-        rows: list[torch.Tensor], kinds: list[int | None], build: Callable[[torch.Tensor, int | None], Linear]
+        rows: list[torch.Tensor],
+        kinds: list[int | None],
+        build: Callable[[torch.Tensor, int | None], nn.Module],
     ) -> MergedLinear:
         """The matrices from their rows (dense weights, or GGUF rows (out, row_bytes) uint8), each with its
         kind (its GGUF type when packed, None when dense): the rows of one kind are concatenated in order,
@@ -108,9 +142,11 @@ class MergedLinear(nn.Module):
         return MergedLinear(groups, [order.index(k) for k in kinds], [r.shape[0] for r in rows])
 
     @staticmethod
-    def dense(weights: list[torch.Tensor]) -> MergedLinear:
-        """Dense weights (out_i, in), all in one matmul."""
-        return MergedLinear.from_rows(weights, [None] * len(weights), lambda rows, _: Linear(rows))
+    def dense(
+        weights: list[torch.Tensor], build: Callable[[torch.Tensor], nn.Module] = Linear
+    ) -> MergedLinear:
+        """Dense weights (out_i, in), all in one matmul (a Linear, or what `build` makes of their rows)."""
+        return MergedLinear.from_rows(weights, [None] * len(weights), lambda rows, _: build(rows))
 
     def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
         ys = [group(x) for group in self.groups]  # (..., group rows) each

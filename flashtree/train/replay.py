@@ -72,7 +72,7 @@ class TeacherForcedDraft:
             self.start, self.logits = start, None  # the old chunk's memory goes first
             h = self._block_states(start)[:, 1:]  # (chunk, B - 1, H): the blocks' mask positions
             rows = h.reshape(-1, h.shape[-1]).to(self.draft.target.dtype)  # rows, as every LM head takes
-            self.logits = self.draft.target.lm_head(rows).float().view(*h.shape[:2], -1)
+            self.logits = self.draft.lm_head(rows).view(*h.shape[:2], -1)
         return self.logits[p - start]
 
     def _block_states(self, start: int) -> torch.Tensor:

@@ -1,0 +1,139 @@
+"""fp8 draft matrices (kernels/fp8.py, layers.Fp8Linear): the Triton row quantizer writes torch's fp8 bytes
+(run by Triton's interpreter), the product is x @ W^T to fp8 rounding, and a draft in fp8 keeps speculative
+decoding lossless (its arithmetic changes proposals only)."""
+
+import pytest
+import torch
+
+from flashtree import kernels
+from flashtree.config import SamplingParams
+from flashtree.errors import FlashtreeError
+from flashtree.kernels import fp8
+from flashtree.models.dflash import load_draft
+from flashtree.models.layers import Fp8Linear, Linear
+from flashtree.models.loader import load_target
+from tests.spec_util import generate, random_draft_dir
+from tests.tiny import tiny_gguf
+
+FP8_REL_TOL = 0.06  # e4m3 keeps 3 mantissa bits: a relative step of 1/16, averaged over a row's products
+
+
+def edge_rows() -> torch.Tensor:
+    """Rows whose codes hit every rounding case: ties at 1.5 and 2.5 units, the binade edges that
+    Triton's interpreter's own cast gets wrong, subnormals and their ties, zeros, the row's amax."""
+    g = torch.Generator().manual_seed(0)
+    rows = torch.randn(6, 5000, generator=g) * torch.tensor([1.0, 1e-3, 50.0, 1.0, 1.0, 1.0])[:, None]
+    rows[3] = 0.0
+    # row 4: amax 448 (scale exactly 1), then exact values of every tie and edge
+    ties = torch.tensor([448.0, 1.0625, 1.1875, 126.2, 127.9, 7.98, 31.5, 2**-7, 2**-6 - 2**-10, 3 * 2**-10])
+    rows[4, : ties.numel()] = ties
+    rows[4, ties.numel() : 2 * ties.numel()] = -ties
+    rows[5, :100] = torch.linspace(-(2**-5), 2**-5, 100)  # around the subnormal range of a scale-1 row
+    rows[5, 100] = 448.0
+    return rows
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_row_quantizer_writes_torchs_bytes(dtype):
+    x = edge_rows().to(dtype)
+    codes, scales = fp8.quantize_rows(x)
+    want_codes, want_scales = fp8.quantize_rows_reference(x)
+    assert torch.equal(scales, want_scales)
+    assert torch.equal(codes.view(torch.uint8), want_codes.view(torch.uint8))
+    assert torch.equal(codes[3].float(), torch.zeros(x.shape[1]))  # an all-zero row: zero codes
+
+
+def test_row_quantizer_reads_strided_rows():
+    x = torch.randn(3, 2 * 96, generator=torch.Generator().manual_seed(1))[:, :96]
+    codes, scales = fp8.quantize_rows(x)
+    want_codes, want_scales = fp8.quantize_rows_reference(x)
+    assert torch.equal(codes.view(torch.uint8), want_codes.view(torch.uint8)) and torch.equal(
+        scales, want_scales
+    )
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.double() - want.double()).norm() / want.double().norm())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_fp8_linear_is_the_product_to_fp8_rounding(dtype, monkeypatch):
+    g = torch.Generator().manual_seed(2)
+    w, x = torch.randn(48, 160, generator=g), torch.randn(2, 5, 160, generator=g)
+    lin = Fp8Linear(w.to(dtype))
+    ref = torch.nn.functional.linear(x, w)
+    y = lin(x.to(dtype))
+    assert y.dtype == dtype and y.shape == (2, 5, 48)
+    assert rel_err(y, ref) < FP8_REL_TOL
+    assert rel_err(lin.dense_weight(), w) < FP8_REL_TOL / 2
+    monkeypatch.setattr(kernels, "triton_kernels_for", lambda x: True)  # the Triton quantizer: same bits
+    assert torch.equal(lin(x.to(dtype)), y)
+
+
+def test_fp8_linear_of_a_module_rounds_chunk_by_chunk(monkeypatch):
+    """A shared LM head is read through dense_weight in row chunks (a 27B head is 5 GB in fp32)."""
+    w = torch.randn(80, 32, generator=torch.Generator().manual_seed(3))
+    whole = Fp8Linear(w)
+    monkeypatch.setattr(Fp8Linear, "CHUNK_ROWS", 16)
+    chunked = Fp8Linear(Linear(w))
+    assert torch.equal(chunked.codes.view(torch.uint8), whole.codes.view(torch.uint8))
+    assert torch.equal(chunked.scales, whole.scales)
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen35"])
+def fp8_pair(request, tiny_root):
+    """(target, its random 2-layer draft's directory, the draft, the draft in fp8)."""
+    gguf = tiny_gguf(request.param, 0, tiny_root)
+    target, _ = load_target(gguf, device="cpu", dtype=torch.float32)
+    draft_dir = random_draft_dir(gguf, tiny_root, layers=2)
+    return target, draft_dir, load_draft(draft_dir, target), load_draft(draft_dir, target, in_fp8=True)
+
+
+def test_fp8_draft_proposes_close_to_the_native_one(fp8_pair):
+    target, _, native, in_fp8 = fp8_pair
+    assert in_fp8.in_fp8 and not native.in_fp8
+    assert (
+        sum(isinstance(m, Fp8Linear) for m in in_fp8.modules()) == 1 + 5 * 2 + 1
+    )  # fc; q, o, k|v, gate|up, down; head
+    feats = torch.randn(12, native.fc.weight.shape[1], generator=torch.Generator().manual_seed(4))
+    root = torch.tensor(5)
+    logits = []
+    for draft in (native, in_fp8):
+        ctx = draft.new_context(64, block=8)
+        draft.append_context(ctx, feats)
+        logits.append(draft.propose(ctx, root, 8))
+    assert logits[1].dtype == torch.float32 and logits[1].shape == logits[0].shape
+    assert rel_err(logits[1], logits[0]) < 2 * FP8_REL_TOL  # rounding through 2 layers and the head
+
+
+@pytest.mark.parametrize(
+    "config",
+    [dict(mode="chain", block_size=8), dict(mode="tree", block_size=16, budget=22)],
+    ids=["chain", "tree"],
+)
+def test_fp8_draft_keeps_decoding_lossless(fp8_pair, config):
+    target, _, _, draft = fp8_pair
+    for seed in range(6):
+        gen = torch.Generator().manual_seed(seed)
+        prompt = torch.randint(target.config.vocab, (3 + 5 * seed,), generator=gen).tolist()
+        ar, _ = generate(target, None, prompt, 16)
+        assert generate(target, draft, prompt, 16, **config)[0] == ar
+    sampling = SamplingParams(temperature=0.8, top_p=0.9, seed=5)
+    ar, _ = generate(target, None, prompt, 16, sampling)
+    assert generate(target, draft, prompt, 16, sampling, **config)[0] == ar
+
+
+def test_fp8_is_asked_for_by_the_environment(fp8_pair, monkeypatch):
+    target, draft_dir, _, _ = fp8_pair
+    monkeypatch.setenv("FLASHTREE_DRAFT_FP8", "1")
+    assert load_draft(draft_dir, target).in_fp8
+    monkeypatch.setattr(fp8, "supported", lambda device: False)
+    with pytest.raises(FlashtreeError, match="compute capability 8.9"):
+        load_draft(draft_dir, target)
+
+
+def test_fp8_draft_of_odd_shape_is_refused(fp8_pair, monkeypatch):
+    target, draft_dir, _, _ = fp8_pair
+    monkeypatch.setattr(fp8, "ALIGN", 1 << 20)
+    with pytest.raises(FlashtreeError, match="multiples of"):
+        load_draft(draft_dir, target, in_fp8=True)
