@@ -24,7 +24,9 @@ check on the device (it needs no model files):
 - decode/verify attention (kernels/attention.py) at the 27B's heads (bf16) and SmolLM2's (fp32), after
   600 committed tokens, in caches of 664 slots (splits of one or two tiles) and 8,192 (256-position splits of
   several tiles): the masked SDPA within rounding, and every node of a tree equal to
-  the AR step at its position (its path's K/V committed) bit for bit, with more splits launched too.
+  the AR step at its position (its path's K/V committed) bit for bit, with more splits launched too;
+- fp8 draft matrices (kernels/fp8.py) at the 27B draft's shapes: the Triton row quantizer's bytes and
+  scales equal to torch's cast, and Fp8Linear (torch._scaled_mm) within fp8 rounding of x @ W^T.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from pathlib import Path
 import torch
 
 from flashtree import kernels
-from flashtree.kernels import fused
+from flashtree.kernels import fp8, fused
 from flashtree.kernels.attention import (
     MAX_SPLIT,
     SPLITS_PER_CACHE,
@@ -60,6 +62,7 @@ from flashtree.spec.tree import CHAIN_BONUS, build_tree
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 PARENTS = [-1, 0, 1, 0, 3, 1, 5, 2, -1]  # siblings, a branch back up, a second root child
 TOL = 1e-5
+FP8_TOL = 0.06  # e4m3's 3 mantissa bits on both operands (tests/test_fp8.py)
 
 
 def torch_path(fn, *args):
@@ -382,6 +385,28 @@ def check_attention() -> list[dict]:
     return rows
 
 
+def check_fp8() -> list[dict]:
+    rows = []
+    for m, k, n in ((16, 5120, 34816), (15, 5120, 31040), (23, 25600, 5120), (1, 4096, 5120)):
+        g = torch.Generator().manual_seed(m + k + n)
+        x = torch.randn(m, k, generator=g) * torch.exp(torch.randn(k, generator=g))  # outlier channels
+        x, w = (
+            x.to(DEVICE, torch.bfloat16),
+            (torch.randn(n, k, generator=g) / k**0.5).to(DEVICE, torch.bfloat16),
+        )
+        codes, scales = fp8.quantize_rows(x)
+        want_codes, want_scales = fp8.quantize_rows_reference(x)
+        same = torch.equal(codes.view(torch.uint8), want_codes.view(torch.uint8)) and torch.equal(
+            scales, want_scales
+        )
+        with torch.no_grad():
+            y = layers.Fp8Linear(w)(x)
+        want = x.double() @ w.double().t()
+        err = float((y.double() - want).norm() / want.norm())
+        rows.append({"kernel": "fp8", "shape": [m, k, n], "bytes_equal": same, "rel_err": err})
+    return rows
+
+
 def main(out_dir: Path) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     name = torch.cuda.get_device_name(DEVICE) if DEVICE.type == "cuda" else "cpu (TRITON_INTERPRET)"
@@ -390,6 +415,7 @@ def main(out_dir: Path) -> int:
     recurrent = [check_tree_conv(), check_tree_deltanet(), *check_attention()]
     result.update({row["kernel"]: row for row in recurrent})
     result["fused"] = check_fused()
+    result["fp8"] = check_fp8()
     (out_dir / "small_kernels.json").write_text(json.dumps(result, indent=2) + "\n")
     for row in result["rotary"]:
         print(f"{row['kernel']:<13} {row['dtype']:<15} {row['shape']} rot {row['rot']:<4} "
@@ -405,7 +431,11 @@ def main(out_dir: Path) -> int:
     for row in result["grouped_attention"]:
         print(f"grouped_attention {row['dtype']:<15} heads {row['heads']} keys {row['keys']}: "
               f"max |diff| {row['max_abs_diff']:.2e} within rounding {row['within_rounding']}")  # fmt: skip
+    for row in result["fp8"]:
+        print(f"fp8 {row['shape']}: quantizer bytes equal {row['bytes_equal']}, "
+              f"product rel err {row['rel_err']:.2e}")  # fmt: skip
     failures = [r for r in result["rotary"] if not r["bitwise"]]
+    failures += [r for r in result["fp8"] if not (r["bytes_equal"] and r["rel_err"] < FP8_TOL)]
     failures += [r for r in result["ddtree"] if not (r["same_tree"] and r["same_accept"])]
     failures += [r for r in result["grouped_attention"] if not r["within_rounding"]]
     failures += [r for r in result["fused"] if not (r["within_rounding"] and r["rows_bitwise"])]

@@ -30,7 +30,13 @@ def edge_rows() -> torch.Tensor:
     rows[4, ties.numel() : 2 * ties.numel()] = -ties
     rows[5, :100] = torch.linspace(-(2**-5), 2**-5, 100)  # around the subnormal range of a scale-1 row
     rows[5, 100] = 448.0
-    return rows
+    # bf16 values times a scale that is no power of two land near ties often: 448 / 49 must be the
+    # correctly rounded quotient on both paths (torch's CPU division was an ulp off)
+    outliers = (
+        (torch.randn(2, 5000, generator=g) * torch.exp(torch.randn(5000, generator=g))).bfloat16().float()
+    )
+    outliers[1, :4] = torch.tensor([49.0, 1.3671875, -0.73828125, -1.2578125])  # x * 448/49: 12.5 -/+ 1 ulp
+    return torch.cat([rows, outliers])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
@@ -41,6 +47,7 @@ def test_row_quantizer_writes_torchs_bytes(dtype):
     assert torch.equal(scales, want_scales)
     assert torch.equal(codes.view(torch.uint8), want_codes.view(torch.uint8))
     assert torch.equal(codes[3].float(), torch.zeros(x.shape[1]))  # an all-zero row: zero codes
+    assert (codes.float() * scales - x.float()).abs().max() <= scales.max() * 16  # half a step at 448
 
 
 def test_row_quantizer_reads_strided_rows():

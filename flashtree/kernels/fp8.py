@@ -60,8 +60,13 @@ def fits(out_features: int, in_features: int) -> bool:
 def quantize_rows_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x (M, K) -> (codes (M, K) float8_e4m3fn, scales (M, 1) fp32): codes * scales ~ x."""
     x = x.float()
-    amax = x.abs().amax(dim=1, keepdim=True).clamp_min(TINY)
-    return (x * (E4M3_MAX / amax)).to(torch.float8_e4m3fn), amax / E4M3_MAX
+    # the quotients in fp64, rounded to fp32: the correctly rounded fp32 quotients the kernel's div_rn
+    # makes (53 >= 2 * 24 + 2 bits: rounding twice changes nothing); torch's own fp32 division of a
+    # number by a CPU tensor is off by an ulp at times (a reciprocal times the number), which moves
+    # codes that sit near a rounding tie
+    amax = x.abs().amax(dim=1, keepdim=True).clamp_min(TINY).double()
+    inv, scales = (E4M3_MAX / amax).float(), (amax / E4M3_MAX).float()
+    return (x * inv).to(torch.float8_e4m3fn), scales
 
 
 @triton.jit
