@@ -214,7 +214,7 @@ def check_tree_conv() -> dict:
     }
 
 
-def check_tree_deltanet() -> dict:
+def check_tree_deltanet(tile: tuple[int, int] | None = None) -> dict:
     gen = torch.Generator().manual_seed(0)
     nk, nv, kd, vd = 16, 48, 128, 128  # the 27B's heads
     t = len(PARENTS)
@@ -231,7 +231,7 @@ def check_tree_deltanet() -> dict:
         )
     )
     parents = torch.tensor(PARENTS, dtype=torch.int32, device=DEVICE)
-    o, states = tree_gated_delta_rule(conv_out, alpha, beta, dt_bias, ssm_a, s0, parents, nk)
+    o, states = tree_gated_delta_rule(conv_out, alpha, beta, dt_bias, ssm_a, s0, parents, nk, tile=tile)
     inputs = delta_rule_inputs(conv_out, alpha, beta, dt_bias, ssm_a, nk, kd, vd)
     ref_o, ref_states = recurrent_delta_rule(*inputs, s0, PARENTS)
     err = max((o - ref_o).abs().max().item(), (states - ref_states).abs().max().item())
@@ -240,13 +240,13 @@ def check_tree_deltanet() -> dict:
         step = slice(i, i + 1)
         start = s0 if p < 0 else states[p]
         o_i, s_i = tree_gated_delta_rule(
-            conv_out[step], alpha[step], beta[step], dt_bias, ssm_a, start, root, nk
+            conv_out[step], alpha[step], beta[step], dt_bias, ssm_a, start, root, nk, tile=tile
         )
         alone &= torch.equal(o_i[0], o[i]) and torch.equal(s_i[0], states[i])
     # the AR step writes the new state over the old one (states=state): the same bits
     state = s0.clone()
     o_0, _ = tree_gated_delta_rule(
-        conv_out[:1], alpha[:1], beta[:1], dt_bias, ssm_a, state, root, nk, states=state[None]
+        conv_out[:1], alpha[:1], beta[:1], dt_bias, ssm_a, state, root, nk, states=state[None], tile=tile
     )
     alone &= torch.equal(o_0[0], o[0]) and torch.equal(state, states[0])
     return {"kernel": "tree_deltanet", "max_abs_err": err, "ok": err < TOL, "rows_bitwise": alone}

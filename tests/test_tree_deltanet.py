@@ -34,16 +34,17 @@ def raw_inputs(t, nk, nv, kd, vd, seed):
     return conv_out, alpha, beta, dt_bias, ssm_a, s0
 
 
+@pytest.mark.parametrize("tile", [(16, 4), (8, 1)], ids=["bv16-w4", "bv8-w1"])
 @pytest.mark.parametrize("shape", SHAPES, ids=list(SHAPES))
 @pytest.mark.parametrize("tree", TREES, ids=list(TREES))
-def test_tree_kernel_matches_torch_recurrence(shape, tree):
+def test_tree_kernel_matches_torch_recurrence(shape, tree, tile):
     nk, nv, kd, vd = SHAPES[shape]
     parents = torch.tensor(TREES[tree])
     t = parents.shape[0]
     conv_out, alpha, beta, dt_bias, ssm_a, s0 = raw_inputs(t, nk, nv, kd, vd, seed=t + kd)
     inputs = delta_rule_inputs(conv_out, alpha, beta, dt_bias, ssm_a, nk, kd, vd)
     ref_o, ref_states = recurrent_delta_rule(*inputs, s0, parents.tolist())
-    o, states = tree_gated_delta_rule(conv_out, alpha, beta, dt_bias, ssm_a, s0, parents, nk, block_v=16)
+    o, states = tree_gated_delta_rule(conv_out, alpha, beta, dt_bias, ssm_a, s0, parents, nk, tile=tile)
     torch.testing.assert_close(o, ref_o, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(states, ref_states, atol=1e-5, rtol=1e-5)
 
@@ -64,6 +65,18 @@ def test_tree_kernel_token_does_not_depend_on_the_launch():
         )
         assert torch.equal(o_i[0], o[i]) and torch.equal(s_i[0], states[i])
         state = s_i[0]
+
+
+def test_tile_from_environment(monkeypatch):
+    from flashtree.errors import FlashtreeError
+    from flashtree.kernels import tree_deltanet
+
+    monkeypatch.setenv("FLASHTREE_DELTA_TILE", "16,2")
+    assert tree_deltanet.tile_from_env() == (16, 2)
+    for bad in ("16", "12,4", "16,3", "a,b"):
+        monkeypatch.setenv("FLASHTREE_DELTA_TILE", bad)
+        with pytest.raises(FlashtreeError, match="FLASHTREE_DELTA_TILE"):
+            tree_deltanet.tile_from_env()
 
 
 def test_qwen35_decode_and_verify_with_the_kernels_match_the_torch_path(tiny_root, monkeypatch):

@@ -15,11 +15,31 @@ deltanet.l2_normalize for why that matters). The torch reference is `deltanet.de
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
+from flashtree.errors import FlashtreeError
 from flashtree.kernels.launch import pdl_options, wait_for_inputs
+
+
+def tile_from_env() -> tuple[int, int]:
+    """(BV, warps): a program's slice of value columns and its warps, FLASHTREE_DELTA_TILE="BV,WARPS" (default
+    32,4; bench/gpu_deltanet.py sweeps them). One tile for every token count, so the AR step and the
+    verify rows keep agreeing bit for bit (the reductions' order follows the tile)."""
+    text = os.environ.get("FLASHTREE_DELTA_TILE", "32,4")
+    try:
+        bv, warps = (int(v) for v in text.split(","))
+    except ValueError:
+        raise FlashtreeError(f"FLASHTREE_DELTA_TILE={text!r}: expected BV,WARPS (two integers)") from None
+    if bv < 1 or bv & (bv - 1) or warps not in (1, 2, 4, 8):
+        raise FlashtreeError(f"FLASHTREE_DELTA_TILE={text!r}: BV a power of two, WARPS 1, 2, 4 or 8")
+    return bv, warps
+
+
+TILE = tile_from_env()
 
 
 @triton.jit
@@ -106,12 +126,13 @@ def tree_gated_delta_rule(
     parents: torch.Tensor,  # (T,) int32 on the device, -1 = from `state`
     n_k_heads: int,
     eps: float = 1e-6,
-    block_v: int = 32,
     states: torch.Tensor | None = None,
+    tile: tuple[int, int] | None = None,
 ):
     """Every token from its parent's state, gates and norms included. Returns o (T, nv, vd) fp32 and
     the state after every token (T, nv, kd, vd), written to `states` if given (contiguous fp32; for a
-    single token it may be `state` itself: each program reads its slice before writing it)."""
+    single token it may be `state` itself: each program reads its slice before writing it). tile:
+    (BV, warps), default TILE."""
     t = conv_out.shape[0]
     h, kd, vd = state.shape
     if alpha.dtype != beta.dtype or alpha.stride() != beta.stride() or alpha.stride(1) != 1:
@@ -121,11 +142,12 @@ def tree_gated_delta_rule(
         states = torch.empty(t, h, kd, vd, dtype=torch.float32, device=conv_out.device)
     elif t > 1 and states.data_ptr() == state.data_ptr():
         raise ValueError("states may alias state for a single token only")
+    block_v, warps = tile or TILE
     bv = min(block_v, triton.next_power_of_2(vd))
     _tree_gated_delta_rule_kernel[(h, triton.cdiv(vd, bv))](
         conv_out.contiguous(), alpha, beta, alpha.stride(0), dt_bias.float().contiguous(),
         ssm_a.float().contiguous(), parents.to(torch.int32), state.contiguous(), out, states,
         t, eps, 1.0 / kd, kd**-0.5, H=h, NK=n_k_heads, K=kd, V=vd, BK=triton.next_power_of_2(kd), BV=bv,
-        **pdl_options(out),
+        num_warps=warps, **pdl_options(out),
     )  # fmt: skip
     return out, states
