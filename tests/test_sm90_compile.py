@@ -22,7 +22,8 @@ from triton.runtime.interpreter import InterpretedFunction
 
 from flashtree import kernels
 from flashtree.convert.synth import synth_model
-from flashtree.kernels import dense_matmul, qmatmul
+from flashtree.kernels import dense_matmul, fp8, qmatmul
+from flashtree.kernels.tree_deltanet import tree_gated_delta_rule
 from flashtree.models.loader import load_target
 from flashtree.quant.pack import random_blocks
 
@@ -119,6 +120,18 @@ def decode_launches(tmp_path_factory, tiny_root) -> list[dict]:
             fields = qmatmul.repack(raw, qtype, 256)
             for rows, arithmetic in ((1, "int8"), (3, "int8"), (1, "bf16")):
                 qmatmul.quant_matmul(torch.randn(rows, 256), fields, qtype, 16, 256, arithmetic)
+        fp8.quantize_rows(torch.randn(3, 96).bfloat16())  # an fp8 draft's activations
+        for tile in ((16, 2), (8, 1)):  # FLASHTREE_DELTA_TILE choices
+            nk, nv, kd, vd = 1, 2, 16, 16
+            x, ab, state = (
+                torch.randn(2, 2 * nk * kd + nv * vd),
+                torch.randn(2, 2 * nv),
+                torch.randn(nv, kd, vd),
+            )
+            parents = torch.tensor([-1, 0], dtype=torch.int32)
+            tree_gated_delta_rule(
+                x, ab[:, :nv], ab[:, nv:], torch.randn(nv), -torch.rand(nv), state, parents, nk, tile=tile
+            )
     return list(records.values())
 
 
@@ -143,6 +156,8 @@ def test_every_decode_kernel_compiles_for_sm90(decode_launches, sm90):
         "_dense_kernel",
         "_rms_norm_kernel",
         "_ddtree_kernel",
+        "_quantize_rows_kernel",
+        "_tree_gated_delta_rule_kernel",
     } <= names
     failures = [f"{r['name']}:\n{r['failure']}" for r in sm90 if r["failure"]]
     assert not failures, "\n".join(failures)
