@@ -11,7 +11,7 @@ from the held-out report's (seed 0). Greedy outputs: batched greedy decoding of 
 transformers model (train/data.generate_responses), or the AR rows of a `flashtree bench` run
 (--outputs, its prompts and settings). Rows: chain at the draft's defaults, then tree at the defaults
 and with each value of --set (a SpecConfig field: draft_temperature, tree_top_k, budget, chain_seed); with
---fp8 every draft twice, as loaded and with its matrices and LM head in fp8 (kernels/fp8.py).
+--fp8 every draft in each fp8 mode too: its matrices, and those and the LM head (kernels/fp8.py).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from flashtree.bench.run import provenance
 from flashtree.config import SpecConfig
 from flashtree.defaults import default_draft_path, default_target_path
 from flashtree.gguf.tokenizer import Tokenizer
+from flashtree.kernels import fp8
 from flashtree.models.dflash import load_draft
 from flashtree.models.loader import load_target
 from flashtree.train import data as D
@@ -84,7 +85,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--outputs", type=Path, help="a `flashtree bench` results.json: its AR rows' outputs")
     ap.add_argument("--target")
-    ap.add_argument("--fp8", action="store_true", help="also replay each draft with fp8 matrices")
+    ap.add_argument("--fp8", action="store_true", help="also replay each draft in each fp8 mode")
     args = ap.parse_args()
     made_by = provenance()  # git, settings: as the run starts
     torch.set_grad_enabled(False)
@@ -97,10 +98,10 @@ def main() -> None:
         settings |= {f"tree {name}={v}": replace(SpecConfig(mode="tree"), **{name: v}) for v in values}
     labels, specs = list(settings), list(settings.values())
     rows = []
-    precisions = (False, True) if args.fp8 else (False,)
-    runs = [(path, in_fp8) for path in args.draft or [default_draft_path()] for in_fp8 in precisions]
-    for draft_path, in_fp8 in runs:
-        draft = load_draft(draft_path, model, in_fp8)
+    modes = fp8.MODES if args.fp8 else ("off",)
+    runs = [(path, mode) for path in args.draft or [default_draft_path()] for mode in modes]
+    for draft_path, fp8_mode in runs:
+        draft = load_draft(draft_path, model, fp8_mode)
         block = draft.config.block_size
         start, per_prompt = time.time(), []
         for seq in sequences:
@@ -112,7 +113,7 @@ def main() -> None:
         for j, label in enumerate(labels):
             row = {
                 "draft": str(draft_path),
-                "fp8": in_fp8,
+                "fp8": fp8_mode,
                 "setting": label,
                 "al": [p[j] for p in per_prompt],
             }
@@ -122,7 +123,7 @@ def main() -> None:
                 )
             row["mean_al"] = fmean(row["al"])
             rows.append(row)
-            name = Path(draft_path).name + (" (fp8)" if in_fp8 else "")
+            name = Path(draft_path).name + ("" if fp8_mode == "off" else f" (fp8 {fp8_mode})")
             print(f"{name:40s} {label:32s} mean AL {row['mean_al']:.3f}  "
                   + "  ".join(f"{ds} {row[ds]:.2f}" for ds in DATASETS), flush=True)  # fmt: skip
         print(f"({time.time() - start:.0f} s)", flush=True)

@@ -37,14 +37,17 @@ def test_bench_step_measures_everything(pair, monkeypatch):
     assert ratios["ar_roofline_ms"] == pytest.approx(roofline)
     assert ratios["ar_roofline_ratio"] == pytest.approx(roofline / r["ar"]["eager_ms"])
     assert ratios["draft_over_ar"] == pytest.approx(d["total_ms"] / r["ar"]["eager_ms"])
-    d8 = r["draft_step_fp8"]  # the CPU has torch's fp8 GEMM
-    assert ratios["draft_fp8_over_ar"] == pytest.approx(d8["total_ms"] / r["ar"]["eager_ms"])
+    for mode in ("matrices", "all"):  # the CPU has torch's fp8 GEMM
+        d8 = r[f"draft_step_fp8_{mode}"]
+        assert ratios[f"draft_fp8_{mode}_over_ar"] == pytest.approx(d8["total_ms"] / r["ar"]["eager_ms"])
     assert math.isnan(ratios["verify_23_over_ar"])  # 23 was not measured here
-    assert {"ar_step", "verify_7", "draft_step", "draft_step_fp8"} <= set(r["profile"])
+    assert {"ar_step", "verify_7", "draft_step", "draft_step_fp8_matrices", "draft_step_fp8_all"} <= set(
+        r["profile"]
+    )
     lines = step.summary_lines(r)
     assert any(line.startswith("AR roofline") for line in lines)
     assert any("verify N=7" in line for line in lines)
-    assert any(line.startswith("draft step, fp8") for line in lines)
+    assert any(line.startswith("draft, fp8 all") for line in lines)
 
 
 def test_bench_step_refuses_missing_files_and_unknown_weights(tmp_path):

@@ -89,28 +89,34 @@ def test_fp8_linear_of_a_module_rounds_chunk_by_chunk(monkeypatch):
 
 @pytest.fixture(scope="module", params=["llama", "qwen35"])
 def fp8_pair(request, tiny_root):
-    """(target, its random 2-layer draft's directory, the draft, the draft in fp8)."""
+    """(target, its random 2-layer draft's directory, the draft in each fp8 mode)."""
     gguf = tiny_gguf(request.param, 0, tiny_root)
     target, _ = load_target(gguf, device="cpu", dtype=torch.float32)
     draft_dir = random_draft_dir(gguf, tiny_root, layers=2)
-    return target, draft_dir, load_draft(draft_dir, target), load_draft(draft_dir, target, in_fp8=True)
+    return target, draft_dir, {mode: load_draft(draft_dir, target, mode) for mode in fp8.MODES}
 
 
 def test_fp8_draft_proposes_close_to_the_native_one(fp8_pair):
-    target, _, native, in_fp8 = fp8_pair
-    assert in_fp8.in_fp8 and not native.in_fp8
-    assert (
-        sum(isinstance(m, Fp8Linear) for m in in_fp8.modules()) == 1 + 5 * 2 + 1
-    )  # fc; q, o, k|v, gate|up, down; head
-    feats = torch.randn(12, native.fc.weight.shape[1], generator=torch.Generator().manual_seed(4))
-    root = torch.tensor(5)
-    logits = []
-    for draft in (native, in_fp8):
+    target, _, drafts = fp8_pair
+    assert [d.fp8_mode for d in drafts.values()] == list(fp8.MODES)
+    n_fp8 = {mode: sum(isinstance(m, Fp8Linear) for m in d.modules()) for mode, d in drafts.items()}
+    assert n_fp8 == {
+        "off": 0,
+        "matrices": 1 + 5 * 2,
+        "all": 1 + 5 * 2 + 1,
+    }  # fc; q, o, k|v, gate|up, down; head
+    assert drafts["matrices"].head is None  # the target's LM head, shared
+    feats = torch.randn(12, drafts["off"].fc.weight.shape[1], generator=torch.Generator().manual_seed(4))
+    logits = {}
+    for mode, draft in drafts.items():
         ctx = draft.new_context(64, block=8)
         draft.append_context(ctx, feats)
-        logits.append(draft.propose(ctx, root, 8))
-    assert logits[1].dtype == torch.float32 and logits[1].shape == logits[0].shape
-    assert rel_err(logits[1], logits[0]) < 2 * FP8_REL_TOL  # rounding through 2 layers and the head
+        logits[mode] = draft.propose(ctx, torch.tensor(5), 8)
+        assert logits[mode].dtype == torch.float32 and logits[mode].shape == logits["off"].shape
+    for mode in ("matrices", "all"):
+        assert (
+            rel_err(logits[mode], logits["off"]) < 2 * FP8_REL_TOL
+        )  # rounding through 2 layers (and the head)
 
 
 @pytest.mark.parametrize(
@@ -118,29 +124,38 @@ def test_fp8_draft_proposes_close_to_the_native_one(fp8_pair):
     [dict(mode="chain", block_size=8), dict(mode="tree", block_size=16, budget=22)],
     ids=["chain", "tree"],
 )
-def test_fp8_draft_keeps_decoding_lossless(fp8_pair, config):
-    target, _, _, draft = fp8_pair
-    for seed in range(6):
+@pytest.mark.parametrize("mode", ["matrices", "all"])
+def test_fp8_draft_keeps_decoding_lossless(fp8_pair, mode, config):
+    target, _, drafts = fp8_pair
+    for seed in range(4):
         gen = torch.Generator().manual_seed(seed)
         prompt = torch.randint(target.config.vocab, (3 + 5 * seed,), generator=gen).tolist()
         ar, _ = generate(target, None, prompt, 16)
-        assert generate(target, draft, prompt, 16, **config)[0] == ar
+        assert generate(target, drafts[mode], prompt, 16, **config)[0] == ar
     sampling = SamplingParams(temperature=0.8, top_p=0.9, seed=5)
     ar, _ = generate(target, None, prompt, 16, sampling)
-    assert generate(target, draft, prompt, 16, sampling, **config)[0] == ar
+    assert generate(target, drafts[mode], prompt, 16, sampling, **config)[0] == ar
 
 
-def test_fp8_is_asked_for_by_the_environment(fp8_pair, monkeypatch):
-    target, draft_dir, _, _ = fp8_pair
+def test_fp8_mode_from_the_environment(fp8_pair, monkeypatch):
+    target, draft_dir, _ = fp8_pair
+    assert load_draft(draft_dir, target).fp8_mode == "off"
+    monkeypatch.setenv("FLASHTREE_DRAFT_FP8", "all")
+    assert load_draft(draft_dir, target).fp8_mode == "all"
     monkeypatch.setenv("FLASHTREE_DRAFT_FP8", "1")
-    assert load_draft(draft_dir, target).in_fp8
+    with pytest.raises(FlashtreeError, match="FLASHTREE_DRAFT_FP8 '1': expected one of off, matrices, all"):
+        load_draft(draft_dir, target)
+    monkeypatch.setenv("FLASHTREE_DRAFT_FP8", "matrices")
     monkeypatch.setattr(fp8, "supported", lambda device: False)
     with pytest.raises(FlashtreeError, match="compute capability 8.9"):
         load_draft(draft_dir, target)
+    with pytest.raises(FlashtreeError, match="compute capability 8.9"):
+        load_draft(draft_dir, target, "all")
 
 
 def test_fp8_draft_of_odd_shape_is_refused(fp8_pair, monkeypatch):
-    target, draft_dir, _, _ = fp8_pair
+    target, draft_dir, _ = fp8_pair
     monkeypatch.setattr(fp8, "ALIGN", 1 << 20)
+    assert load_draft(draft_dir, target, "off").fp8_mode == "off"  # nothing in fp8: no constraint
     with pytest.raises(FlashtreeError, match="multiples of"):
-        load_draft(draft_dir, target, in_fp8=True)
+        load_draft(draft_dir, target, "matrices")

@@ -3,7 +3,7 @@
 Measured in one run: copy bandwidth and bf16 matmul rate (roofline.py); the AR step (a 1-token forward,
 eager and, on CUDA, replayed from a CUDA graph, at a fixed position); verify forwards of tree layouts with
 N = 16, 23, 32, 64 tokens (eager and graphed); the draft step (DFlash propose + tree build), also with
-the draft's matrices in fp8 where the device has fp8 (`draft_step_fp8`, kernels/fp8.py); the engine's
+the draft in fp8 where the device has fp8 (`draft_step_fp8_matrices`, `_all`: kernels/fp8.py); the engine's
 own decode steps end to end (AR, and tree: draft + verify + accept + commit, one host read each; CUDA
 graphs on CUDA, exactly as `flashtree run` does them); prefill tok/s at 512 and 8192 tokens (in the
 engine's chunks); peak memory; and a kernel-time profile of the AR step, the 23-token verify and the draft
@@ -30,6 +30,7 @@ from flashtree.cuda_graphs import kv_bucket
 from flashtree.errors import FlashtreeError
 from flashtree.generate import PREFILL_CHUNK, Engine
 from flashtree.kernels import fp8
+from flashtree.kernels.fp8 import MODES
 from flashtree.models.dflash import load_draft
 from flashtree.models.loader import default_device, load_target
 from flashtree.spec.tree import build_tree
@@ -146,9 +147,10 @@ class StepBench:
     ):
         self.device = default_device()
         self.model, self.gguf = load_target(target, device=self.device, quantized=quantized)
-        self.draft = load_draft(draft, self.model, in_fp8=False)
-        # the same draft with fp8 matrices (kernels/fp8.py), timed next to it where the device has fp8
-        self.draft_fp8 = load_draft(draft, self.model, in_fp8=True) if fp8.supported(self.device) else None
+        self.draft = load_draft(draft, self.model, fp8_mode="off")
+        # the same draft in each fp8 mode (kernels/fp8.py), timed next to it where the device has fp8
+        modes = fp8.MODES[1:] if fp8.supported(self.device) else ()
+        self.fp8_drafts = {mode: load_draft(draft, self.model, fp8_mode=mode) for mode in modes}
         self.n_quant_linears = sum(type(m).__name__ == "QuantLinear" for m in self.model.modules())
         self.budget, self.block_size, self.repeats = budget, block_size, repeats
         self.vocab = self.model.config.vocab
@@ -279,9 +281,7 @@ def run_bench_step(
     ar_fn, ar_ms = bench.ar_step(state)
     ar_graph_ms = _try(lambda: bench.graph_ms(ar_fn)) if device.type == "cuda" else None
     verify = {n: bench.verify(state, n) for n in verify_sizes}
-    drafts = {"draft_step": bench.draft}
-    if bench.draft_fp8 is not None:
-        drafts["draft_step_fp8"] = bench.draft_fp8
+    drafts = {"draft_step": bench.draft} | {f"draft_step_fp8_{m}": d for m, d in bench.fp8_drafts.items()}
     draft_steps = {name: bench.draft_step(features, state, d) for name, d in drafts.items()}
     results = {
         "ar": {"eager_ms": ar_ms, "graph_ms": ar_graph_ms},
@@ -309,8 +309,10 @@ def run_bench_step(
         "verify_23_over_ar": results["verify_ms"].get("23", float("nan")) / best_ar,
         "draft_over_ar": _best(results["draft_step"], "total_ms") / best_ar,
     }
-    if "draft_step_fp8" in results:
-        results["ratios"]["draft_fp8_over_ar"] = _best(results["draft_step_fp8"], "total_ms") / best_ar
+    for mode in bench.fp8_drafts:
+        results["ratios"][f"draft_fp8_{mode}_over_ar"] = (
+            _best(results[f"draft_step_fp8_{mode}"], "total_ms") / best_ar
+        )
     if bench.n_quant_linears:
         from flashtree.kernels.qmatmul import ARITHMETIC, TILES
 
@@ -359,11 +361,13 @@ def summary_lines(r: dict) -> list[str]:
         f" (eager {ar['ar_roofline_ratio_eager']:.2f})",
     ]
     lines += [f"verify N={n:<3}      {_ms(ms)}  {ms / best:5.2f}x AR" for n, ms in r["verify_ms"].items()]
-    for key, label in (("draft_step", "draft step       "), ("draft_step_fp8", "draft step, fp8  ")):
+    for key, label in [("draft_step", "draft step")] + [
+        (f"draft_step_fp8_{m}", f"draft, fp8 {m}") for m in MODES
+    ]:
         if key in r:
             d = r[key]
             lines.append(
-                f"{label} {_ms(_best(d, 'total_ms'))}  {_best(d, 'total_ms') / best:5.2f}x AR"
+                f"{label:<18}{_ms(_best(d, 'total_ms'))}  {_best(d, 'total_ms') / best:5.2f}x AR"
                 f" (eager: propose {d['propose_ms']:.3f} + tree {d['tree_ms']:.3f})"
             )
     e = r["engine_step_ms"]

@@ -42,16 +42,27 @@ def supported(device: torch.device) -> bool:
     return device.type == "cpu"
 
 
-def wanted(device: torch.device) -> bool:
-    """FLASHTREE_DRAFT_FP8=1: drafts load with fp8 matrices (off by default: the GPU step is not yet
-    measured against bf16, bench-step times both)."""
-    if os.environ.get("FLASHTREE_DRAFT_FP8", "0") != "1":
-        return False
-    if not supported(device):
+# What of a draft is fp8: nothing; its own matrices (the LM head stays the target's, shared: no memory
+# added, the 27B draft's 3.5 GB of bf16 matrices become 1.7 GB); or those and an fp8 copy of the LM head
+# (its own 1.27 GB on the 27B, read by the fp8 GEMM instead of the target's packed kernel at 15 rows).
+MODES = ("off", "matrices", "all")
+
+
+def check_mode(mode: str, device: torch.device, source: str = "fp8 mode") -> str:
+    """`mode` if it is one of MODES that runs on `device`, else a FlashtreeError naming `source`."""
+    if mode not in MODES:
+        raise FlashtreeError(f"{source} {mode!r}: expected one of {', '.join(MODES)}")
+    if mode != "off" and not supported(device):
         raise FlashtreeError(
-            f"FLASHTREE_DRAFT_FP8=1: fp8 matrices need a GPU of compute capability 8.9+, not {device}"
+            f"{source} {mode}: fp8 matrices need a GPU of compute capability 8.9+, not {device}"
         )
-    return True
+    return mode
+
+
+def mode_from_env(device: torch.device) -> str:
+    """FLASHTREE_DRAFT_FP8 (off, matrices or all; off by default: the GPU draft step in fp8 is not yet
+    measured against bf16, bench-step times every mode)."""
+    return check_mode(os.environ.get("FLASHTREE_DRAFT_FP8", "off"), device, "FLASHTREE_DRAFT_FP8")
 
 
 def fits(out_features: int, in_features: int) -> bool:

@@ -247,22 +247,23 @@ class DraftContext:
 
 class DFlashDraft(nn.Module):
     def __init__(
-        self, cfg: DraftConfig, tensors: dict[str, torch.Tensor], target: DecoderModel, in_fp8: bool = False
+        self, cfg: DraftConfig, tensors: dict[str, torch.Tensor], target: DecoderModel, fp8_mode: str = "off"
     ):
-        """in_fp8: every weight matrix, and a copy of the target's LM head, in fp8 (kernels/fp8.py): half the
-        bytes a step reads; the draft's arithmetic changes what it proposes, never what is emitted."""
+        """fp8_mode (fp8.MODES): "matrices" puts every weight matrix in fp8, "all" a copy of the target's LM
+        head too (kernels/fp8.py): fewer bytes a step reads; the draft's arithmetic changes what it
+        proposes, never what is emitted."""
         super().__init__()
         self.config = cfg
         fc = tensors["fc.weight"]
-        self.dtype, self.in_fp8 = fc.dtype, in_fp8  # the activations' dtype, fixed at construction
-        matrix = Fp8Linear if in_fp8 else Linear
+        self.dtype, self.fp8_mode = fc.dtype, fp8_mode  # the activations' dtype, fixed at construction
+        matrix = Linear if fp8_mode == "off" else Fp8Linear
         self.fc = matrix(fc)
         self.hidden_norm = RMSNorm(tensors["hidden_norm.weight"].float(), cfg.rms_eps)
         self.norm = RMSNorm(tensors["output_norm.weight"].float(), cfg.rms_eps)
         self.layers = nn.ModuleList(DraftLayer(cfg, tensors, i, matrix) for i in range(cfg.n_layers))
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta).to(fc.device)
         self._target = [target]  # shared embedding + LM head; a list keeps it out of our parameters
-        self.head = Fp8Linear(target.lm_head) if in_fp8 else None  # the shared head, rounded once
+        self.head = Fp8Linear(target.lm_head) if fp8_mode == "all" else None  # the shared head, rounded once
 
     @property
     def target(self) -> DecoderModel:
@@ -374,9 +375,9 @@ def _gguf_tensors(path: Path) -> tuple[DraftConfig, dict[str, torch.Tensor]]:
     return DraftConfig.from_gguf(g), {name: g.tensor(name) for name in g.tensors}
 
 
-def load_draft(path: str | Path, target: DecoderModel, in_fp8: bool | None = None) -> DFlashDraft:
-    """Load a z-lab draft dir or a draft GGUF, check it fits `target`, and build it next to it, its
-    matrices in fp8 when in_fp8 (None: FLASHTREE_DRAFT_FP8, fp8.wanted)."""
+def load_draft(path: str | Path, target: DecoderModel, fp8_mode: str | None = None) -> DFlashDraft:
+    """Load a z-lab draft dir or a draft GGUF, check it fits `target`, and build it next to it, in fp8 as
+    fp8_mode says (fp8.MODES; None: FLASHTREE_DRAFT_FP8)."""
     path = Path(path)
     if not path.exists():
         raise FlashtreeError(f"{path}: draft not found")
@@ -388,15 +389,23 @@ def load_draft(path: str | Path, target: DecoderModel, in_fp8: bool | None = Non
             f"{path}: fc.weight has shape {tuple(tensors['fc.weight'].shape)}, expected {expected} "
             f"for {len(cfg.target_layer_ids)} feature layers"
         )
-    in_fp8 = fp8.wanted(target.device) if in_fp8 is None else in_fp8
-    if in_fp8:
-        shapes = {k: tuple(t.shape) for k, t in tensors.items() if t.dim() == 2}
+    fp8_mode = _fp8_mode(fp8_mode, cfg, tensors, target, path)
+    tensors = {k: v.to(device=target.device, dtype=target.dtype) for k, v in tensors.items()}
+    return DFlashDraft(cfg, tensors, target, fp8_mode).eval()
+
+
+def _fp8_mode(
+    mode: str | None, cfg: DraftConfig, tensors: dict[str, torch.Tensor], target: DecoderModel, path: Path
+) -> str:
+    """The draft's fp8 mode (None: FLASHTREE_DRAFT_FP8), checked against the device and the shapes of the
+    matrices it puts in fp8."""
+    mode = fp8.mode_from_env(target.device) if mode is None else fp8.check_mode(mode, target.device)
+    shapes = {k: tuple(t.shape) for k, t in tensors.items() if t.dim() == 2 and mode != "off"}
+    if mode == "all":
         shapes["the target's LM head"] = (target.config.vocab, cfg.hidden)
-        odd = [f"{k} {shape}" for k, shape in shapes.items() if not fp8.fits(*shape)]
-        if odd:
-            raise FlashtreeError(
-                f"{path}: an fp8 draft needs matrix sides that are multiples of {fp8.ALIGN}: {odd[0]}"
-            )
-    dtype = target.dtype
-    tensors = {k: v.to(device=target.device, dtype=dtype) for k, v in tensors.items()}
-    return DFlashDraft(cfg, tensors, target, in_fp8).eval()
+    odd = [f"{k} {shape}" for k, shape in shapes.items() if not fp8.fits(*shape)]
+    if odd:
+        raise FlashtreeError(
+            f"{path}: an fp8 draft needs matrix sides that are multiples of {fp8.ALIGN}: {odd[0]}"
+        )
+    return mode
