@@ -237,16 +237,18 @@ def test_engine_load_sets_the_arithmetic_on_the_packed_weights(monkeypatch, tmp_
 
 
 @pytest.mark.parametrize(
-    "splits,per_split,fused_sum", [(2, 5, 1), (2, 5, 0), (3, 3, 1), (9, 1, 1), (9, 1, 0)]
-)
-def test_uneven_k_splits_and_unrolled_units(monkeypatch, splits, per_split, fused_sum):
+    "units,splits,per_split,fused_sum",
+    [(9, 2, 5, 1), (9, 2, 5, 0), (9, 3, 3, 1), (9, 9, 1, 1), (9, 9, 1, 0), (20, 20, 1, 1), (20, 20, 1, 0),
+     (35, 18, 2, 0)],
+)  # fmt: skip
+def test_uneven_k_splits_and_unrolled_units(monkeypatch, units, splits, per_split, fused_sum):
     """Splits of unequal length (2: 5 and 4 units), walked 3 units per step and the rest one by one, give
     the same math, bit for bit the same across M, whether the K-splits are added by the last program of
-    each row tile (4 at a time: 2, 3 and 9 splits leave 1, 2 and 0 over; its counter back at zero for
-    the next call) or by a second kernel."""
-    rows, cols = 21, 576  # Q8_0: 9 units of 2 blocks
+    each row tile (split 0, then 8 at a time: 2, 3, 9, 18 and 20 splits leave 1, 2, 0, 1 and 3 for a last
+    round; its counter back at zero for the next call) or by a second kernel."""
+    rows, cols = 21, 64 * units  # Q8_0: units of 2 blocks
     monkeypatch.setattr(qmatmul, "SPLIT_TARGET", splits * rows)
-    assert k_splits(rows, 9) == (splits, per_split)
+    assert k_splits(rows, units) == (splits, per_split)
     for key in ("m1", "m16"):
         monkeypatch.setitem(qmatmul.TILES, key, qmatmul.TileConfig(32, 1, 1, 3, fused_sum))
     raw, _ = case(QT.Q8_0, rows, cols)

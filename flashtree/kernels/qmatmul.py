@@ -326,19 +326,44 @@ def _group_scales(
 
 
 @triton.jit
+def _split_part(part_ptr, split, last, size, at, ok):
+    """The partial sums of K-split `split` at offsets `at` (one past the last reads the last again, and
+    the caller does not add it); from L2: other SMs wrote them."""
+    return tl.load(part_ptr + tl.minimum(split, last) * size + at, mask=ok, other=0.0, cache_modifier=".cg")
+
+
+@triton.jit
 def _add_splits(total, part_ptr, at, ok, first, n_splits, size):
-    """total + the partial sums of splits first .. first + 3 (those < n_splits), in order: four
-    independent loads from L2 (other SMs wrote them), in flight together, then the adds. A split past
-    the last reads the last one again (harmless) and is not added."""
+    """total + the partial sums of splits first .. first + 7 (those < n_splits), in split order. The eight
+    loads are independent, so they are in flight together: a row's sum over the 24 splits of a 27B
+    5120-row matrix waits for 3 L2 round trips, not 24 (the loads of one split after another did)."""
     last = n_splits - 1
-    p0 = tl.load(part_ptr + first * size + at, mask=ok, other=0.0, cache_modifier=".cg")
-    p1 = tl.load(part_ptr + tl.minimum(first + 1, last) * size + at, mask=ok, other=0.0, cache_modifier=".cg")
-    p2 = tl.load(part_ptr + tl.minimum(first + 2, last) * size + at, mask=ok, other=0.0, cache_modifier=".cg")
-    p3 = tl.load(part_ptr + tl.minimum(first + 3, last) * size + at, mask=ok, other=0.0, cache_modifier=".cg")
-    total = total + p0
+    p0 = _split_part(part_ptr, first, last, size, at, ok)
+    p1 = _split_part(part_ptr, first + 1, last, size, at, ok)
+    p2 = _split_part(part_ptr, first + 2, last, size, at, ok)
+    p3 = _split_part(part_ptr, first + 3, last, size, at, ok)
+    p4 = _split_part(part_ptr, first + 4, last, size, at, ok)
+    p5 = _split_part(part_ptr, first + 5, last, size, at, ok)
+    p6 = _split_part(part_ptr, first + 6, last, size, at, ok)
+    p7 = _split_part(part_ptr, first + 7, last, size, at, ok)
+    total = total + p0  # first <= last: the caller's loop
     total = tl.where(first + 1 <= last, total + p1, total)
     total = tl.where(first + 2 <= last, total + p2, total)
-    return tl.where(first + 3 <= last, total + p3, total)
+    total = tl.where(first + 3 <= last, total + p3, total)
+    total = tl.where(first + 4 <= last, total + p4, total)
+    total = tl.where(first + 5 <= last, total + p5, total)
+    total = tl.where(first + 6 <= last, total + p6, total)
+    return tl.where(first + 7 <= last, total + p7, total)
+
+
+@triton.jit
+def _sum_of_splits(part_ptr, at, ok, n_splits, size):
+    """The partial sums (n_splits, size) at offsets `at` added in split order: split 0, then rounds of
+    eight (`_add_splits`). Every path adds K-splits with this function, so their rows agree bit for bit."""
+    total = _split_part(part_ptr, 0, n_splits - 1, size, at, ok)
+    for first in range(1, n_splits, 8):
+        total = _add_splits(total, part_ptr, at, ok, first, n_splits, size)
+    return total
 
 
 @triton.jit
@@ -347,7 +372,7 @@ def _finish(y_ptr, part_ptr, counter_ptr, acc, at, ok, split, n_splits, size, FU
     `split` of the partial sums (n_splits, size). FUSED_SUM: the program that completes its row tile
     last then adds the tile's partial sums in split order into y and resets the tile's counter (zero
     again for the next call and for CUDA-graph replays); otherwise `_sum_splits_kernel` adds them.
-    Either way the same fp32 adds in the same order."""
+    Either way the same fp32 adds in the same order (`_sum_of_splits`)."""
     if n_splits == 1:
         tl.store(y_ptr + at, acc.to(y_ptr.dtype.element_ty), mask=ok)
     else:
@@ -356,9 +381,7 @@ def _finish(y_ptr, part_ptr, counter_ptr, acc, at, ok, split, n_splits, size, FU
             tl.debug_barrier()  # every thread's partial is stored before the count (released by it)
             tile = counter_ptr + tl.program_id(0)
             if tl.atomic_add(tile, 1, sem="acq_rel", scope="gpu") == n_splits - 1:
-                total = tl.load(part_ptr + at, mask=ok, other=0.0, cache_modifier=".cg")
-                for first in range(1, n_splits, 4):
-                    total = _add_splits(total, part_ptr, at, ok, first, n_splits, size)
+                total = _sum_of_splits(part_ptr, at, ok, n_splits, size)
                 tl.store(y_ptr + at, total.to(y_ptr.dtype.element_ty), mask=ok)
                 tl.atomic_xchg(tile, 0, sem="relaxed", scope="gpu")
 
@@ -369,10 +392,7 @@ def _sum_splits_kernel(y_ptr, part_ptr, n, n_splits, BLOCK: tl.constexpr, GDC: t
     wait_for_inputs(GDC)
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = i < n
-    acc = tl.load(part_ptr + i, mask=ok, other=0.0)
-    for s in range(1, n_splits):
-        acc = acc + tl.load(part_ptr + s * n + i, mask=ok, other=0.0)
-    tl.store(y_ptr + i, acc.to(y_ptr.dtype.element_ty), mask=ok)
+    tl.store(y_ptr + i, _sum_of_splits(part_ptr, i, ok, n_splits, n).to(y_ptr.dtype.element_ty), mask=ok)
 
 
 # --- Triton: M = 1, dp4a ------------------------------------------------------------------------------
