@@ -28,11 +28,13 @@ TREES = {
     "tree": [-1, 0, 1, 0, 3, 1, 5, 2, 0],  # siblings, branches back up
 }
 # (kv heads, query heads, head_dim, committed tokens, cache slots): one split of one tile; three splits
-# (a partial one) of one tile; three of two tiles each (the cache is long: 256-position splits); GQA 1, 3
+# (a partial one) of one tile; three of two tiles each (the cache is long: 256-position splits); 20-21
+# splits of one 16-position tile (the combine's rounds: two of maxima, a ragged last one of sums); GQA 1, 3
 SHAPES = {
     "short": (2, 6, 32, 37, 90),
     "long": (1, 1, 24, 2 * 128 + 90, 400),
     "long-cache": (1, 1, 24, 2 * MAX_SPLIT + 90, MAX_SPLIT * SPLITS_PER_CACHE),
+    "many-splits": (1, 2, 256, 19 * 16 + 5, 512),
 }
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
 
@@ -84,6 +86,16 @@ def test_tree_attention_is_the_masked_softmax(shape, tree, dtype):
     # the last program of each (row, KV head) combined its splits and put its arrival counter back to
     # zero: the next call (or CUDA-graph replay) starts from zero
     assert not tile_counters(q.device, 1).any()
+
+
+def test_splits_combine_under_the_largest_maximum_of_all():
+    """A key whose score would overflow exp() unless every split's maximum is taken (the first split's
+    here, with 20 after it): the combine rescales by the max over all splits, not over its last round."""
+    q, k, v, start, layout = case("many-splits", "chain", torch.float32)
+    k[0, 3] = q[0, 0] * 8.0  # score ~ 8 * |q|^2 / 16 ~ 128 for row 0's first head: exp(128) is not fp32
+    got = run(q, k, v, start, layout)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, sdpa(q, k, v, start, layout), rtol=2e-6, atol=2e-6)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=list(DTYPES))

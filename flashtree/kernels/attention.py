@@ -36,6 +36,7 @@ SPLITS_PER_CACHE = 32  # a whole cache is cut into at most this many splits (unl
 # caches of 8K slots and more keep the 256-position splits measured on the 27B (a verify writes
 # rows x heads x splits partial outputs, so more splits cost it bytes)
 TILE_VALUES = 4096  # K or V values per inner step: 64 positions of a 64-dim head, 16 of a 256-dim one
+COMBINE_ROUND = tl.constexpr(16)  # splits whose maxima the combine loads at once
 
 
 def tile_positions(head_dim: int) -> int:
@@ -138,22 +139,46 @@ def _split_kernel(
 @triton.jit
 def _combine(m_ptr, l_ptr, acc_ptr, rows, head_ok, n_splits, BD: tl.constexpr):
     """The output (before its cast) of heads `rows`: their splits combined in split order, the max,
-    then the rescaled sums. The reads bypass L1: other SMs wrote them."""
+    then the rescaled sums. The reads bypass L1: other SMs wrote them. They go in rounds whose loads are
+    in flight together (COMBINE_ROUND splits' maxima, then four splits' sums and outputs): the 27B AR
+    step's attention combines ~20 splits, one L2 round trip each when loaded one after another."""
     first = rows * n_splits
     d = tl.arange(0, BD)
-    top = tl.load(m_ptr + first, mask=head_ok, other=0.0, cache_modifier=".cg")  # split 0 holds position 0
-    for s in range(1, n_splits):
-        top = tl.maximum(top, tl.load(m_ptr + first + s, mask=head_ok, other=0.0, cache_modifier=".cg"))
-    w = tl.exp(tl.load(m_ptr + first, mask=head_ok, other=0.0, cache_modifier=".cg") - top)
-    total = w * tl.load(l_ptr + first, mask=head_ok, other=1.0, cache_modifier=".cg")  # padding heads: 0 / 1
+    r = tl.arange(0, COMBINE_ROUND)
+    top = tl.full(rows.shape, float("-inf"), tl.float32)
+    for s in range(0, n_splits, COMBINE_ROUND):  # the max: exact in any order
+        ok = head_ok[:, None] & (s + r < n_splits)[None, :]
+        maxima = tl.load(
+            m_ptr + first[:, None] + s + r[None, :], mask=ok, other=float("-inf"), cache_modifier=".cg"
+        )
+        top = tl.maximum(top, tl.max(maxima, axis=1))
+    top = tl.where(head_ok, top, 0.0)  # padding heads: their weights exp(0) = 1, their sums 0 / 1
     acc_at = acc_ptr + first[:, None] * BD + d[None, :]
-    acc = w[:, None] * tl.load(acc_at, mask=head_ok[:, None], other=0.0, cache_modifier=".cg")
-    for s in range(1, n_splits):  # an empty split: exp(-inf) = 0, exact zeros added
-        w = tl.exp(tl.load(m_ptr + first + s, mask=head_ok, other=0.0, cache_modifier=".cg") - top)
-        total = total + w * tl.load(l_ptr + first + s, mask=head_ok, other=1.0, cache_modifier=".cg")
-        split_acc = tl.load(acc_at + s * BD, mask=head_ok[:, None], other=0.0, cache_modifier=".cg")
-        acc = acc + w[:, None] * split_acc
+    w, part_l, part_acc = _split_terms(m_ptr, l_ptr, acc_at, first, head_ok, 0, n_splits, top, BD)
+    total, acc = w * part_l, w[:, None] * part_acc
+    for s in range(1, n_splits, 4):  # an empty split: exp(-inf) = 0, exact zeros added
+        w1, l1, acc1 = _split_terms(m_ptr, l_ptr, acc_at, first, head_ok, s, n_splits, top, BD)
+        w2, l2, acc2 = _split_terms(m_ptr, l_ptr, acc_at, first, head_ok, s + 1, n_splits, top, BD)
+        w3, l3, acc3 = _split_terms(m_ptr, l_ptr, acc_at, first, head_ok, s + 2, n_splits, top, BD)
+        w4, l4, acc4 = _split_terms(m_ptr, l_ptr, acc_at, first, head_ok, s + 3, n_splits, top, BD)
+        total, acc = total + w1 * l1, acc + w1[:, None] * acc1
+        total = tl.where(s + 1 < n_splits, total + w2 * l2, total)
+        acc = tl.where(s + 1 < n_splits, acc + w2[:, None] * acc2, acc)
+        total = tl.where(s + 2 < n_splits, total + w3 * l3, total)
+        acc = tl.where(s + 2 < n_splits, acc + w3[:, None] * acc3, acc)
+        total = tl.where(s + 3 < n_splits, total + w4 * l4, total)
+        acc = tl.where(s + 3 < n_splits, acc + w4[:, None] * acc4, acc)
     return acc / total[:, None]
+
+
+@triton.jit
+def _split_terms(m_ptr, l_ptr, acc_at, first, head_ok, s, n_splits, top, BD: tl.constexpr):
+    """Split s's weight exp(m_s - top), sum l_s and output acc_s (a split past the last reads the last
+    again; the caller does not add it)."""
+    s = tl.minimum(s, n_splits - 1)
+    w = tl.exp(tl.load(m_ptr + first + s, mask=head_ok, other=0.0, cache_modifier=".cg") - top)
+    part_l = tl.load(l_ptr + first + s, mask=head_ok, other=1.0, cache_modifier=".cg")
+    return w, part_l, tl.load(acc_at + s * BD, mask=head_ok[:, None], other=0.0, cache_modifier=".cg")
 
 
 def tree_attention(
