@@ -140,8 +140,9 @@ def _split_kernel(
 def _combine(m_ptr, l_ptr, acc_ptr, rows, head_ok, n_splits, BD: tl.constexpr):
     """The output (before its cast) of heads `rows`: their splits combined in split order, the max,
     then the rescaled sums. The reads bypass L1: other SMs wrote them. They go in rounds whose loads are
-    in flight together (COMBINE_ROUND splits' maxima, then four splits' sums and outputs): the 27B AR
-    step's attention combines ~20 splits, one L2 round trip each when loaded one after another."""
+    in flight together (COMBINE_ROUND splits' maxima, then four splits' sums and outputs,
+    `_add_split_terms`): the 27B AR step's attention combines ~20 splits, one L2 round trip each when
+    loaded one after another."""
     first = rows * n_splits
     d = tl.arange(0, BD)
     r = tl.arange(0, COMBINE_ROUND)
@@ -154,21 +155,35 @@ def _combine(m_ptr, l_ptr, acc_ptr, rows, head_ok, n_splits, BD: tl.constexpr):
         top = tl.maximum(top, tl.max(maxima, axis=1))
     top = tl.where(head_ok, top, 0.0)  # padding heads: their weights exp(0) = 1, their sums 0 / 1
     acc_at = acc_ptr + first[:, None] * BD + d[None, :]
-    w, part_l, part_acc = _split_terms(m_ptr, l_ptr, acc_at, first, head_ok, 0, n_splits, top, BD)
-    total, acc = w * part_l, w[:, None] * part_acc
-    for s in range(1, n_splits, 4):  # an empty split: exp(-inf) = 0, exact zeros added
-        w1, l1, acc1 = _split_terms(m_ptr, l_ptr, acc_at, first, head_ok, s, n_splits, top, BD)
-        w2, l2, acc2 = _split_terms(m_ptr, l_ptr, acc_at, first, head_ok, s + 1, n_splits, top, BD)
-        w3, l3, acc3 = _split_terms(m_ptr, l_ptr, acc_at, first, head_ok, s + 2, n_splits, top, BD)
-        w4, l4, acc4 = _split_terms(m_ptr, l_ptr, acc_at, first, head_ok, s + 3, n_splits, top, BD)
-        total, acc = total + w1 * l1, acc + w1[:, None] * acc1
-        total = tl.where(s + 1 < n_splits, total + w2 * l2, total)
-        acc = tl.where(s + 1 < n_splits, acc + w2[:, None] * acc2, acc)
-        total = tl.where(s + 2 < n_splits, total + w3 * l3, total)
-        acc = tl.where(s + 2 < n_splits, acc + w3[:, None] * acc3, acc)
-        total = tl.where(s + 3 < n_splits, total + w4 * l4, total)
-        acc = tl.where(s + 3 < n_splits, acc + w4[:, None] * acc4, acc)
+    unused = top  # the first round starts the sums
+    total, acc = _add_split_terms(
+        unused, unused, m_ptr, l_ptr, acc_at, first, head_ok, 0, n_splits, top, BD, True
+    )
+    for s in range(4, n_splits, 4):  # an empty split: exp(-inf) = 0, exact zeros added
+        total, acc = _add_split_terms(
+            total, acc, m_ptr, l_ptr, acc_at, first, head_ok, s, n_splits, top, BD, False
+        )  # fmt: skip
     return acc / total[:, None]
+
+
+@triton.jit
+def _add_split_terms(
+    total, acc, m_ptr, l_ptr, acc_at, first, head_ok, s, n_splits, top, BD: tl.constexpr, FIRST: tl.constexpr
+):  # fmt: skip
+    """(total, acc) plus splits s .. s + 3 (those < n_splits) in split order, each weighted by
+    exp(m - top); their loads in flight together. FIRST: the round of split 0, which starts the sums."""
+    w0, l0, acc0 = _split_terms(m_ptr, l_ptr, acc_at, first, head_ok, s, n_splits, top, BD)
+    w1, l1, acc1 = _split_terms(m_ptr, l_ptr, acc_at, first, head_ok, s + 1, n_splits, top, BD)
+    w2, l2, acc2 = _split_terms(m_ptr, l_ptr, acc_at, first, head_ok, s + 2, n_splits, top, BD)
+    w3, l3, acc3 = _split_terms(m_ptr, l_ptr, acc_at, first, head_ok, s + 3, n_splits, top, BD)
+    total = w0 * l0 if FIRST else total + w0 * l0  # s < n_splits: the caller's loop
+    acc = w0[:, None] * acc0 if FIRST else acc + w0[:, None] * acc0
+    total = tl.where(s + 1 < n_splits, total + w1 * l1, total)
+    acc = tl.where(s + 1 < n_splits, acc + w1[:, None] * acc1, acc)
+    total = tl.where(s + 2 < n_splits, total + w2 * l2, total)
+    acc = tl.where(s + 2 < n_splits, acc + w2[:, None] * acc2, acc)
+    total = tl.where(s + 3 < n_splits, total + w3 * l3, total)
+    return total, tl.where(s + 3 < n_splits, acc + w3[:, None] * acc3, acc)
 
 
 @triton.jit

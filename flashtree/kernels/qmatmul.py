@@ -333,10 +333,11 @@ def _split_part(part_ptr, split, last, size, at, ok):
 
 
 @triton.jit
-def _add_splits(total, part_ptr, at, ok, first, n_splits, size):
-    """total + the partial sums of splits first .. first + 7 (those < n_splits), in split order. The eight
-    loads are independent, so they are in flight together: a row's sum over the 24 splits of a 27B
-    5120-row matrix waits for 3 L2 round trips, not 24 (the loads of one split after another did)."""
+def _add_splits(total, part_ptr, at, ok, first, n_splits, size, FIRST: tl.constexpr):
+    """total + the partial sums of splits first .. first + 7 (those < n_splits), in split order; FIRST:
+    the round of split 0, which starts the sum (total unused). The eight loads are independent, so they
+    are in flight together: a row's sum over the 24 splits of a 27B 5120-row matrix waits for 3 L2
+    round trips, not 24 (the loads of one split after another did)."""
     last = n_splits - 1
     p0 = _split_part(part_ptr, first, last, size, at, ok)
     p1 = _split_part(part_ptr, first + 1, last, size, at, ok)
@@ -346,7 +347,7 @@ def _add_splits(total, part_ptr, at, ok, first, n_splits, size):
     p5 = _split_part(part_ptr, first + 5, last, size, at, ok)
     p6 = _split_part(part_ptr, first + 6, last, size, at, ok)
     p7 = _split_part(part_ptr, first + 7, last, size, at, ok)
-    total = total + p0  # first <= last: the caller's loop
+    total = p0 if FIRST else total + p0  # first <= last: the caller's loop
     total = tl.where(first + 1 <= last, total + p1, total)
     total = tl.where(first + 2 <= last, total + p2, total)
     total = tl.where(first + 3 <= last, total + p3, total)
@@ -358,11 +359,11 @@ def _add_splits(total, part_ptr, at, ok, first, n_splits, size):
 
 @triton.jit
 def _sum_of_splits(part_ptr, at, ok, n_splits, size):
-    """The partial sums (n_splits, size) at offsets `at` added in split order: split 0, then rounds of
-    eight (`_add_splits`). Every path adds K-splits with this function, so their rows agree bit for bit."""
-    total = _split_part(part_ptr, 0, n_splits - 1, size, at, ok)
-    for first in range(1, n_splits, 8):
-        total = _add_splits(total, part_ptr, at, ok, first, n_splits, size)
+    """The partial sums (n_splits, size) at offsets `at` added in split order, in rounds of eight
+    (`_add_splits`). Every path adds K-splits with this function, so their rows agree bit for bit."""
+    total = _add_splits(tl.zeros(at.shape, tl.float32), part_ptr, at, ok, 0, n_splits, size, True)
+    for first in range(8, n_splits, 8):
+        total = _add_splits(total, part_ptr, at, ok, first, n_splits, size, False)
     return total
 
 
