@@ -104,7 +104,9 @@ def _split_kernel(
         node = tl.load(path_ptr + t * n_rows + rel, mask=valid & (rel >= 0), other=0)
         slot = tl.where(rel >= 0, block + node, pos)
         kv_ok = valid[:, None] & (d < HD)[None, :]
+        # K and V together: the V tile's load is in flight while the scores are computed
         k = tl.load(k_ptr + kvh * stride_kh + slot[:, None] * stride_ks + d[None, :], mask=kv_ok, other=0.0)
+        v = tl.load(v_ptr + kvh * stride_vh + slot[:, None] * stride_vs + d[None, :], mask=kv_ok, other=0.0)
         k = k.to(tl.float32)
         scores = _dot(q, tl.trans(k), F32)
         if KEY_MASK:
@@ -115,7 +117,6 @@ def _split_kernel(
         alpha = tl.exp(m - m_new)
         p = tl.exp(scores - m_new[:, None])
         denom = denom * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_ptr + kvh * stride_vh + slot[:, None] * stride_vs + d[None, :], mask=kv_ok, other=0.0)
         acc = acc * alpha[:, None] + _dot(p, v.to(tl.float32), F32)
         m = m_new
     rows = t * n_heads + heads  # (row, head) of the output
