@@ -38,15 +38,18 @@ def _rms_norm_kernel(
     cols = tl.arange(0, BLOCK)
     ok = cols < D
     x = tl.load(x_ptr + o * stride_xo + i * stride_xi + cols, mask=ok, other=0.0).to(tl.float32)
+    # every load before the reduction, in flight together (after its barriers each would wait alone)
+    w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+    if HAS_GATE:
+        g = tl.load(gate_ptr + o * stride_go + i * stride_gi + cols, mask=ok, other=0.0).to(tl.float32)
     row = tl.program_id(0) * D + cols  # contiguous outputs
     if HAS_RESIDUAL:  # rounded to the inputs' dtype once, as torch adds them
         res = tl.load(res_ptr + o * stride_ro + i * stride_ri + cols, mask=ok, other=0.0).to(tl.float32)
         x = rounded(x + res, X_BF16)
         tl.store(sum_ptr + row, x.to(sum_ptr.dtype.element_ty), mask=ok)
     rstd = 1.0 / tl.sqrt_rn(tl.sum(x * x, axis=0) / D + eps)
-    y = x * rstd * tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+    y = x * rstd * w
     if HAS_GATE:
-        g = tl.load(gate_ptr + o * stride_go + i * stride_gi + cols, mask=ok, other=0.0).to(tl.float32)
         y = y * (g / (1.0 + tl.exp(-g)))
     y = rounded(y, OUT_BF16)
     tl.store(out_ptr + row, y.to(out_ptr.dtype.element_ty), mask=ok)
