@@ -1,0 +1,139 @@
+"""Our Triton kernels compiled for an H200 (sm_90) on a machine without a GPU: the tests' check that every
+decode kernel compiles and waits before it reads (tests/test_sm90_compile.py), and bench/sm90_registers.py's
+registers and spills per tile.
+
+Under TRITON_INTERPRET=1 a kernel runs its CPU form (GDC and ASM false). `recording` notes each launch the
+interpreter runs (argument types, constexprs, compile options); `compile_for_sm90` compiles the records in
+a process without the interpreter, with the GPU switches on, and reports what each PTX does around
+griddepcontrol.wait and, with `registers`, what Triton's own ptxas says of registers and spills.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import torch
+
+POINTEE = {
+    torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int64: "i64",
+    torch.int32: "i32", torch.int16: "i16", torch.int8: "i8", torch.uint8: "u8", torch.bool: "i1",
+}  # fmt: skip
+GPU_SWITCHES = ("GDC", "ASM")  # constexprs the interpreter runs false and the device true
+OPTIONS = ("num_warps", "num_stages", "enable_fp_fusion")
+
+
+def arg_type(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return "*" + POINTEE[value.dtype]
+    if isinstance(value, bool):
+        return "i1"
+    if isinstance(value, int):
+        return "i32" if -(2**31) <= value < 2**31 else "i64"
+    if isinstance(value, float):
+        return "fp32"
+    raise TypeError(f"no Triton type for {value!r}")
+
+
+def launch_record(fn, args: tuple, kwargs: dict) -> dict:
+    """A launch as the compiler takes it: argument types, constexpr values, compile options."""
+    params = inspect.signature(fn).parameters
+    bound = dict(zip(params, args, strict=False)) | {k: v for k, v in kwargs.items() if k in params}
+    constexprs = {n: bound[n] for n, p in params.items() if "constexpr" in str(p.annotation)}
+    return {
+        "module": fn.__module__, "name": fn.__name__,
+        "signature": {n: arg_type(v) for n, v in bound.items() if n not in constexprs},
+        "constexprs": constexprs, "options": {k: kwargs[k] for k in OPTIONS if k in kwargs},
+    }  # fmt: skip
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[list[dict]]:
+    """Inside: every distinct kernel launch the interpreter runs is appended to the yielded list."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    records: dict[str, dict] = {}
+    found: list[dict] = []
+    real_run = InterpretedFunction.run
+
+    def recording_run(self, *args, grid, warmup, **kwargs):
+        record = launch_record(self.fn, args, kwargs)
+        key = json.dumps(record, sort_keys=True)
+        if key not in records:
+            records[key] = record
+            found.append(record)
+        return real_run(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+    InterpretedFunction.run = recording_run
+    try:
+        yield found
+    finally:
+        InterpretedFunction.run = real_run
+
+
+# Compiles each record (JSON on stdin) with the switches in argv[1] on; reports what its PTX does before
+# and after griddepcontrol.wait, or why it did not compile; with argv[2] == "registers", ptxas -v's
+# registers and spill bytes too.
+_COMPILE = """
+import importlib, inspect, json, pathlib, re, subprocess, sys, tempfile, traceback
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+def ptxas_facts(ptx):
+    bin_dir = pathlib.Path(triton.__file__).parent / "backends/nvidia/bin"
+    out = ""
+    for tool in sorted(bin_dir.glob("ptxas*")):  # Triton's own; the one that reads this PTX version
+        with tempfile.TemporaryDirectory() as tmp:
+            src = pathlib.Path(tmp) / "k.ptx"
+            src.write_text(ptx)
+            args = [str(tool), "--gpu-name", "sm_90a", "-v", str(src), "-o", str(src) + ".cubin"]
+            out = subprocess.run(args, capture_output=True, text=True).stderr
+        if "Used" in out:
+            break
+    regs = re.search(r"Used (\\d+) registers", out)
+    spills = re.search(r"(\\d+) bytes spill stores", out)
+    return {"registers": int(regs.group(1)) if regs else None,
+            "spill_bytes": int(spills.group(1)) if spills else None}
+
+report = []
+for rec in json.load(sys.stdin):
+    fn = getattr(importlib.import_module(rec["module"]), rec["name"])
+    names = list(inspect.signature(fn.fn).parameters)
+    const = rec["constexprs"] | {k: True for k in json.loads(sys.argv[1]) if k in names}
+    sig = rec["signature"] | {k: "constexpr" for k in const}
+    try:
+        src = ASTSource(fn, sig, {(names.index(k),): v for k, v in const.items()})
+        ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=rec["options"]).asm["ptx"]
+    except Exception:
+        report.append({"name": rec["name"], "failure": traceback.format_exc(limit=3)[-1500:]})
+        continue
+    before, wait, after = ptx.partition("griddepcontrol.wait")
+    prefetch = "prefetch.global.L2"
+    facts = {
+        "name": rec["name"], "failure": None, "waits": bool(wait), "loads_before": before.count("ld.global"),
+        "prefetch_before": before.count(prefetch), "prefetch_after": after.count(prefetch),
+    }
+    if sys.argv[2] == "registers":
+        facts |= ptxas_facts(ptx)
+    report.append(facts)
+print(json.dumps(report))
+"""
+
+
+def compile_for_sm90(records: list[dict], registers: bool = False) -> list[dict]:
+    """Each record compiled for sm_90 with GDC and ASM on: its PTX facts (and ptxas's registers and spill
+    bytes), or its failure, in the records' order."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run(
+        [sys.executable, "-c", _COMPILE, json.dumps(GPU_SWITCHES), "registers" if registers else "-"],
+        input=json.dumps(records), env=env, capture_output=True, text=True,
+    )  # fmt: skip
+    if done.returncode != 0:
+        raise RuntimeError(f"compiling for sm_90 failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.splitlines()[-1])
