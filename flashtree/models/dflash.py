@@ -276,7 +276,8 @@ class DFlashDraft(nn.Module):
     def lm_head(self, h: torch.Tensor) -> torch.Tensor:
         """Logits of the draft's final states h (rows of the target's dtype), in fp32: the target's LM
         head, or its fp8 copy."""
-        return (self.head or self.target.lm_head)(h).float()
+        head = self.target.lm_head if self.head is None else self.head
+        return head(h).float()
 
     def new_context(self, size: int, spare: int = 0, block: int | None = None) -> DraftContext:
         return DraftContext(self, size, spare, block)
