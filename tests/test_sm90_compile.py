@@ -44,7 +44,7 @@ def decode_launches(tmp_path_factory, tiny_root) -> list[dict]:
             for rows, arithmetic in ((1, "int8"), (3, "int8"), (1, "bf16")):
                 qmatmul.quant_matmul(torch.randn(rows, 256), fields, qtype, 16, 256, arithmetic)
         fp8.quantize_rows(torch.randn(3, 96).bfloat16())  # an fp8 draft's activations
-        for tile in ((16, 2), (8, 1)):  # FLASHTREE_DELTA_TILE choices
+        for tile in ((32, 4), (8, 1)):  # FLASHTREE_DELTA_TILE choices besides the default
             nk, nv, kd, vd = 1, 2, 16, 16
             x, ab, state = (
                 torch.randn(2, 2 * nk * kd + nv * vd),

@@ -26,10 +26,12 @@ from flashtree.kernels.launch import pdl_options, wait_for_inputs
 
 
 def tile_from_env() -> tuple[int, int]:
-    """(BV, warps): a program's slice of value columns and its warps, FLASHTREE_DELTA_TILE="BV,WARPS" (default
-    32,4; bench/gpu_deltanet.py sweeps them). One tile for every token count, so the AR step and the
-    verify rows keep agreeing bit for bit (the reductions' order follows the tile)."""
-    text = os.environ.get("FLASHTREE_DELTA_TILE", "32,4")
+    """(BV, warps): a program's slice of value columns and its warps, FLASHTREE_DELTA_TILE="BV,WARPS". One
+    tile for every token count, so the AR step and the verify rows keep agreeing bit for bit (the
+    reductions' order follows the tile). Default 16,1: the fastest of 11 at the 27B's heads in both the AR
+    step (3.7 vs 4.7 us a layer at 32,4) and the 23-token verify (43 vs 52 us), bench/gpu_deltanet.py
+    on an H100 (bench/results/h100-checks-2026-12-05)."""
+    text = os.environ.get("FLASHTREE_DELTA_TILE", "16,1")
     try:
         bv, warps = (int(v) for v in text.split(","))
     except ValueError:
