@@ -105,7 +105,7 @@ class Engine:
             self.decoder = SpecDecoder(target, draft, self.spec)
         # Spare slots past max_ctx so a verify block near the end of the context still fits.
         headroom = self.decoder.max_block if self.decoder else 1
-        self.max_ctx = plan_context(target, max_ctx, headroom)
+        self.max_ctx = plan_context(target, max_ctx, headroom, verify_tokens=headroom if self.decoder else 0)
         self.state = target.new_state(self.max_ctx + headroom)
         # Each step's inputs, as device tensors a captured step reads: the token, the sampling seed.
         self.root = torch.zeros((), dtype=torch.long, device=self.device)

@@ -26,6 +26,23 @@ def test_state_bytes_is_what_new_state_allocates(hybrid):
     assert hybrid.state_bytes(100) == allocated
 
 
+def test_pending_bytes_is_what_a_verify_forward_allocates(hybrid):
+    state = hybrid.new_state(64)
+    stores = [s for s in state.stores if hasattr(s, "pending_buffers")]
+    allocated = sum(t.numel() * t.element_size() for s in stores for t in s.pending_buffers(7))
+    assert stores and hybrid.pending_bytes(7) == allocated > 0
+
+
+def test_the_verify_pending_state_is_left_free(hybrid, monkeypatch):
+    per_token = hybrid.state_bytes(1) - hybrid.state_bytes(0)
+    fixed = hybrid.state_bytes(0) + hybrid.pending_bytes(23)
+    monkeypatch.setattr(memory, "free_bytes", lambda device: int((fixed + 300.5 * per_token) / memory.USABLE))
+    assert memory.plan_context(hybrid, None, verify_tokens=23) == 300
+    assert memory.plan_context(hybrid, None) > 300  # without the verify, its bytes hold more context
+    with pytest.raises(FlashtreeError, match="verify's pending state"):
+        memory.plan_context(hybrid, 400, verify_tokens=23)
+
+
 def test_context_shrinks_to_free_memory_and_explicit_sizes_are_checked(hybrid, monkeypatch):
     per_token = hybrid.state_bytes(1) - hybrid.state_bytes(0)
     fixed = hybrid.state_bytes(0)

@@ -101,13 +101,23 @@ class DecoderModel(nn.Module):
         """Bytes `new_state(max_ctx)` allocates: KV slots plus fixed DeltaNet and conv state."""
         elem = self.dtype.itemsize
         total = 0
-        for layer in self.layers:
-            m = layer.mixer
+        for m in self.mixers:
             if isinstance(m, Attention):
                 total += 2 * m.n_kv_heads * max_ctx * m.head_dim * elem
             else:
-                total += m.n_v_heads * m.k_dim * m.v_dim * 4 + (m.kernel - 1) * m.conv_weight.shape[0] * elem
+                total += self.pending_bytes(1, [m])
         return total
+
+    def pending_bytes(self, tokens: int, mixers: list[nn.Module] | None = None) -> int:
+        """Bytes a `tokens`-token verify forward allocates for its pending Gated DeltaNet state (the fp32
+        state and conv window after every token, DeltaNetStore.pending_buffers): 3.5 GB at the 27B's 23
+        nodes, which the memory plan must leave free next to the context."""
+        elem = self.dtype.itemsize
+        return tokens * sum(
+            m.n_v_heads * m.k_dim * m.v_dim * 4 + (m.kernel - 1) * m.conv_weight.shape[0] * elem
+            for m in (self.mixers if mixers is None else mixers)
+            if not isinstance(m, Attention)
+        )
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.embedding[tokens]
