@@ -37,12 +37,6 @@
 #   splits   bench/gpu_splits.py on the 27B (after prep with the synth on): a K-split target per matrix
 #            shape, swept on its own matrices at M = 1 (int8); the chosen FLASHTREE_QMM_SPLITS in $STASH
 #   splits-step  the 27B step (packed, int8) without and with the chosen targets: step_packed_int8_splits{0,1}.json
-#   prefetch the weight prefetch before PDL's wait (FLASHTREE_PREFETCH=1, kernels/launch.py): its bits
-#            (gpu_kernels checks of every type, gpu_dense_matmul checks, graphed vs eager steps dense and
-#            packed), the dense kernel per pair shape without and with it (dense_prefetch{0,1}/), then the
-#            27B step without and with it, twice alternated: step_packed_int8_prefetch{0,1}_{1,2}.json
-#   prefetch-pair  the pair's graphed steps without and with the prefetch, twice alternated (after prep
-#            and stage-a; carry part ab as for pair): profile_prefetch{0,1}_{1,2}/
 set -u
 STASH=/root/stash
 mkdir -p "$STASH" "$OUT"
@@ -149,33 +143,8 @@ for stage in "$@"; do
     splits-step)
         STEP_WEIGHTS=packed STEP_SUFFIX=_splits0 step
         FLASHTREE_QMM_SPLITS=$(cat "$STASH/qmm_splits.json") STEP_WEIGHTS=packed STEP_SUFFIX=_splits1 step ;;
-    prefetch)
-        FLASHTREE_PREFETCH=1 python3 bench/gpu_kernels.py "$OUT/prefetch" --stages checks \
-            --name kernels_prefetch 2>&1 | tail -n 20 | tee "$OUT/prefetch_checks.log"
-        for prefetch in 0 1; do
-            FLASHTREE_PREFETCH=$prefetch python3 bench/gpu_dense_matmul.py "$OUT/dense_prefetch$prefetch" 2>&1 \
-                | tail -n 12 | tee -a "$OUT/prefetch_checks.log"
-        done
-        for quant in 0 1; do
-            mkdir -p "$OUT/prefetch_graphs$quant" && FLASHTREE_PREFETCH=1 FLASHTREE_QUANT_KERNELS=$quant \
-                python3 bench/gpu_graphs.py "$OUT/prefetch_graphs$quant" 2>&1 | tail -n 2 | tee -a "$OUT/prefetch_checks.log"
-        done
-        for round in 1 2; do
-            for prefetch in 0 1; do
-                FLASHTREE_PREFETCH=$prefetch STEP_WEIGHTS=packed STEP_SUFFIX=_prefetch${prefetch}_$round step
-            done
-        done ;;
-    prefetch-pair)
-        join_gguf
-        for round in 1 2; do
-            for prefetch in 0 1; do
-                FLASHTREE_PREFETCH=$prefetch python3 bench/gpu_profile_steps.py "$OUT/profile_prefetch${prefetch}_$round" \
-                    "$GGUF" "$STASH/draft.gguf" 2>&1 | grep "^==" | sed "s/^/FLASHTREE_PREFETCH=$prefetch /" \
-                    | tee -a "$OUT/prefetch_pair.log"
-            done
-        done ;;
     profile-pair) python3 bench/gpu_profile_steps.py "$OUT/profile_${PAIR_NAME:-pair}" "$GGUF" "$STASH/draft.gguf" \
         2>&1 | grep -v USDT | tee "$OUT/profile_${PAIR_NAME:-pair}.log" ;;
-    *) echo "unknown stage $stage (prep|kernels|small|registers|deltanet|dense|graphs|graphs-quant|probe|step|stage-a|pair|pdl-checks|pdl|pdl-step|splits|splits-step|prefetch|prefetch-pair|profile-pair)" >&2; exit 2 ;;
+    *) echo "unknown stage $stage (prep|kernels|small|registers|deltanet|dense|graphs|graphs-quant|probe|step|stage-a|pair|pdl-checks|pdl|pdl-step|splits|splits-step|profile-pair)" >&2; exit 2 ;;
     esac
 done

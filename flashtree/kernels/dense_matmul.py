@@ -21,8 +21,6 @@ A GEMV-like kernel (each program's W tile loaded once, x's rows taken a few at a
 products; 5f316c4) was measured and removed: at one row 3.9-7.5 us against this kernel's 5.8-10.0 (cuBLAS
 3.5-6.6), but at the 16-23 rows of a draft block or a verify 2-6x slower than this kernel, and a matrix
 must run one kernel for every M (bench/results/h200-rows-kernel-2026-12-04).
-With FLASHTREE_PREFETCH=1 (not yet measured) each program asks L2 for its W tiles before PDL's wait
-(kernels/launch.py: units_to_prefetch): the launch-bound floor of a few-MB matrix is what it targets.
 """
 
 from __future__ import annotations
@@ -36,7 +34,7 @@ import triton
 import triton.language as tl
 
 from flashtree.errors import FlashtreeError
-from flashtree.kernels.launch import pdl_options, prefetch_l2, units_to_prefetch, wait_for_inputs
+from flashtree.kernels.launch import pdl_options, wait_for_inputs
 from flashtree.kernels.qmatmul import _finish, _sum_splits_kernel, k_splits, tile_counters
 
 MAX_ROWS = 64  # above this many rows (prefill): cuBLAS, compute-bound there
@@ -100,25 +98,20 @@ def tiles_for(n: int, k: int) -> DenseTiles:
     return TILES.get(f"{n}x{k}", TILES["default"])
 
 
-@triton.jit(do_not_specialize=["M", "N", "K", "stride_x", "stride_w", "per_split", "n_splits", "n_prefetch"])
+@triton.jit(do_not_specialize=["M", "N", "K", "stride_x", "stride_w", "per_split", "n_splits"])
 def _dense_kernel(
-    y_ptr, part_ptr, counter_ptr, x_ptr, w_ptr, M, N, K, stride_x, stride_w, per_split, n_splits, n_prefetch,
+    y_ptr, part_ptr, counter_ptr, x_ptr, w_ptr, M, N, K, stride_x, stride_w, per_split, n_splits,
     BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, FUSED_SUM: tl.constexpr, GDC: tl.constexpr,
 ):  # fmt: skip
     """Program (i, s): output features [i * BN, i * BN + BN) of all M <= BM rows, over K blocks
     [s * per_split, s * per_split + per_split): acc (BN, BM) += W tile (BN, BK) . x^T tile (BK, BM), one
-    tf32x3 dot per K block in K order. Under PDL it first asks L2 for its first n_prefetch W tiles."""
+    tf32x3 dot per K block in K order."""
     rows = tl.program_id(0) * BN + tl.arange(0, BN)
     row_ok = rows < N
     split = tl.program_id(1)
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_w
     first = split * per_split
     last = tl.minimum(first + per_split, tl.cdiv(K, BK))
-    if GDC:  # the weights are constants: fetched while the kernel before this one still runs
-        lines = tl.arange(0, (BK + 31) // 32) * 32  # one fp32 value per 128-byte line of a tile's row
-        for unit in range(first, tl.minimum(first + n_prefetch, last)):
-            k = unit * BK + lines
-            prefetch_l2(w_rows + k[None, :], row_ok[:, None] & (k < K)[None, :])
     wait_for_inputs(GDC)
     ms = tl.arange(0, BM)
     ks = tl.arange(0, BK)
@@ -158,11 +151,9 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, tiles: DenseTiles | None
     n_splits, per_split = k_splits(n_tiles, triton.cdiv(k, tiles.k_block), tiles.programs)
     y = torch.empty(m, n, dtype=torch.float32, device=x.device)
     parts = y if n_splits == 1 else torch.empty(n_splits, m, n, dtype=torch.float32, device=x.device)
-    # one K block of every program: n x k_block fp32 values per split
-    n_prefetch = units_to_prefetch(n * n_splits * tiles.k_block * 4, per_split, per_split, x.device)
     _dense_kernel[(n_tiles, n_splits)](
         y, parts, tile_counters(x.device, n_tiles), x2, weight, m, n, k, x2.stride(0), weight.stride(0),
-        per_split, n_splits, n_prefetch, BN=tiles.rows, BM=bm, BK=tiles.k_block,
+        per_split, n_splits, BN=tiles.rows, BM=bm, BK=tiles.k_block,
         FUSED_SUM=bool(tiles.fused_sum), num_warps=tiles.warps, num_stages=tiles.stages, **pdl_options(y),
     )  # fmt: skip
     if n_splits > 1 and not tiles.fused_sum:

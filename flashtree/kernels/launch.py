@@ -17,6 +17,11 @@ fires only once all of its programs are resident) nor change a result (the next 
 this one to complete). With it the 27B AR step took 7.21 ms instead of 7.85 (0.54 of the roofline
 instead of 0.48), the pair's AR step 1.32-1.35 ms instead of 1.41-1.48, its tree step the same
 (bench/results/h200-pdl-2026-12-04/early-trigger/).
+
+Tried and removed: asking L2 for a kernel's first weight units before its wait (weights are constants),
+against the ~5-7 us floor of a small matrix at M = 1. It gained nothing on the default pair's graphed
+steps (bench/results/h200-draft-run12-2026-12-05/) nor on the 27B AR step (8.41 vs 8.38 ms,
+bench/results/h100-step-2026-12-05/).
 """
 
 from __future__ import annotations
@@ -50,47 +55,11 @@ def pdl_options(x: torch.Tensor) -> dict:
     return {"GDC": False}
 
 
-def prefetch_from_env() -> bool:
-    """FLASHTREE_PREFETCH=1: kernels prefetch their weights before the wait (`units_to_prefetch`); off
-    unless set, until measured."""
-    return os.environ.get("FLASHTREE_PREFETCH", "0") != "0"
-
-
-PREFETCH = prefetch_from_env()
-
-
-@functools.cache
-def _l2_bytes(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).L2_cache_size
-
-
-def units_to_prefetch(unit_bytes: int, per_split: int, cap: int, device: torch.device) -> int:
-    """How many K units of its split each program of a weight-streaming kernel asks L2 for before its
-    wait (PREFETCH, under PDL). The next kernel's programs are resident while this one runs, and its
-    weights are constants, so they can stream in meanwhile instead of after a launch gap and a DRAM round
-    trip. As many units as fit in half the L2 (the other half serves the kernel running meanwhile), with
-    `unit_bytes` the bytes of one unit of every program: a small matrix whole, a large one its first
-    units, none where one unit of every program overflows; at most `cap` and the split's own count."""
-    if not (PREFETCH and ENABLED) or device.type != "cuda" or not _supports_pdl(device.index or 0):
-        return 0
-    return min(per_split, cap, _l2_bytes(device.index or 0) // 2 // unit_bytes)
-
-
-@triton.jit
-def prefetch_l2(ptrs, ok):
-    """Ask L2 for the lines holding `ptrs` where ok: nothing written, nothing waited for (PTX prefetch;
-    CUDA only)."""
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.b32 $0, 0; }",
-        "=r,l,r", [ptrs, ok.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1,
-    )  # fmt: skip
-
-
 @triton.jit
 def wait_for_inputs(GDC: tl.constexpr):
-    """Before every decode-path kernel's first read or write (only index math and `prefetch_l2` of
-    constant weights come before it): under PDL, wait until the kernel before this one has completed and
-    its memory writes are visible, then let the kernel after this one launch."""
+    """Before every decode-path kernel's first read or write (only index math comes before it): under
+    PDL, wait until the kernel before this one has completed and its memory writes are visible, then let
+    the kernel after this one launch."""
     if GDC:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()

@@ -61,13 +61,6 @@ A matrix may have a target of its own (`SHAPE_SPLITS`, FLASHTREE_QMM_SPLITS, per
 shape, chosen by bench/gpu_splits.py on the model's own matrices): still from the shape only, so every M
 of that matrix splits alike.
 
-Prefetch (FLASHTREE_PREFETCH=1; off until measured): at M = 1 a kernel is ~5-7 us even for a 4 MB
-matrix (bench/results/h200-fused-quant-2026-12-04/splits.log: 1024 x 5120 Q6_K 7.4 us, 5120 x 6144 Q4_K
-11.0 us, where the bytes take 1-4 us), ~1.4 ms of the 27B AR step's 5.5 ms of matvecs. Under PDL the
-next kernel's programs are resident while this one runs, so before their wait they ask L2 for their first
-units (`launch.units_to_prefetch`: weights are constants; the wait still orders every read of x and
-every write).
-
 Before this design (bench/results/issue6-2026-12-02) the kernels decoded weights to fp32 and FMA'd them:
 ~9 instructions per value, 0.14-0.19 of copy bandwidth at M = 1.
 """
@@ -85,7 +78,7 @@ import triton
 import triton.language as tl
 
 from flashtree.errors import FlashtreeError
-from flashtree.kernels.launch import pdl_options, prefetch_l2, units_to_prefetch, wait_for_inputs
+from flashtree.kernels.launch import pdl_options, wait_for_inputs
 from flashtree.quant.dequant import dequantize
 from flashtree.quant.formats import QT, block_bytes, block_size, row_bytes, type_name
 
@@ -93,7 +86,6 @@ KERNEL_TYPES = frozenset(int(t) for t in (QT.Q4_0, QT.Q4_1, QT.Q8_0, QT.Q4_K, QT
 MAX_FUSED_M = 64  # above this many rows: dequantize to x's dtype + cuBLAS
 SPLIT_TARGET = 1 << 17  # (row, K-split) pairs per matrix: M = 1 threads, ~30 warps per H200 SM
 EMULATE_PTX = False  # test hook: True runs the integer emulations of the inline PTX on CUDA too
-MAX_PREFETCH = tl.constexpr(4)  # units per K-split the M = 1 kernel may prefetch (`prefetch_units`)
 
 # --- layout --------------------------------------------------------------------------------------------
 
@@ -197,7 +189,7 @@ def packed_bytes(fields: list[torch.Tensor]) -> int:
 # Sizes the kernels take at run time, not compiled in (Triton would compile a variant for each shape's
 # divisibility by 16 and for 1): the addresses built from them get their alignment from constant
 # factors. K and strides (vector loads need their divisibility) stay specialized.
-_SHAPE_ARGS = ["M", "R", "N", "n_blocks", "units_per_split", "n_splits", "n_prefetch"]
+_SHAPE_ARGS = ["M", "R", "N", "n_blocks", "units_per_split", "n_splits"]
 
 # GGML type ids as compile-time constants, for the kernels' static branches
 _Q4_0, _Q4_1, _Q8_0 = tl.constexpr(int(QT.Q4_0)), tl.constexpr(int(QT.Q4_1)), tl.constexpr(int(QT.Q8_0))
@@ -446,38 +438,6 @@ def _group_words(QTYPE: tl.constexpr, q_ptr, qh_ptr, rows, N, blk, row_ok, g: tl
 
 
 @triton.jit
-def _prefetch_field(ptr, rows, N, blk, ok, BLOCKS: tl.constexpr, CHUNKS: tl.constexpr, WIDTH: tl.constexpr):
-    """`rows`' bytes of BLOCKS blocks from `blk` of one field (CHUNKS chunks per block, see `_at`)."""
-    for b in tl.static_range(BLOCKS):
-        for c in tl.static_range(CHUNKS):
-            prefetch_l2(ptr + _at(rows, N, blk + b, CHUNKS, c, WIDTH), ok)
-
-
-@triton.jit
-def _prefetch_unit(
-    unit, rows, N, ok, q_ptr, hdr_ptr, qh_ptr, d_ptr, m_ptr, QTYPE: tl.constexpr, G: tl.constexpr,
-):  # fmt: skip
-    """Every byte `rows` read of `unit`, field by field (_FIELDS)."""
-    blk = unit * G
-    if QTYPE == _Q4_K or QTYPE == _Q5_K or QTYPE == _Q6_K:  # noqa: SIM109 - Triton's compiler has no `in`
-        _prefetch_field(q_ptr, rows, N, blk, ok, 1, 8, 4)
-        _prefetch_field(hdr_ptr, rows, N, blk, ok, 1, 1, 4)
-        if QTYPE == _Q5_K:
-            _prefetch_field(qh_ptr, rows, N, blk, ok, 1, 2, 4)
-        if QTYPE == _Q6_K:
-            _prefetch_field(qh_ptr, rows, N, blk, ok, 1, 4, 4)
-            _prefetch_field(d_ptr, rows, N, blk, ok, 1, 1, 1)
-    else:  # G legacy blocks: codes (Q8_0: two chunks), fp16 d (and m)
-        if QTYPE == _Q8_0:
-            _prefetch_field(q_ptr, rows, N, blk, ok, G, 2, 4)
-        else:
-            _prefetch_field(q_ptr, rows, N, blk, ok, G, 1, 4)
-        _prefetch_field(d_ptr, rows, N, blk, ok, G, 1, 1)
-        if QTYPE == _Q4_1:
-            _prefetch_field(m_ptr, rows, N, blk, ok, G, 1, 1)
-
-
-@triton.jit
 def _matvec_unit(
     acc, unit, rows, N, row_ok, xq_ptr, scale_ptr, xqs_ptr, q_ptr, hdr_ptr, qh_ptr, d_ptr, m_ptr,
     QTYPE: tl.constexpr, G: tl.constexpr, V: tl.constexpr, HAS_OFFSET: tl.constexpr, ASM: tl.constexpr,
@@ -511,23 +471,18 @@ def _matvec_unit(
 @triton.jit(do_not_specialize=_SHAPE_ARGS)
 def _matvec_kernel(
     y_ptr, part_ptr, counter_ptr, xq_ptr, scale_ptr, xqs_ptr, q_ptr, hdr_ptr, qh_ptr, d_ptr, m_ptr,
-    N, n_blocks, units_per_split, n_splits, n_prefetch,
+    N, n_blocks, units_per_split, n_splits,
     QTYPE: tl.constexpr, G: tl.constexpr, V: tl.constexpr, HAS_OFFSET: tl.constexpr, BN: tl.constexpr,
     UNROLL: tl.constexpr, FUSED_SUM: tl.constexpr, ASM: tl.constexpr, GDC: tl.constexpr,
 ):  # fmt: skip
     """One row of x: program (i, s) adds split s of rows [i * BN, i * BN + BN), one thread per row,
-    UNROLL units per step (their loads can be in flight together). Under PDL it first asks L2 for its
-    first n_prefetch units (`prefetch_units`)."""
+    UNROLL units per step (their loads can be in flight together)."""
     rows = tl.program_id(0) * BN + tl.arange(0, BN)
     row_ok = rows < N
     split = tl.program_id(1)
     first = split * units_per_split
     last = tl.minimum(first + units_per_split, n_blocks // G)
     rows64 = rows.to(tl.int64)
-    if GDC and ASM:  # the weights are constants: fetched while the kernel before this one still runs
-        for p in tl.static_range(MAX_PREFETCH):
-            if (p < n_prefetch) & (first + p < last):
-                _prefetch_unit(first + p, rows64, N, row_ok, q_ptr, hdr_ptr, qh_ptr, d_ptr, m_ptr, QTYPE, G)
     wait_for_inputs(GDC)
     acc = tl.zeros((BN,), tl.float32)
     unrolled_end = first + (last - first) // UNROLL * UNROLL
@@ -1027,12 +982,6 @@ def _pointers(fields: list[torch.Tensor], lay: Layout, as_bytes: bool) -> list[t
     return [q, by_name.get("hdr", q), qh, by_name.get("d", q), by_name.get("m", q)]
 
 
-def prefetch_units(lay: Layout, n_rows: int, n_splits: int, per_split: int, device: torch.device) -> int:
-    """Units of each K-split the M = 1 kernel prefetches before PDL's wait (launch.units_to_prefetch)."""
-    unit_bytes = n_rows * n_splits * lay.group * block_bytes(lay.qtype)
-    return units_to_prefetch(unit_bytes, per_split, MAX_PREFETCH.value, device)
-
-
 def _static_args(lay: Layout, device: torch.device) -> dict:
     """The kernels' compile-time arguments for a layout; ASM: inline PTX (CUDA) or its emulation."""
     has_offset = lay.qtype in (QT.Q4_K, QT.Q5_K, QT.Q4_1)
@@ -1078,8 +1027,7 @@ def quant_matmul(
             act = quantize_activations(x.contiguous(), bm)
         _matvec_kernel[grid](
             y, parts, counters, *act, *_pointers(fields, lay, False), n_rows, n_blocks, per_split, n_splits,
-            prefetch_units(lay, n_rows, n_splits, per_split, x.device), UNROLL=tile.unroll,
-            enable_fp_fusion=False, **launch, **pdl_options(y),
+            UNROLL=tile.unroll, enable_fp_fusion=False, **launch, **pdl_options(y),
         )  # fmt: skip
     else:
         act = quantize_activations(x.contiguous(), bm)

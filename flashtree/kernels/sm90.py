@@ -113,11 +113,9 @@ for rec in json.load(sys.stdin):
     except Exception:
         report.append({"name": rec["name"], "failure": traceback.format_exc(limit=3)[-1500:]})
         continue
-    before, wait, after = ptx.partition("griddepcontrol.wait")
-    prefetch = "prefetch.global.L2"
+    before, wait, _ = ptx.partition("griddepcontrol.wait")
     facts = {
         "name": rec["name"], "failure": None, "waits": bool(wait), "loads_before": before.count("ld.global"),
-        "prefetch_before": before.count(prefetch), "prefetch_after": after.count(prefetch),
     }
     if sys.argv[2] == "registers":
         facts |= ptxas_facts(ptx)
