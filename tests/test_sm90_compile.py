@@ -1,6 +1,6 @@
 """Every decode-path Triton kernel, as decode steps launch it, compiled for an H200 (sm_90) on the CPU.
 
-Under TRITON_INTERPRET=1 the kernels run their CPU form: no PDL wait or prefetch (GDC false) and the
+Under TRITON_INTERPRET=1 the kernels run their CPU form: no PDL wait (GDC false) and the
 integer emulations instead of inline PTX (ASM false). Their GPU form compiles only on the device, where a
 mistake costs device time. So the launches of a packed tiny qwen35's prefill, AR steps and tree steps
 (with a draft), of the dense fp32 kernel and of the quantized matmuls of every type and arithmetic are
