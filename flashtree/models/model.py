@@ -105,7 +105,7 @@ class DecoderModel(nn.Module):
             if isinstance(m, Attention):
                 total += 2 * m.n_kv_heads * max_ctx * m.head_dim * elem
             else:
-                total += self.pending_bytes(1, [m])
+                total += self.pending_bytes(1, [m])  # its state and conv window: one token's pending
         return total
 
     def pending_bytes(self, tokens: int, mixers: list[nn.Module] | None = None) -> int:
