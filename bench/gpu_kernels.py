@@ -87,6 +87,14 @@ SWEEP_BF16 = {  # FLASHTREE_QMM_ARITH=bf16 (its buckets include M = 1): 4 warps 
     "b32": ((23, 32), [TileConfig(*c) for c in ((128, 4, 2, 1, 0), (128, 4, 1, 1, 0), (256, 8, 2, 1, 0))]),
     "b64": ((64,), [TileConfig(*c) for c in ((128, 4, 2, 1, 0), (128, 8, 2, 1, 0), (256, 8, 2, 1, 0))]),
 }  # fmt: skip
+# Tiles of fewer than 4 warps run mma.sync, not wgmma (a warpgroup is 4 warps): no shared-memory fences and
+# waits around each group's dot (the wgmma kernel's SASS has ~8 barriers a group), but each warp converts
+# its operands itself. One such tile serves all three bf16 buckets at once, so that every M runs the same
+# instruction (batch invariance across buckets); timed against the per-bucket winners at every M.
+UNIFORM_BF16 = [
+    TileConfig(*c) for c in ((64, 2, 1, 1, 0), (64, 2, 2, 1, 0), (128, 2, 2, 1, 0), (32, 1, 2, 1, 0))
+]
+UNIFORM_M = (1, 16, 23, 32, 64)
 SPLIT_TARGETS = (1 << 15, 1 << 16, 1 << 17, 1 << 18)  # runtime only: no compiles
 L2_BYTES = 60 << 20
 DEVICE = torch.device("cuda")
@@ -266,6 +274,8 @@ def sweep() -> dict:
             if key not in best or us < best[key][1]:
                 best[key] = (tile, us)
         qmatmul.TILES[key] = best[key][0] if key in best else qmatmul.DEFAULT_TILES[key]
+    if qmatmul.ARITHMETIC == "bf16":
+        table += sweep_uniform_bf16(total_us)
     splits = []
     for target in SPLIT_TARGETS:
         qmatmul.SPLIT_TARGET = target
@@ -276,6 +286,29 @@ def sweep() -> dict:
     qmatmul.SPLIT_TARGET = chosen["split_target"]
     print(f"sweep chose tiles {_tiles()} and SPLIT_TARGET {qmatmul.SPLIT_TARGET}", flush=True)
     return {"tiles": table, "splits": splits, "best": _tiles(), "split_target": qmatmul.SPLIT_TARGET}
+
+
+def sweep_uniform_bf16(total_us) -> list[dict]:
+    """UNIFORM_BF16's tiles, each for all bf16 buckets at once, against the per-bucket winners now in
+    qmatmul.TILES, summed over UNIFORM_M; the fastest is kept if it beats them."""
+    buckets = ("b16", "b32", "b64")
+    winners = {key: qmatmul.TILES[key] for key in buckets}
+    best, best_us = winners, total_us(UNIFORM_M)
+    print(f"sweep bf16 per-bucket winners M={UNIFORM_M}: {best_us:9.1f} us over the sweep shapes", flush=True)
+    table = []
+    for tile in UNIFORM_BF16:
+        qmatmul.TILES.update(dict.fromkeys(buckets, tile))
+        try:
+            us = total_us(UNIFORM_M)
+        except Exception as e:  # noqa: BLE001 - a config that does not compile is skipped
+            print(f"sweep bf16 uniform {astuple(tile)} failed: {type(e).__name__}: {str(e)[:300]}")
+            continue
+        table.append({"bucket": "b16+b32+b64", "tile": list(astuple(tile)), "m": list(UNIFORM_M), "us": us})
+        print(f"sweep bf16 uniform {astuple(tile)} M={UNIFORM_M}: {us:9.1f} us over the sweep shapes")
+        if us < best_us:
+            best, best_us = dict.fromkeys(buckets, tile), us
+    qmatmul.TILES.update(best)
+    return table
 
 
 def _tiles() -> dict:

@@ -36,6 +36,8 @@
 #            (in $OUT/profile_$PAIR_NAME)
 #   splits   bench/gpu_splits.py on the 27B (after prep with the synth on): a K-split target per matrix
 #            shape, swept on its own matrices at M = 1 (int8); the chosen FLASHTREE_QMM_SPLITS in $STASH
+#   ncu      Nsight Compute (--set full) on the int8 matvec, the bf16 matmul at 23 rows and the tree DeltaNet
+#            at 27B shapes (bench/ncu_kernels.py; no GGUF needed): one text report per kernel in $OUT
 #   splits-step  the 27B step (packed, int8) without and with the chosen targets: step_packed_int8_splits{0,1}.json
 set -u
 STASH=/root/stash
@@ -143,8 +145,15 @@ for stage in "$@"; do
     splits-step)
         STEP_WEIGHTS=packed STEP_SUFFIX=_splits0 step
         FLASHTREE_QMM_SPLITS=$(cat "$STASH/qmm_splits.json") STEP_WEIGHTS=packed STEP_SUFFIX=_splits1 step ;;
+    ncu)
+        for kernel in _matvec_kernel _matmul_kernel _tree_gated_delta_rule_kernel; do
+            ncu --set full -k "regex:^$kernel\$" --launch-skip 2 --launch-count 1 --print-units base \
+                python3 bench/ncu_kernels.py >"$OUT/ncu$kernel.txt" 2>&1
+            echo "ncu $kernel: exit $?"; grep -E "Duration|DRAM Throughput|Registers Per|Achieved Occupancy" \
+                "$OUT/ncu$kernel.txt" | head -8
+        done ;;
     profile-pair) python3 bench/gpu_profile_steps.py "$OUT/profile_${PAIR_NAME:-pair}" "$GGUF" "$STASH/draft.gguf" \
         2>&1 | grep -v USDT | tee "$OUT/profile_${PAIR_NAME:-pair}.log" ;;
-    *) echo "unknown stage $stage (prep|kernels|small|registers|deltanet|dense|graphs|graphs-quant|probe|step|stage-a|pair|pdl-checks|pdl|pdl-step|splits|splits-step|profile-pair)" >&2; exit 2 ;;
+    *) echo "unknown stage $stage (prep|kernels|small|registers|deltanet|dense|graphs|graphs-quant|probe|step|stage-a|pair|pdl-checks|pdl|pdl-step|splits|splits-step|ncu|profile-pair)" >&2; exit 2 ;;
     esac
 done
