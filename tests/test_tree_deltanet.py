@@ -132,3 +132,53 @@ def test_bf16_projections_are_widened_in_the_kernel():
         conv_out, alpha16.float(), beta16.float(), dt_bias, ssm_a, s0, parents, nk
     )
     assert torch.equal(o, ref_o) and torch.equal(states, ref_states)
+
+
+def ancestry(parents: list[int], node: int) -> list[int]:
+    """The root-first path of block tokens ending at `node`."""
+    path = []
+    while node >= 0:
+        path.append(node)
+        node = parents[node]
+    return path[::-1]
+
+
+@pytest.mark.parametrize("replay", ["kernel", "torch"])
+def test_commit_replay_rebuilds_every_node_state_bit_for_bit(monkeypatch, replay):
+    """The commit's replay of an accepted path, every layer in one call, from the verify's kept conv
+    output, decays and betas, ends in exactly the state the verify walk computed for the path's last
+    node: for each node of a tree with siblings and a branch back up, as the deepest accepted one.
+    `kernel`: the Triton walk and replay (interpreted); `torch`: GatedDeltaNet's reference walk and
+    deltanet's reference replay."""
+    from flashtree import kernels
+    from flashtree.models.deltanet import replay_accepted
+
+    monkeypatch.setattr(kernels, "triton_kernels_for", lambda x: replay == "kernel")
+    nk, nv, kd, vd = SHAPES["ragged"]
+    parents = TREES["tree"]
+    t, layers = len(parents), 3
+    per_layer = [raw_inputs(t, nk, nv, kd, vd, seed=10 + i) for i in range(layers)]
+    conv_out = torch.stack([p[0] for p in per_layer])
+    committed = torch.stack([p[5] for p in per_layer])
+    gates = torch.empty(layers, t, 2, nv)
+    node_states = []
+    for i, (c, alpha, beta, dt_bias, ssm_a, s0) in enumerate(per_layer):
+        if replay == "kernel":
+            walk = tree_gated_delta_rule(
+                c, alpha, beta, dt_bias, ssm_a, s0, torch.tensor(parents), nk, gates=gates[i]
+            )
+            states = walk[1]
+        else:  # as GatedDeltaNet.tree_recurrence walks on the CPU
+            q, k, v, g, b = delta_rule_inputs(c, alpha, beta, dt_bias, ssm_a, nk, kd, vd)
+            gates[i] = torch.stack([g.exp(), b], dim=1)
+            states = recurrent_delta_rule(q, k, v, g, b, s0, parents, decay=g.exp())[1]
+        node_states.append(states)
+    _, _, _, g, b = delta_rule_inputs(*per_layer[0][:5], nk, kd, vd)
+    torch.testing.assert_close(gates[0], torch.stack([g.exp(), b], dim=1), atol=1e-6, rtol=1e-6)
+    for node in range(t):
+        path = ancestry(parents, node)
+        padded = torch.tensor(path + [i for i in range(t) if i not in path])  # fixed shape, as a step passes
+        state = committed.clone()
+        replay_accepted(conv_out, gates, padded, torch.tensor([len(path)]), state, nk)
+        for layer in range(layers):
+            assert torch.equal(state[layer], node_states[layer][node]), (node, layer)

@@ -51,12 +51,14 @@ def tree_conv_silu(
     weight: torch.Tensor,
     windows: torch.Tensor | None = None,
     block_c: int = 256,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """SiLU(sum_j src[index[t, j]] * weight[:, j]) in fp32, src = [state | new] without building it:
     state (kernel - 1, C) the conv state, new (T, C) the block's inputs (a column slice is fine), index
     (T, kernel) each token's window oldest first, weight (C, kernel). Returns (T, C) fp32. windows
     (T, kernel - 1, C), if given, receives each token's last kernel - 1 inputs (the conv state it
-    leaves); for one token it may be `state[None]` (the AR step updates the state in place)."""
+    leaves); for one token it may be `state[None]` (the AR step updates the state in place). out: where
+    to write the output instead (a contiguous (T, C) fp32 tensor)."""
     t, kernel = index.shape
     c = state.shape[1]
     if new.stride(-1) != 1:
@@ -65,7 +67,12 @@ def tree_conv_silu(
         raise ValueError(f"windows: expected a contiguous {(t, kernel - 1, c)} tensor, got {windows.shape}")
     if windows is not None and t > 1 and windows.data_ptr() == state.data_ptr():
         raise ValueError("windows may alias the state for a single token only")
-    out = torch.empty(t, c, dtype=torch.float32, device=state.device)
+    if out is None:
+        out = torch.empty(t, c, dtype=torch.float32, device=state.device)
+    elif out.shape != (t, c) or out.dtype != torch.float32 or not out.is_contiguous():
+        raise ValueError(
+            f"out: expected a contiguous {(t, c)} fp32 tensor, got {tuple(out.shape)}, {out.dtype}"
+        )
     bc = min(block_c, triton.next_power_of_2(c))
     _tree_conv_silu_kernel[(t, triton.cdiv(c, bc))](
         state.contiguous(), new, index.contiguous(), weight.contiguous(), out,

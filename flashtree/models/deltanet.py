@@ -8,6 +8,8 @@ recurrence along the tree, each node starting from its parent's state.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -15,7 +17,9 @@ from torch import nn
 from flashtree import kernels
 from flashtree.models.layers import Linear, MergedLinear, gated_rms_norm
 from flashtree.models.pass_ import ForwardPass
-from flashtree.models.state import DeltaNetState
+
+if TYPE_CHECKING:  # state.py imports this module (replay_accepted)
+    from flashtree.models.state import DeltaNetState
 
 CHUNK = 64
 
@@ -30,30 +34,39 @@ def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return F.rms_norm(x, (d,), eps=eps / d) * d**-0.5
 
 
-def delta_rule_inputs(conv_out, alpha, beta, dt_bias, ssm_a, n_k_heads: int, k_dim: int, v_dim: int):
-    """q, k, v, g, beta of the recurrence from the layer's raw inputs: the conv output (T, q | k | v),
-    the alpha and beta projections (T, nv). q and k are L2-normalized (q also scaled by k_dim^-0.5)
-    and tiled over the value heads: value head j reads key head j % n_k_heads, as GGUF lays them out."""
+def normalized_qkv(conv_out, n_k_heads: int, k_dim: int, v_dim: int, n_v_heads: int):
+    """q, k, v of the recurrence from the conv output (T, q | k | v): q and k L2-normalized (q also
+    scaled by k_dim^-0.5) and tiled over the value heads: value head j reads key head j % n_k_heads, as
+    GGUF lays them out."""
     t = conv_out.shape[0]
-    nk, kd, nv = n_k_heads, k_dim, dt_bias.shape[0]
+    nk, kd, nv = n_k_heads, k_dim, n_v_heads
     q, k, v = conv_out.float().split([nk * kd, nk * kd, nv * v_dim], dim=-1)
     q = l2_normalize(q.view(t, nk, kd)).repeat(1, nv // nk, 1) * kd**-0.5
     k = l2_normalize(k.view(t, nk, kd)).repeat(1, nv // nk, 1)
+    return q, k, v.view(t, nv, v_dim)
+
+
+def delta_rule_inputs(conv_out, alpha, beta, dt_bias, ssm_a, n_k_heads: int, k_dim: int, v_dim: int):
+    """q, k, v, g, beta of the recurrence from the layer's raw inputs: the conv output (T, q | k | v)
+    (`normalized_qkv`), the alpha and beta projections (T, nv)."""
+    q, k, v = normalized_qkv(conv_out, n_k_heads, k_dim, v_dim, dt_bias.shape[0])
     g = ssm_a * F.softplus(alpha.float() + dt_bias)  # (T, nv) log decay
-    return q, k, v.view(t, nv, v_dim), g, torch.sigmoid(beta.float())
+    return q, k, v, g, torch.sigmoid(beta.float())
 
 
-def recurrent_delta_rule(q, k, v, g, beta, state, parents: list[int]):
+def recurrent_delta_rule(q, k, v, g, beta, state, parents: list[int], decay=None):
     """Token-by-token recurrence along `parents` (-1 = start from `state`).
 
     q, k: (T, H, dk) fp32 (q already scaled); v: (T, H, dv); g, beta: (T, H); state: (H, dk, dv).
-    Returns o (T, H, dv) and the state after every token (T, H, dk, dv).
+    decay: exp(g) itself (then g is unused), where the caller has it: torch's elementwise ops may round
+    a value differently at another place in a tensor (vectorized or not), so a commit replays the
+    verify's own decay. Returns o (T, H, dv) and the state after every token (T, H, dk, dv).
     """
     t = q.shape[0]
     states = q.new_empty((t + 1,) + tuple(state.shape))
     states[0] = state
     out = q.new_empty(v.shape)
-    decay = g.exp()
+    decay = g.exp() if decay is None else decay
     for i in range(t):
         s = states[parents[i] + 1] * decay[i][:, None, None]
         delta = (v[i] - torch.einsum("hk,hkv->hv", k[i], s)) * beta[i][:, None]
@@ -61,6 +74,31 @@ def recurrent_delta_rule(q, k, v, g, beta, state, parents: list[int]):
         states[i + 1] = s
         out[i] = torch.einsum("hk,hkv->hv", q[i], s)
     return out, states[1:]
+
+
+def replay_accepted(
+    conv_out: torch.Tensor,  # (layers, T, channels): each layer's verify conv output
+    gates: torch.Tensor,  # (layers, T, 2, heads) fp32: each layer's decay and beta, as its verify used them
+    path: torch.Tensor,  # (T',) the accepted block tokens first, root first, each the child of the one before
+    n: torch.Tensor,  # (1,) how many of path were accepted
+    state: torch.Tensor,  # (layers, heads, k, v) fp32: the committed state, replaced in place
+    n_k_heads: int,
+) -> None:
+    """Every layer's state after the verify's tokens path[:n], from `state`: the verify's own operations
+    on its own inputs, so its node state bit for bit (one Triton launch on the GPU for all layers)."""
+    if kernels.triton_kernels_for(state):
+        from flashtree.kernels.tree_deltanet import replay_path
+
+        replay_path(conv_out, gates, path.to(torch.int32), n.to(torch.int32), state, n_k_heads)
+        return
+    count = int(n)  # the torch reference runs on the host's schedule anyway
+    rows = path[:count]
+    chain = list(range(-1, count - 1))
+    _, heads, k_dim, v_dim = state.shape
+    for layer in range(state.shape[0]):
+        q, k, v = normalized_qkv(conv_out[layer, rows], n_k_heads, k_dim, v_dim, heads)
+        g = gates[layer, rows]
+        state[layer] = recurrent_delta_rule(q, k, v, None, g[:, 1], state[layer], chain, decay=g[:, 0])[1][-1]
 
 
 def chunked_delta_rule(q, k, v, g, beta, state, chunk: int = CHUNK):
@@ -134,16 +172,16 @@ class GatedDeltaNet(nn.Module):
     def kernel(self) -> int:
         return self.conv_weight.shape[1]
 
-    def causal_conv(self, mixed: torch.Tensor, conv_state: torch.Tensor, fp: ForwardPass, windows):
+    def causal_conv(self, mixed: torch.Tensor, conv_state: torch.Tensor, fp: ForwardPass, windows, out=None):
         """Depthwise conv + SiLU along each token's ancestry over [conv state | block inputs]. Returns
-        the output (fp32 on the GPU: one Triton launch). windows (T, kernel-1, C), if not None, receives
-        each token's last kernel-1 inputs (the conv state it leaves behind); the AR step passes the
-        state itself, updated in place."""
+        the output (fp32 on the GPU: one Triton launch; written to `out`, fp32, if given). windows
+        (T, kernel-1, C), if not None, receives each token's last kernel-1 inputs (the conv state it
+        leaves behind); the AR step passes the state itself, updated in place."""
         idx = fp.conv_index(self.kernel)  # (T, kernel) rows of [conv state | mixed], oldest first
         if kernels.triton_kernels_for(mixed):
             from flashtree.kernels.tree_conv import tree_conv_silu
 
-            return tree_conv_silu(conv_state, mixed, idx, self.conv_weight, windows)
+            return tree_conv_silu(conv_state, mixed, idx, self.conv_weight, windows, out=out)
         src = torch.cat([conv_state, mixed], dim=0)
         rows = src[idx]  # (T, kernel, C)
         # Tap by tap in a fixed order (not a .sum(1), whose order may change with T: see l2_normalize).
@@ -153,21 +191,25 @@ class GatedDeltaNet(nn.Module):
             y = y + rows[:, j] * taps[j]
         if windows is not None:
             windows.copy_(rows[:, 1:])
-        return F.silu(y)
+        return F.silu(y) if out is None else out.copy_(F.silu(y))
 
-    def tree_recurrence(self, conv_out, alpha, beta, state, fp: ForwardPass, states_out: torch.Tensor):
+    def tree_recurrence(self, conv_out, alpha, beta, state, fp: ForwardPass, states_out, gates_out=None):
         """Every block token from its parent's state, the state after each token written to states_out
         (T, heads, k, v): one Triton launch on the GPU (gates and norms included), the torch reference
-        elsewhere. Returns o (T, heads, v)."""
+        elsewhere. gates_out (T, 2, heads) fp32, if given, receives each token's decay and beta (what a
+        commit replays from). Returns o (T, heads, v)."""
         if kernels.triton_kernels_for(conv_out):
             from flashtree.kernels.tree_deltanet import tree_gated_delta_rule
 
             return tree_gated_delta_rule(
                 conv_out, alpha, beta, self.dt_bias, self.ssm_a, state, fp.parents_int32, self.n_k_heads,
-                states=states_out,
+                states=states_out, gates=gates_out,
             )[0]  # fmt: skip
-        inputs = delta_rule_inputs(conv_out, alpha, beta, *self._head_args)
-        o, states = recurrent_delta_rule(*inputs, state, fp.parents_list)
+        q, k, v, g, beta = delta_rule_inputs(conv_out, alpha, beta, *self._head_args)
+        decay = g.exp()
+        if gates_out is not None:
+            gates_out.copy_(torch.stack([decay, beta], dim=1))
+        o, states = recurrent_delta_rule(q, k, v, g, beta, state, fp.parents_list, decay=decay)
         states_out.copy_(states)
         return o
 
@@ -193,9 +235,9 @@ class GatedDeltaNet(nn.Module):
         elif fp.commit:  # the AR step: the new conv and recurrent states written in place
             conv_out = self.causal_conv(mixed, st.conv, fp, st.conv[None])
             o = self.tree_recurrence(conv_out, alpha, beta, st.recurrent, fp, st.recurrent[None])
-        else:  # verify: every node's state and conv window kept pending until commit_path
-            states, windows = st.pending(t)
-            conv_out = self.causal_conv(mixed, st.conv, fp, windows)
-            o = self.tree_recurrence(conv_out, alpha, beta, st.recurrent, fp, states)
+        else:  # verify: every node's inputs and conv window kept pending until commit_path replays them
+            pending = st.pending(t)
+            conv_out = self.causal_conv(mixed, st.conv, fp, pending.windows, out=pending.conv_out)
+            o = self.tree_recurrence(conv_out, alpha, beta, st.recurrent, fp, pending.scratch, pending.gates)
 
         return self.out(gated_rms_norm(o, self.norm_weight, self.eps, z, x.dtype, self.out))  # (T, nv * vd)

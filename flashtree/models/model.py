@@ -90,7 +90,7 @@ class DecoderModel(nn.Module):
     def _state_shape(m: nn.Module) -> tuple:
         if isinstance(m, Attention):
             return ("kv", m.n_kv_heads, m.head_dim)
-        return ("deltanet", m.n_v_heads, m.k_dim, m.v_dim, m.conv_weight.shape[0], m.kernel)
+        return ("deltanet", m.n_v_heads, m.k_dim, m.v_dim, m.conv_weight.shape[0], m.kernel, m.n_k_heads)
 
     @property
     def mixers(self) -> list[nn.Module]:
@@ -105,18 +105,17 @@ class DecoderModel(nn.Module):
             if isinstance(m, Attention):
                 total += 2 * m.n_kv_heads * max_ctx * m.head_dim * elem
             else:
-                total += self.pending_bytes(1, [m])  # its state and conv window: one token's pending
+                total += m.n_v_heads * m.k_dim * m.v_dim * 4 + (m.kernel - 1) * m.conv_weight.shape[0] * elem
         return total
 
-    def pending_bytes(self, tokens: int, mixers: list[nn.Module] | None = None) -> int:
-        """Bytes a `tokens`-token verify forward allocates for its pending Gated DeltaNet state (the fp32
-        state and conv window after every token, DeltaNetStore.pending_buffers): 3.5 GB at the 27B's 23
-        nodes, which the memory plan must leave free next to the context."""
-        elem = self.dtype.itemsize
-        return tokens * sum(
-            m.n_v_heads * m.k_dim * m.v_dim * 4 + (m.kernel - 1) * m.conv_weight.shape[0] * elem
-            for m in (self.mixers if mixers is None else mixers)
-            if not isinstance(m, Attention)
+    def pending_bytes(self, tokens: int) -> int:
+        """Bytes a `tokens`-token verify forward allocates for what its Gated DeltaNet layers keep
+        pending until the commit (DeltaNetStore.pending_buffers): ~185 MB at the 27B's 23 nodes, which
+        the memory plan must leave free next to the context."""
+        shapes = [self._state_shape(m) for m in self.mixers if not isinstance(m, Attention)]
+        return sum(
+            DeltaNetStore.pending_bytes(shapes.count(shape), *shape[1:6], self.dtype.itemsize, tokens)
+            for shape in dict.fromkeys(shapes)
         )
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:

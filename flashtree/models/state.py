@@ -1,20 +1,36 @@
 """Per-sequence model state: static slot-indexed KV caches and exact fp32 DeltaNet state.
 
 A forward writes its block's K/V at slots [seq_len, seq_len + T). With commit=True (prefill, AR)
-everything is committed at once. With commit=False (verify) the recurrent layers keep the state
-after *every* block token as pending, and `commit_path(path, n)` later keeps exactly the accepted
-tokens: their K/V are compacted into contiguous slots and each DeltaNet layer takes the fp32
-state (and conv window) after the last accepted token. Rejected K/V slots are simply overwritten.
-Each kind of layer state lives in one store for all layers (KVStore, DeltaNetStore), so that a
-commit is a handful of launches whatever the depth of the model.
+everything is committed at once. With commit=False (verify) the recurrent layers keep what each block
+token's state was made from as pending (its conv output, its gates, its conv window), and
+`commit_path(path, n)` later keeps exactly the accepted tokens: their K/V are compacted into contiguous
+slots, each DeltaNet layer's fp32 state is rebuilt by replaying the accepted tokens (the same operations
+on the same inputs as the verify: its node state, bit for bit) and takes the conv window after the last
+one. Rejected K/V slots are simply overwritten. Each kind of layer state lives in one store for all
+layers (KVStore, DeltaNetStore), so that a commit is a handful of launches whatever the depth of the
+model.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from flashtree.errors import FlashtreeError
+from flashtree.models.deltanet import replay_accepted
 from flashtree.models.layers import apply_rotary, rotary_kernel_fits
+
+
+class CommitPlan(NamedTuple):
+    """What a speculative step keeps, on the device: block tokens path[:n] (root first, each the child of
+    the one before), last = path[n - 1] (1,), and the KV slot moves src -> dst (commit_path)."""
+
+    path: torch.Tensor
+    n: torch.Tensor
+    last: torch.Tensor
+    src: torch.Tensor
+    dst: torch.Tensor
 
 
 class KVCache:
@@ -59,9 +75,10 @@ class KVStore:
     def layer(self, i: int) -> KVCache:
         return KVCache(self.k[i], self.v[i])
 
-    def commit(self, src: torch.Tensor, dst: torch.Tensor, last: torch.Tensor) -> None:
+    def commit(self, plan: CommitPlan) -> None:
         """Keep the accepted nodes: move slots src[i] to dst[i] in every layer (src is increasing and
         src >= dst, and the gather completes before the scatter)."""
+        src, dst = plan.src, plan.dst
         self.k[:, :, dst] = self.k[:, :, src]
         self.v[:, :, dst] = self.v[:, :, src]
 
@@ -69,58 +86,85 @@ class KVStore:
         """Nothing to clear: slots past the committed length are never read."""
 
 
+class DeltaNetPending(NamedTuple):
+    """What a verify forward of T tokens keeps for its commit, every layer of a DeltaNetStore at once,
+    and the scratch its tree walks share."""
+
+    conv_out: torch.Tensor  # (layers, T, channels) fp32: each token's conv output (q | k | v)
+    gates: torch.Tensor  # (layers, T, 2, heads) fp32: each token's decay and beta, as the walk used them
+    windows: torch.Tensor  # (layers, T, kernel - 1, channels): the conv window after each token
+    scratch: torch.Tensor  # (T, heads, k, v) fp32: the state after each token, one layer at a time
+
+    def layer(self, i: int) -> DeltaNetPending:
+        return DeltaNetPending(self.conv_out[i], self.gates[i], self.windows[i], self.scratch)
+
+
 class DeltaNetState:
     """Recurrent state (fp32) and causal-conv window of one Gated DeltaNet layer: views into a
-    DeltaNetStore, as are its pending states after a verify forward."""
+    DeltaNetStore, as is what a verify forward keeps pending."""
 
     def __init__(self, store: DeltaNetStore, index: int):
         self.store, self.index = store, index
         self.recurrent = store.recurrent[index]  # (heads, k, v) fp32
         self.conv = store.conv[index]  # (kernel - 1, channels)
 
-    def pending(self, t: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Where a verify forward of t tokens leaves this layer's state after every token, (t, heads,
-        k, v) fp32, and its conv window after every token, (t, kernel - 1, channels)."""
-        states, windows = self.store.pending_buffers(t)
-        return states[self.index], windows[self.index]
+    def pending(self, t: int) -> DeltaNetPending:
+        """Where a verify forward of t tokens leaves this layer's pending inputs (DeltaNetPending)."""
+        return self.store.pending_buffers(t).layer(self.index)
 
 
 class DeltaNetStore:
-    """State of every Gated DeltaNet layer of one shape in two tensors (layers, ...), and their pending
-    states after a verify forward likewise: a speculative step's commit adopts the accepted node's
-    state in every layer with one gather and one copy per tensor (it was 4 launches per layer)."""
+    """State of every Gated DeltaNet layer of one shape in two tensors (layers, ...), and what a verify
+    forward keeps pending likewise: a speculative step's commit rebuilds every layer's state in one
+    launch (`replay_accepted`) and adopts the accepted node's conv window with one gather and one copy."""
 
     def __init__(
-        self, n_layers: int, heads: int, k_dim: int, v_dim: int, channels: int, kernel: int, dtype, device
-    ):
+        self, n_layers: int, heads: int, k_dim: int, v_dim: int, channels: int, kernel: int, n_k_heads: int,
+        dtype, device,
+    ):  # fmt: skip
         self.recurrent = torch.zeros(n_layers, heads, k_dim, v_dim, dtype=torch.float32, device=device)
         self.conv = torch.zeros(n_layers, kernel - 1, channels, dtype=dtype, device=device)
-        self.pending_states: torch.Tensor | None = None  # (layers, T, heads, k, v)
-        self.pending_conv: torch.Tensor | None = None  # (layers, T, kernel - 1, channels)
+        self.n_k_heads = n_k_heads
+        self.pending: DeltaNetPending | None = None
 
     def layer(self, i: int) -> DeltaNetState:
         return DeltaNetState(self, i)
 
-    def pending_buffers(self, t: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The pending buffers for a t-token verify, allocated by its first layer."""
-        if self.pending_states is None or self.pending_states.shape[1] != t:
-            n, heads, k_dim, v_dim = self.recurrent.shape
-            self.pending_states = self.recurrent.new_empty(n, t, heads, k_dim, v_dim)
-            self.pending_conv = self.conv.new_empty(n, t, *self.conv.shape[1:])
-        return self.pending_states, self.pending_conv
+    @staticmethod
+    def pending_bytes(
+        n_layers: int, heads: int, k_dim: int, v_dim: int, channels: int, kernel: int, elem: int, t: int
+    ) -> int:
+        """Bytes `pending_buffers(t)` allocates (DeltaNetPending's fields)."""
+        per_layer = t * (channels * 4 + 2 * heads * 4 + (kernel - 1) * channels * elem)
+        return n_layers * per_layer + t * heads * k_dim * v_dim * 4
 
-    def commit(self, src: torch.Tensor, dst: torch.Tensor, last: torch.Tensor) -> None:
-        """Adopt the state after block token `last` ((1,) on the device: the deepest accepted node; the
-        slot moves src -> dst are the KV stores'). index_select: indexing with a device scalar would
-        read it back to the host."""
-        self.recurrent.copy_(self.pending_states.index_select(1, last)[:, 0])
-        self.conv.copy_(self.pending_conv.index_select(1, last)[:, 0])
-        self.pending_states = self.pending_conv = None
+    def pending_buffers(self, t: int) -> DeltaNetPending:
+        """The pending buffers for a t-token verify, allocated by its first layer."""
+        if self.pending is None or self.pending.scratch.shape[0] != t:
+            n, heads, k_dim, v_dim = self.recurrent.shape
+            channels = self.conv.shape[2]
+            f32 = torch.float32
+            self.pending = DeltaNetPending(
+                self.recurrent.new_empty(n, t, channels),
+                self.recurrent.new_empty(n, t, 2, heads),
+                self.conv.new_empty(n, t, *self.conv.shape[1:]),
+                torch.empty(t, heads, k_dim, v_dim, dtype=f32, device=self.recurrent.device),
+            )
+        return self.pending
+
+    def commit(self, plan: CommitPlan) -> None:
+        """Adopt the state after the accepted tokens: replayed from the committed state (every layer, on
+        the device), and the conv window after the deepest accepted node (index_select: indexing with a
+        device scalar would read it back to the host)."""
+        p = self.pending
+        replay_accepted(p.conv_out, p.gates, plan.path, plan.n, self.recurrent, self.n_k_heads)
+        self.conv.copy_(p.windows.index_select(1, plan.last)[:, 0])
+        self.pending = None
 
     def reset(self) -> None:
         self.recurrent.zero_()
         self.conv.zero_()
-        self.pending_states = self.pending_conv = None
+        self.pending = None
 
 
 class ModelState:
@@ -179,8 +223,9 @@ class ModelState:
         src = self.position + torch.where(idx < n, path, idx)
         dst = self.position + idx
         last = path.gather(0, (n - 1).view(1))  # (1,): the deepest accepted node
+        plan = CommitPlan(path, n.view(1), last, src, dst)
         for store in self.stores:
-            store.commit(src, dst, last)
+            store.commit(plan)
         self.position += n
 
     def truncate(self, length: int) -> None:
