@@ -50,7 +50,7 @@ from flashtree.kernels.attention import (
 from flashtree.kernels.qmatmul import int8_of, quantize_activations, reshape_int8
 from flashtree.kernels.rotary import rotary, rotary_store
 from flashtree.kernels.tree_conv import tree_conv_silu
-from flashtree.kernels.tree_deltanet import tree_gated_delta_rule
+from flashtree.kernels.tree_deltanet import replay_path, tree_gated_delta_rule
 from flashtree.models import layers
 from flashtree.models.block import BlockLayout
 from flashtree.models.deltanet import delta_rule_inputs, recurrent_delta_rule
@@ -249,6 +249,19 @@ def check_tree_deltanet(tile: tuple[int, int] | None = None) -> dict:
         conv_out[:1], alpha[:1], beta[:1], dt_bias, ssm_a, state, root, nk, states=state[None], tile=tile
     )
     alone &= torch.equal(o_0[0], o[0]) and torch.equal(state, states[0])
+    # the commit's replay of each node's ancestry (two layers' copies of the walk) ends in its state
+    gates = torch.empty(2, t, 2, nv, device=DEVICE)
+    tree_gated_delta_rule(conv_out, alpha, beta, dt_bias, ssm_a, s0, parents, nk, tile=tile, gates=gates[0])
+    gates[1] = gates[0]
+    for node in range(t):
+        path = [node]
+        while PARENTS[path[-1]] >= 0:
+            path.append(PARENTS[path[-1]])
+        path = torch.tensor(path[::-1], dtype=torch.int32, device=DEVICE)
+        replayed = torch.stack([s0, s0]).contiguous()
+        count = torch.tensor([path.shape[0]], dtype=torch.int32, device=DEVICE)
+        replay_path(torch.stack([conv_out, conv_out]), gates, path, count, replayed, nk, tile=tile)
+        alone &= torch.equal(replayed[0], states[node]) and torch.equal(replayed[1], states[node])
     return {"kernel": "tree_deltanet", "max_abs_err": err, "ok": err < TOL, "rows_bitwise": alone}
 
 
