@@ -17,7 +17,7 @@ Commit by replay (`replay_path`): a verify's per-token states are only needed in
 rebuilt at commit by walking the accepted path again from the committed state, every layer in one
 launch, with the same per-token code (`_token_update`) on the same inputs: the conv output rows (kept by
 the conv) and each token's decay and beta (kept by the verify launch). So it equals the verify's node state
-bit for bit, and a 27B verify of 23 nodes keeps ~185 MB pending instead of 3.5 GB of states.
+bit for bit, and a 27B verify of 23 nodes keeps 186 MB pending instead of 3.5 GB of states.
 """
 
 from __future__ import annotations
