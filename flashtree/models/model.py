@@ -110,7 +110,7 @@ class DecoderModel(nn.Module):
 
     def pending_bytes(self, tokens: int) -> int:
         """Bytes a `tokens`-token verify forward allocates for what its Gated DeltaNet layers keep
-        pending until the commit (DeltaNetStore.pending_buffers): ~185 MB at the 27B's 23 nodes, which
+        pending until the commit (DeltaNetStore.pending_buffers): 186 MB at the 27B's 23 nodes, which
         the memory plan must leave free next to the context."""
         shapes = [self._state_shape(m) for m in self.mixers if not isinstance(m, Attention)]
         return sum(

@@ -142,13 +142,11 @@ class DeltaNetStore:
         """The pending buffers for a t-token verify, allocated by its first layer."""
         if self.pending is None or self.pending.scratch.shape[0] != t:
             n, heads, k_dim, v_dim = self.recurrent.shape
-            channels = self.conv.shape[2]
-            f32 = torch.float32
-            self.pending = DeltaNetPending(
-                self.recurrent.new_empty(n, t, channels),
+            self.pending = DeltaNetPending(  # fp32 like the recurrent state, the windows like the conv's
+                self.recurrent.new_empty(n, t, self.conv.shape[2]),
                 self.recurrent.new_empty(n, t, 2, heads),
                 self.conv.new_empty(n, t, *self.conv.shape[1:]),
-                torch.empty(t, heads, k_dim, v_dim, dtype=f32, device=self.recurrent.device),
+                self.recurrent.new_empty(t, heads, k_dim, v_dim),
             )
         return self.pending
 
