@@ -35,10 +35,12 @@
 #   profile-pair  bench/gpu_profile_steps.py on the default pair (after pair): kernels per graphed step
 #            (in $OUT/profile_$PAIR_NAME)
 #   splits   bench/gpu_splits.py on the 27B (after prep with the synth on): a K-split target per matrix
-#            shape, swept on its own matrices at M = 1 (int8); the chosen FLASHTREE_QMM_SPLITS in $STASH
+#            shape, swept on its own matrices at M = SPLITS_ROWS (default 1) in SPLITS_ARITH (default int8),
+#            each way of adding the splits; the chosen FLASHTREE_QMM_SPLITS and _TILES in $STASH
 #   ncu      Nsight Compute (--set full) on the int8 matvec, the bf16 matmul at 23 rows and the tree DeltaNet
 #            at 27B shapes (bench/ncu_kernels.py; no GGUF needed): one text report per kernel in $OUT
-#   splits-step  the 27B step (packed, int8) without and with the chosen targets: step_packed_int8_splits{0,1}.json
+#   splits-step  the 27B step (packed, STEP_ARITH) without and with the chosen targets and tile:
+#            step_packed_*_splits{0,1}.json
 set -u
 STASH=/root/stash
 mkdir -p "$STASH" "$OUT"
@@ -140,11 +142,14 @@ for stage in "$@"; do
         for pdl in 0 1; do FLASHTREE_PDL=$pdl STEP_WEIGHTS=packed STEP_SUFFIX=_pdl$pdl step; done ;;
     splits)
         wait_synth
-        python3 bench/gpu_splits.py "$OUT" "$STASH/q27.gguf" --splits-out "$STASH/qmm_splits.json" 2>&1 \
-            | grep -v USDT | tee "$OUT/splits.log" ;;
+        rm -f "$STASH/qmm_tiles.json"
+        python3 bench/gpu_splits.py "$OUT" "$STASH/q27.gguf" --arith "${SPLITS_ARITH:-int8}" \
+            --rows "${SPLITS_ROWS:-1}" --splits-out "$STASH/qmm_splits.json" --tiles-out "$STASH/qmm_tiles.json" \
+            2>&1 | grep -v USDT | tee "$OUT/splits.log" ;;
     splits-step)
         STEP_WEIGHTS=packed STEP_SUFFIX=_splits0 step
-        FLASHTREE_QMM_SPLITS=$(cat "$STASH/qmm_splits.json") STEP_WEIGHTS=packed STEP_SUFFIX=_splits1 step ;;
+        FLASHTREE_QMM_SPLITS=$(cat "$STASH/qmm_splits.json") FLASHTREE_QMM_TILES=$(cat "$STASH/qmm_tiles.json") \
+            STEP_WEIGHTS=packed STEP_SUFFIX=_splits1 step ;;
     ncu)
         for kernel in _matvec_kernel _matmul_kernel _tree_gated_delta_rule_kernel; do
             ncu --set full -k "regex:^$kernel\$" --launch-skip 2 --launch-count 1 --print-units base \
