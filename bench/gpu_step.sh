@@ -18,7 +18,7 @@
 #            whose verify row differs from the AR step (the packed-path exactness gap)
 #   step     flashtree bench-step on the 27B: packed weights (the quantized kernels), then dense bf16
 #            (STEP_WEIGHTS=packed: the first only); packed runs once per STEP_ARITH (default int8;
-#            "int8 bf16": both arithmetics, FLASHTREE_QMM_ARITH)
+#            "int8 bf16": both arithmetics, FLASHTREE_QMM_ARITH); STEP_CONTEXT: prompt tokens cached (512)
 #   stage-a  stash the SmolLM2 GGUF's first half (carry .stage/draft/smollm2.part.aa, 49 MB: move the
 #            20.6 MB shipped draft out of the working tree for this call and the next, prep stashed it)
 #   dense    bench/gpu_dense_matmul.py --sweep: the fp32 decode-step kernel checked, swept, vs cuBLAS
@@ -79,7 +79,8 @@ step() {
         for arith in $([ "$weights" = dense ] && echo int8 || echo "${STEP_ARITH:-int8}"); do
             name=$weights$([ "$weights" = dense ] || echo "_$arith")${STEP_SUFFIX:-}
             FLASHTREE_QMM_ARITH=$arith $FT bench-step --target "$STASH/q27.gguf" --draft "$STASH/draft5" \
-                --weights $weights --out "$OUT/step_$name.json" 2>&1 | grep -v USDT | tee "$OUT/step_$name.log"
+                --weights $weights --context "${STEP_CONTEXT:-512}" --out "$OUT/step_$name.json" 2>&1 \
+                | grep -v USDT | tee "$OUT/step_$name.log"
         done
     done
 }

@@ -204,11 +204,14 @@ def bench_step(
         "for speculative decoding).",
     ),
     repeats: int = typer.Option(20, "--repeats", help="Timed repeats per measurement (median)."),
+    context: int = typer.Option(
+        512, "--context", help="Prompt tokens in the KV cache when the decode steps are timed."
+    ),
 ):
     """Time the AR step, tree verify, draft step and prefill against measured device ceilings."""
     from flashtree.bench.step import bench_step_command
 
-    bench_step_command(target, draft, budget, block_size, out, weights, repeats)
+    bench_step_command(target, draft, budget, block_size, out, weights, repeats, context)
 
 
 @app.command("train-draft")

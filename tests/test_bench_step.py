@@ -20,10 +20,14 @@ def pair(tmp_path_factory):
 
 
 def test_bench_step_measures_everything(pair, monkeypatch):
-    monkeypatch.setattr(step, "CONTEXT", 24)
+    monkeypatch.setattr(step, "DRAFT_RING", 16)  # the draft's ring keeps the last 16 of the 24 positions
+    monkeypatch.setitem(step.PREFILL_CHUNK, "cpu", 10)  # the context prefilled in 3 chunks
     target, draft = pair
-    r = step.run_bench_step(target, draft, 6, 4, None, 1, verify_sizes=(4, 7), prefill_sizes=(16, 40))
+    r = step.run_bench_step(
+        target, draft, 6, 4, None, 1, verify_sizes=(4, 7), prefill_sizes=(16, 40), context=24
+    )
     json.dumps(r)  # JSON-ready
+    assert r["context_tokens"] == 24
     assert r["weights"] == "dense" and r["quant_linears"] == 0  # CPU: the dense path
     assert r["ceilings"]["copy_gb_s"] > 0 and r["ceilings"]["matmul_tflops"] > 0
     assert r["ar"]["eager_ms"] > 0 and r["ar"]["graph_ms"] is None  # no CUDA graphs on CPU
@@ -57,3 +61,6 @@ def test_bench_step_refuses_missing_files_and_unknown_weights(tmp_path):
         step.bench_step_command(tmp_path / "no.gguf", tmp_path, 22, 16, tmp_path / "o.json", "auto", 3)
     with pytest.raises(FlashtreeError, match="--weights must be one of auto, packed, dense"):
         step.bench_step_command(tmp_path / "no.gguf", tmp_path, 22, 16, tmp_path / "o.json", "quant", 3)
+    (tmp_path / "t.gguf").touch()
+    with pytest.raises(FlashtreeError, match="--context must be >= 1, got 0"):
+        step.bench_step_command(tmp_path / "t.gguf", tmp_path, 22, 16, tmp_path / "o.json", "auto", 3, 0)

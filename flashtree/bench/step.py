@@ -37,7 +37,8 @@ from flashtree.spec.tree import build_tree
 SCHEMA = "flashtree-bench-step/1"
 VERIFY_SIZES = (16, 23, 32, 64)
 PREFILL_SIZES = (512, 8192)
-CONTEXT = 512  # tokens prefilled before the decode-step measurements
+DEFAULT_CONTEXT = 512  # tokens prefilled before the decode-step measurements (--context)
+DRAFT_RING = 4096  # the draft's context ring in the draft-step measurements: the last 4096 positions
 TREE_TOP_K = 8
 PROFILE_TOP = 12
 
@@ -142,8 +143,9 @@ class StepBench:
     """The measurements, sharing one loaded target + draft."""
 
     def __init__(
-        self, target: Path, draft: Path, quantized: bool, budget: int, block_size: int, repeats: int
-    ):
+        self, target: Path, draft: Path, quantized: bool, budget: int, block_size: int, repeats: int,
+        context: int = DEFAULT_CONTEXT,
+    ):  # fmt: skip
         self.device = default_device()
         self.model, self.gguf = load_target(target, device=self.device, quantized=quantized)
         self.draft = load_draft(draft, self.model, fp8_mode="off")
@@ -151,11 +153,11 @@ class StepBench:
         modes = fp8.MODES[1:] if fp8.supported(self.device) else ()
         self.fp8_drafts = {mode: load_draft(draft, self.model, fp8_mode=mode) for mode in modes}
         self.n_quant_linears = sum(type(m).__name__ == "QuantLinear" for m in self.model.modules())
-        self.budget, self.block_size, self.repeats = budget, block_size, repeats
+        self.budget, self.block_size, self.repeats, self.context = budget, block_size, repeats, context
         self.vocab = self.model.config.vocab
         self.capture = self.draft.config.target_layer_ids
         gen = torch.Generator(device="cpu").manual_seed(0)
-        self.prompt = torch.randint(0, self.vocab, (max(PREFILL_SIZES) + CONTEXT,), generator=gen).to(
+        self.prompt = torch.randint(0, self.vocab, (max(*PREFILL_SIZES, context),), generator=gen).to(
             self.device
         )
 
@@ -163,22 +165,31 @@ class StepBench:
         return time_ms(fn, self.device, repeats or self.repeats)
 
     def decode_state(self):
-        """A state holding CONTEXT prompt tokens, and their draft features."""
-        state = self.model.new_state(CONTEXT + 4 * self.repeats + 256)
-        out = self.model(self.prompt[:CONTEXT], state, logits="none", capture=self.capture)
-        return state, out.features
+        """A state holding `context` prompt tokens (prefilled in the engine's chunks), and the draft
+        features of the last DRAFT_RING of them."""
+        state = self.model.new_state(self.context + 4 * self.repeats + 256)
+        chunk = PREFILL_CHUNK.get(self.device.type, 2048)
+        features = []
+        for s in range(0, self.context, chunk):
+            end = min(s + chunk, self.context)
+            out = self.model(self.prompt[s:end], state, logits="none", capture=self.capture)
+            if end > self.context - DRAFT_RING:
+                features.append(out.features)
+        return state, torch.cat(features)[-DRAFT_RING:]
 
     def n_keys(self, state) -> int | None:
         """The KV read length a graphed engine step uses here (its bucket), None on the CPU."""
-        return kv_bucket(CONTEXT + 1 + self.budget, state.max_ctx) if self.device.type == "cuda" else None
+        if self.device.type != "cuda":
+            return None
+        return kv_bucket(self.context + 1 + self.budget, state.max_ctx)
 
     def ar_step(self, state) -> tuple[Callable[[], object], float]:
         token = self.prompt[:1].clone()
         n_keys = self.n_keys(state)
 
         def step():
-            state.seq_len = CONTEXT  # every call (and replay) decodes at the same position
-            state.position.fill_(CONTEXT)
+            state.seq_len = self.context  # every call (and replay) decodes at the same position
+            state.position.fill_(self.context)
             return self.model(token, state, logits="last", n_keys=n_keys)
 
         return step, self.time(step)
@@ -200,7 +211,7 @@ class StepBench:
         return step, found
 
     def draft_step(self, features: torch.Tensor, state, draft) -> tuple[Callable[[], object], dict]:
-        ctx = draft.new_context(4096, block=self.block_size)
+        ctx = draft.new_context(DRAFT_RING, block=self.block_size)
         draft.append_context(ctx, features)
         root = torch.zeros((), dtype=torch.long, device=self.device)
         n_keys = self.n_keys(state)  # the ring read the engine's step makes at this length
@@ -215,14 +226,14 @@ class StepBench:
 
     def engine_steps(self) -> dict:
         """Per-step time of the engine's own decoding (Engine.generate, greedy, stop tokens off) from
-        CONTEXT prompt tokens: AR, and tree mode with this draft (random weights accept little, so
+        `context` prompt tokens: AR, and tree mode with this draft (random weights accept little, so
         the tree step costs what it costs whatever the acceptance)."""
         found = {}
-        prompt = self.prompt[:CONTEXT].tolist()
+        prompt = self.prompt[: self.context].tolist()
         for mode in ("ar", "tree"):
             spec = SpecConfig(mode=mode, budget=self.budget, block_size=self.block_size)
             steps = 2 + self.repeats
-            max_ctx = CONTEXT + (steps + 2) * (self.budget + 1)
+            max_ctx = self.context + (steps + 2) * (self.budget + 1)
             engine = Engine(self.model, None, self.draft if mode == "tree" else None, spec, max_ctx=max_ctx)
             tokens = engine.generate(prompt, max_tokens=steps * (self.budget + 1), stop_ids=())
             next(tokens)  # prefill
@@ -268,12 +279,13 @@ def run_bench_step(
     repeats: int,
     verify_sizes: tuple[int, ...] = VERIFY_SIZES,
     prefill_sizes: tuple[int, ...] = PREFILL_SIZES,
+    context: int = DEFAULT_CONTEXT,
 ) -> dict:
     """Every measurement of one run, as a JSON-ready dict (`quantized`: see loader.Weights)."""
     made_by = provenance()
     device = default_device()
     ceilings = measure_ceilings(device)
-    bench = StepBench(target, draft, quantized, budget, block_size, repeats)
+    bench = StepBench(target, draft, quantized, budget, block_size, repeats, context)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     state, features = bench.decode_state()
@@ -333,7 +345,7 @@ def run_bench_step(
         "draft_model": {"dir": str(draft), "layers": bench.draft.config.n_layers},
         "budget": budget,
         "block_size": block_size,
-        "context_tokens": CONTEXT,
+        "context_tokens": context,
         **results,
     }
 
@@ -387,8 +399,9 @@ WEIGHTS = {"auto": None, "packed": True, "dense": False}  # --weights -> load_ta
 
 
 def bench_step_command(
-    target: Path, draft: Path, budget: int, block_size: int, out: Path, weights: str, repeats: int
-) -> None:
+    target: Path, draft: Path, budget: int, block_size: int, out: Path, weights: str, repeats: int,
+    context: int = DEFAULT_CONTEXT,
+) -> None:  # fmt: skip
     if weights not in WEIGHTS:
         raise FlashtreeError(f"--weights must be one of {', '.join(WEIGHTS)}, got {weights!r}")
     for path in (target, draft):
@@ -396,8 +409,11 @@ def bench_step_command(
             raise FlashtreeError(f"{path}: not found")
     if repeats < 1:
         raise FlashtreeError(f"--repeats must be >= 1, got {repeats}")
-    result = run_bench_step(target, draft, budget, block_size, WEIGHTS[weights], repeats)
+    if context < 1:
+        raise FlashtreeError(f"--context must be >= 1, got {context}")
+    result = run_bench_step(target, draft, budget, block_size, WEIGHTS[weights], repeats, context=context)
     flags = ["--budget", str(budget), "--block-size", str(block_size), "--weights", weights]
+    flags += ["--context", str(context)]
     result["command"] = " ".join(
         ["flashtree", "bench-step", "--target", str(target), "--draft", str(draft), *flags]
         + ["--repeats", str(repeats), "--out", str(out)]
