@@ -3,7 +3,8 @@ decode kernel compiles and waits before it reads (tests/test_sm90_compile.py), a
 registers and spills per tile.
 
 Under TRITON_INTERPRET=1 a kernel runs its CPU form (GDC and ASM false). `recording` notes each launch the
-interpreter runs (argument types, constexprs, compile options); `compile_for_sm90` compiles the records in
+interpreter runs (argument types, constexprs, compile options, the JIT's specializations: integers of 1,
+16-divisible integers and addresses); `compile_for_sm90` compiles the records in
 a process without the interpreter, with the GPU switches on, and reports what each PTX does around
 griddepcontrol.wait and, with `registers`, what Triton's own ptxas says of registers and spills.
 """
@@ -40,15 +41,29 @@ def arg_type(value) -> str:
     raise TypeError(f"no Triton type for {value!r}")
 
 
-def launch_record(fn, args: tuple, kwargs: dict) -> dict:
-    """A launch as the compiler takes it: argument types, constexpr values, compile options."""
+def launch_record(fn, args: tuple, kwargs: dict, unspecialized: tuple = ()) -> dict:
+    """A launch as the compiler takes it: argument types, constexpr values, compile options, and what
+    the JIT would specialize on a GPU (all but the `unspecialized` arguments, names or indices): an
+    integer 1 becomes the constant 1, and integers and tensor addresses divisible by 16 are compiled
+    with that divisibility ("aligned"; without it vector loads compile to byte and word loads)."""
     params = inspect.signature(fn).parameters
     bound = dict(zip(params, args, strict=False)) | {k: v for k, v in kwargs.items() if k in params}
     constexprs = {n: bound[n] for n, p in params.items() if "constexpr" in str(p.annotation)}
+    names = list(params)
+    kept = {names[u] if isinstance(u, int) else u for u in unspecialized}
+    free = {n for n in bound if n not in constexprs} - kept
+    integers = {n for n in free if isinstance(bound[n], int) and not isinstance(bound[n], bool)}
+    constexprs |= {n: 1 for n in integers if bound[n] == 1}
+    aligned = [
+        n for n in sorted(free - set(constexprs))
+        if (n in integers and bound[n] % 16 == 0)
+        or (isinstance(bound[n], torch.Tensor) and bound[n].data_ptr() % 16 == 0)
+    ]  # fmt: skip
     return {
         "module": fn.__module__, "name": fn.__name__,
         "signature": {n: arg_type(v) for n, v in bound.items() if n not in constexprs},
-        "constexprs": constexprs, "options": {k: kwargs[k] for k in OPTIONS if k in kwargs},
+        "constexprs": constexprs, "aligned": aligned,
+        "options": {k: kwargs[k] for k in OPTIONS if k in kwargs},
     }  # fmt: skip
 
 
@@ -62,7 +77,7 @@ def recording() -> Iterator[list[dict]]:
     real_run = InterpretedFunction.run
 
     def recording_run(self, *args, grid, warmup, **kwargs):
-        record = launch_record(self.fn, args, kwargs)
+        record = launch_record(self.fn, args, kwargs, tuple(self.kwargs.get("do_not_specialize") or ()))
         key = json.dumps(record, sort_keys=True)
         if key not in records:
             records[key] = record
@@ -108,7 +123,8 @@ for rec in json.load(sys.stdin):
     const = rec["constexprs"] | {k: True for k in json.loads(sys.argv[1]) if k in names}
     sig = rec["signature"] | {k: "constexpr" for k in const}
     try:
-        src = ASTSource(fn, sig, {(names.index(k),): v for k, v in const.items()})
+        attrs = {(names.index(k),): [["tt.divisibility", 16]] for k in rec["aligned"]}
+        src = ASTSource(fn, sig, {(names.index(k),): v for k, v in const.items()}, attrs)
         ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=rec["options"]).asm["ptx"]
     except Exception:
         report.append({"name": rec["name"], "failure": traceback.format_exc(limit=3)[-1500:]})
