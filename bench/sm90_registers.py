@@ -2,14 +2,12 @@
 
     python bench/sm90_registers.py OUT.json
 
-Why: ptxas -v on the tensor-core kernel (`_matmul_kernel`, both arithmetics) reports 255 registers per
-thread at the default tiles, with spills at 64 x 4 and 128 x 4 x 2 in the bf16 arithmetic (Triton 3.9's
-compiler and ptxas; the H200 runs Triton 3.6): then at most two 4-warp programs fit an SM, 8 warps to
-stream weights where the one-row kernel keeps ~20 in flight. A lead for the verify's ~0.3 of copy
-bandwidth that a GPU sweep (bench/gpu_kernels.py, FLASHTREE_QMM_TILES) can follow from the tiles that
-fit. Outcome (bench/results/h100-checks-2026-12-05): in bf16 the tiles that fit without spilling (16 x 4 x 1,
-64 x 8 x 1) ran 1.7-2.5x slower than the defaults, so the spills are not what bounds that kernel; int8 not
-yet swept with them. Each tile's launches are recorded under Triton's interpreter (a 27B-width Q4_K and
+Why: the registers a tile takes decide how many programs an SM holds. Since session 23 the compile
+mirrors the JIT's alignment specializations (flashtree/kernels/sm90.py) and agrees with Nsight Compute on
+the device to a register (bench/results/cpu-sm90-registers-aligned-2026-12-05: the verify's bf16 tile 128
+registers here, 127 there; no tile spills). Session 20's run without them reported 255 registers and
+spills (bench/results/cpu-sm90-registers-2026-12-05): an artifact of byte-wise loads.
+Each tile's launches are recorded under Triton's interpreter (a 27B-width Q4_K and
 Q6_K matrix at M = 1, 16 and 23, both arithmetics; the one-row dp4a kernel at its tile) and compiled with
 the GPU switches on (flashtree/kernels/sm90.py).
 """
