@@ -38,7 +38,7 @@ SCHEMA = "flashtree-bench-step/1"
 VERIFY_SIZES = (16, 23, 32, 64)
 PREFILL_SIZES = (512, 8192)
 DEFAULT_CONTEXT = 512  # tokens prefilled before the decode-step measurements (--context)
-DRAFT_RING = 4096  # the draft's context ring in the draft-step measurements: the last 4096 positions
+DRAFT_RING = SpecConfig().draft_ctx  # the draft-step measurements' ring: the engine's default
 TREE_TOP_K = 8
 PROFILE_TOP = 12
 
