@@ -37,11 +37,28 @@ SPLITS_PER_CACHE = 32  # a whole cache is cut into at most this many splits (unl
 # rows x heads x splits partial outputs, so more splits cost it bytes)
 TILE_VALUES = 4096  # K or V values per inner step: 64 positions of a 64-dim head, 16 of a 256-dim one
 COMBINE_ROUND = tl.constexpr(16)  # splits whose maxima the combine loads at once
+# A program's query tile: MAX_ROWS tree rows at most, their query heads in at most MAX_QUERIES slots of
+# at most QUERY_VALUES fp32 values (the 27B's 256-dim heads: 4 rows x 6 heads in 32 slots; SmolLM2's
+# 64-dim: 8 rows x 3 heads in 32). More rows per program: fewer reads of the committed K/V per verify;
+# a larger tile: more registers, and more padding in an AR step's one row.
+MAX_ROWS = 8
+MAX_QUERIES = 64
+QUERY_VALUES = 8192
 
 
 def tile_positions(head_dim: int) -> int:
     """Positions per inner step, from the head size only."""
     return min(MAX_SPLIT, max(16, TILE_VALUES // triton.next_power_of_2(head_dim)))
+
+
+def row_group(group: int, head_block: int) -> tuple[int, int]:
+    """(rows R, query tile QB) of one program: R rows' `group` query heads of a KV head share each
+    committed K/V tile they read, QB >= R * group queries (a power of two, >= 16 for the dots) of at
+    most QUERY_VALUES / head_block fp32 values each way. From the model's shape only: the AR step runs
+    the same tile as a verify (its one row and padding), so their rows agree bit for bit."""
+    width = min(MAX_QUERIES, max(16, QUERY_VALUES // head_block))
+    rows = max(1, min(MAX_ROWS, width // triton.next_power_of_2(group)))
+    return rows, max(16, triton.next_power_of_2(rows * group))
 
 
 def split_positions(slots: int, head_dim: int) -> int:
@@ -67,72 +84,113 @@ def _dot(a, b, F32: tl.constexpr):
 
 
 @triton.jit
+def _tile_update(q, k, v, key_ok, valid, m, denom, acc, scale, F32: tl.constexpr, KEY_MASK: tl.constexpr):
+    """One tile of keys added to the online softmax (m, denom, acc) of every query of q: the same
+    operations for a tile shared by all of a program's rows and for one row's own tile, so that a row's
+    sums do not depend on which way its tiles came. valid: (1, BLOCK) positions inside the split and the
+    row's reach; key_ok: (BLOCK,) committed keys to attend to (KEY_MASK)."""
+    scores = _dot(q, tl.trans(k.to(tl.float32)), F32)
+    if KEY_MASK:
+        scores = tl.where(key_ok[None, :], scores, -1e30)
+    scores = tl.where(valid, scores * scale, float("-inf"))  # (QB, BLOCK)
+    m_new = tl.maximum(m, tl.max(scores, axis=1))
+    alpha = tl.exp(m - m_new)
+    p = tl.exp(scores - m_new[:, None])
+    denom = denom * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + _dot(p, v.to(tl.float32), F32)
+    return m_new, denom, acc
+
+
+@triton.jit
 def _split_kernel(
     q_ptr, k_ptr, v_ptr, path_ptr, depth_ptr, start_ptr, block_ptr, key_ok_ptr, m_ptr, l_ptr, acc_ptr,
     out_ptr, counter_ptr, n_rows, n_kv, n_heads, n_splits,
     stride_qt, stride_qh, stride_kh, stride_ks, stride_vh, stride_vs, scale,
-    G: tl.constexpr, BG: tl.constexpr, HD: tl.constexpr, BD: tl.constexpr, SPLIT_N: tl.constexpr,
-    BLOCK: tl.constexpr, F32: tl.constexpr, KEY_MASK: tl.constexpr, GDC: tl.constexpr,
+    G: tl.constexpr, R: tl.constexpr, QB: tl.constexpr, HD: tl.constexpr, BD: tl.constexpr,
+    SPLIT_N: tl.constexpr, BLOCK: tl.constexpr, F32: tl.constexpr, KEY_MASK: tl.constexpr,
+    GDC: tl.constexpr,
 ):  # fmt: skip
-    """Program (t, kv head, split): the G query heads of row t over the split's positions (committed
-    position p at slot p, block node j at slot block + j). Writes the
-    split's running max m, sum l and unnormalized output acc (fp32) per query head; the program of
-    (t, kv head) that finishes last combines the splits into the output (`_combine`). KEY_MASK: committed
-    positions p with key_ok[p] false are left out (their score -1e30, not -inf: a split of masked keys
-    only then has a finite max and finite sums, which the combine weighs by exp(-1e30 - max) = 0)."""
+    """Program (row group, kv head, split): the G query heads of R rows (query i: row i // G, head i % G)
+    over the split's positions (committed position p at slot p, block node j at slot block + j). Tiles
+    wholly below the block's first tile are every row's: loaded once, all queries at once. The rest (at
+    most a few tiles past `start`) differ by row (each its own ancestors): gathered row by row, and
+    each row's queries take only their own tile's update. Writes the split's running max m, sum l and
+    unnormalized output acc (fp32) per (row, query head); the program of (row group, kv head) that
+    finishes last combines the splits into the output (`_combine`). KEY_MASK: committed positions p with
+    key_ok[p] false are left out (their score -1e30, not -inf: a split of masked keys only then has a
+    finite max and finite sums, which the combine weighs by exp(-1e30 - max) = 0)."""
     wait_for_inputs(GDC)
-    t, kvh, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    group, kvh, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     start = tl.load(start_ptr)
     block = tl.load(block_ptr)
-    n_pos = start + tl.load(depth_ptr + t) + 1  # positions row t sees
-    g = tl.arange(0, BG)
+    i = tl.arange(0, QB)
     d = tl.arange(0, BD)
-    heads = kvh * G + g
-    q_ok = (g < G)[:, None] & (d < HD)[None, :]
+    member = i // G  # the query's row in the group
+    row = group * R + member
+    real = (i < R * G) & (row < n_rows)
+    row = tl.minimum(row, n_rows - 1)  # padding queries read row n_rows - 1, never stored
+    heads = kvh * G + i % G
+    n_pos = start + tl.load(depth_ptr + row) + 1  # (QB,) positions each query's row sees
+    q_ok = real[:, None] & (d < HD)[None, :]
     # tiles in fp32 (bf16 arithmetic would differ between the compiler and the CPU tests' interpreter)
-    q = tl.load(q_ptr + t * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=q_ok, other=0.0)
+    q = tl.load(
+        q_ptr + row[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=q_ok, other=0.0
+    )
     q = q.to(tl.float32)
-    m = tl.full((BG,), float("-inf"), tl.float32)
-    denom = tl.zeros((BG,), tl.float32)
-    acc = tl.zeros((BG, BD), tl.float32)
+    m = tl.full((QB,), float("-inf"), tl.float32)
+    denom = tl.zeros((QB,), tl.float32)
+    acc = tl.zeros((QB, BD), tl.float32)
     lo = s * SPLIT_N
-    hi = tl.minimum(lo + SPLIT_N, n_pos)
-    for b in range(lo, hi, BLOCK):
+    split_end = lo + SPLIT_N
+    hi = tl.minimum(split_end, tl.max(tl.where(real, n_pos, 0)))  # the group's reach in this split
+    shared_end = tl.minimum(hi, start // BLOCK * BLOCK)  # tiles of committed positions only
+    head_dims = (d < HD)[None, :]
+    k_head, v_head = k_ptr + kvh * stride_kh, v_ptr + kvh * stride_vh
+    key_ok = tl.full((BLOCK,), 1, tl.int1)
+    for b in range(lo, shared_end, BLOCK):
         pos = b + tl.arange(0, BLOCK)
-        valid = pos < hi
-        rel = pos - start  # >= 0: the block token at depth rel on row t's path
-        node = tl.load(path_ptr + t * n_rows + rel, mask=valid & (rel >= 0), other=0)
-        slot = tl.where(rel >= 0, block + node, pos)
-        kv_ok = valid[:, None] & (d < HD)[None, :]
         # K and V together: the V tile's load is in flight while the scores are computed
-        k = tl.load(k_ptr + kvh * stride_kh + slot[:, None] * stride_ks + d[None, :], mask=kv_ok, other=0.0)
-        v = tl.load(v_ptr + kvh * stride_vh + slot[:, None] * stride_vs + d[None, :], mask=kv_ok, other=0.0)
-        k = k.to(tl.float32)
-        scores = _dot(q, tl.trans(k), F32)
+        k = tl.load(k_head + pos[:, None] * stride_ks + d[None, :], mask=head_dims, other=0.0)
+        v = tl.load(v_head + pos[:, None] * stride_vs + d[None, :], mask=head_dims, other=0.0)
         if KEY_MASK:
-            key_ok = tl.load(key_ok_ptr + pos, mask=valid & (rel < 0), other=1) != 0
-            scores = tl.where(key_ok[None, :], scores, -1e30)
-        scores = tl.where(valid[None, :], scores * scale, float("-inf"))  # (BG, BLOCK)
-        m_new = tl.maximum(m, tl.max(scores, axis=1))  # finite: a split's first block has a position
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(scores - m_new[:, None])
-        denom = denom * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + _dot(p, v.to(tl.float32), F32)
-        m = m_new
-    rows = t * n_heads + heads  # (row, head) of the output
-    out_ok = (g < G)[:, None] & (d < HD)[None, :]
+            key_ok = tl.load(key_ok_ptr + pos) != 0
+        valid = (pos < hi)[None, :]  # all true: the same mask a row's own tile applies
+        m, denom, acc = _tile_update(q, k, v, key_ok, valid, m, denom, acc, scale, F32, KEY_MASK)
+    for b in range(tl.maximum(lo, shared_end), hi, BLOCK):
+        pos = b + tl.arange(0, BLOCK)
+        rel = pos - start  # >= 0: the block token at depth rel on the row's path
+        for r in range(R):
+            t = tl.minimum(group * R + r, n_rows - 1)
+            reach = tl.minimum(split_end, start + tl.load(depth_ptr + t) + 1)
+            ok = pos < reach
+            node = tl.load(path_ptr + t * n_rows + rel, mask=ok & (rel >= 0), other=0)
+            slot = tl.where(rel >= 0, block + node, pos)
+            kv_ok = ok[:, None] & head_dims
+            k = tl.load(k_head + slot[:, None] * stride_ks + d[None, :], mask=kv_ok, other=0.0)
+            v = tl.load(v_head + slot[:, None] * stride_vs + d[None, :], mask=kv_ok, other=0.0)
+            if KEY_MASK:
+                key_ok = tl.load(key_ok_ptr + pos, mask=ok & (rel < 0), other=1) != 0
+            new_m, new_denom, new_acc = _tile_update(
+                q, k, v, key_ok, ok[None, :], m, denom, acc, scale, F32, KEY_MASK
+            )
+            mine = real & (member == r) & (b < n_pos)  # the row's queries, if the tile has a position of it
+            m = tl.where(mine, new_m, m)
+            denom = tl.where(mine, new_denom, denom)
+            acc = tl.where(mine[:, None], new_acc, acc)
+    rows = row * n_heads + heads  # (row, head) of the output
+    out_ok = real[:, None] & head_dims
     outs = out_ptr + rows[:, None] * HD + d[None, :]
     if n_splits == 1:  # the combine of one split: weight exp(0) = 1, the same bits
         tl.store(outs, (acc / denom[:, None]).to(out_ptr.dtype.element_ty), mask=out_ok)
     else:
         at = rows * n_splits + s  # (row, head, split)
-        tl.store(m_ptr + at, m, mask=g < G)
-        tl.store(l_ptr + at, denom, mask=g < G)
-        tl.store(acc_ptr + at[:, None] * BD + d[None, :], acc, mask=(g < G)[:, None])
+        tl.store(m_ptr + at, m, mask=real)
+        tl.store(l_ptr + at, denom, mask=real)
+        tl.store(acc_ptr + at[:, None] * BD + d[None, :], acc, mask=real[:, None])
         tl.debug_barrier()  # every thread's partial is stored before the count (released by it)
-        tile = counter_ptr + t * n_kv + kvh
+        tile = counter_ptr + group * n_kv + kvh
         if tl.atomic_add(tile, 1, sem="acq_rel", scope="gpu") == n_splits - 1:
-            combined = _combine(m_ptr, l_ptr, acc_ptr, rows, g < G, n_splits, BD)
+            combined = _combine(m_ptr, l_ptr, acc_ptr, rows, real, n_splits, BD)
             tl.store(outs, combined.to(out_ptr.dtype.element_ty), mask=out_ok)
             tl.atomic_xchg(tile, 0, sem="relaxed", scope="gpu")  # zero again for the next call
 
@@ -217,20 +275,21 @@ def tree_attention(
     n_kv = k_cache.shape[0]
     group = n_heads // n_kv
     bd = triton.next_power_of_2(hd)
+    rows, queries = row_group(group, bd)
     split = split_positions(split_for or k_cache.shape[1], hd)
     n_splits = triton.cdiv(n_keys, split)
+    n_groups = triton.cdiv(t, rows)
     m = torch.empty(t, n_heads, n_splits, dtype=torch.float32, device=q.device)
     lsum = torch.empty_like(m)
     acc = torch.empty(t, n_heads, n_splits, bd, dtype=torch.float32, device=q.device)
     out = torch.empty(t, n_heads, hd, dtype=q.dtype, device=q.device)
-    _split_kernel[(t, n_kv, n_splits)](
+    _split_kernel[(n_groups, n_kv, n_splits)](
         q, k_cache, v_cache, path, depths, start, start if block_at is None else block_at,
         start if key_ok is None else key_ok.view(torch.uint8),
-        m, lsum, acc, out, tile_counters(q.device, t * n_kv), t, n_kv, n_heads, n_splits,
+        m, lsum, acc, out, tile_counters(q.device, n_groups * n_kv), t, n_kv, n_heads, n_splits,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         scale,
-        G=group, BG=max(16, triton.next_power_of_2(group)), HD=hd, BD=bd, SPLIT_N=split,
-        BLOCK=tile_positions(hd),
+        G=group, R=rows, QB=queries, HD=hd, BD=bd, SPLIT_N=split, BLOCK=tile_positions(hd),
         F32=q.dtype == torch.float32, KEY_MASK=key_ok is not None, num_warps=8 if bd >= 256 else 4,
         **pdl_options(q),
     )  # fmt: skip
