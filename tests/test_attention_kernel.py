@@ -15,6 +15,7 @@ from flashtree.kernels.attention import (  # noqa: E402
     MAX_SPLIT,
     SPLITS_PER_CACHE,
     block_attention,
+    row_group,
     split_positions,
     tile_positions,
     tree_attention,
@@ -115,6 +116,12 @@ def test_verify_rows_are_the_ar_steps_bit_for_bit(shape, dtype):
             ks[:, start + j], vs[:, start + j] = k[:, start + paths[node, j]], v[:, start + paths[node, j]]
         step = run(q[node : node + 1], ks, vs, start + depth, BlockLayout.chain(1))
         assert torch.equal(step[0], got[node]), node
+
+
+def test_rows_fill_the_query_tile_one_row_pads_to():
+    # (query heads per KV head) -> (rows a program, query tile): the 27B 6, SmolLM2 3, GQA-free 1, MQA 24
+    got = [row_group(g) for g in (6, 3, 1, 2, 16, 24)]
+    assert got == [(2, 16), (5, 16), (16, 16), (8, 16), (1, 16), (1, 32)]
 
 
 def test_split_sizes_follow_the_cache_between_one_tile_and_the_maximum():

@@ -18,8 +18,9 @@ every row); the program of a (row, KV head) that finishes its split last combine
 split past a row's last position is empty (m = -inf, l = 0) and adds exact zeros, so the number of
 splits launched (from the fixed key bucket of a CUDA graph) does not matter either.
 Query heads of one KV head (GQA) share a program: (G padded to 16, head_dim) x (head_dim, block) dots.
-Cost: every row of a verify reads the committed K/V again (from L2 while it holds a layer's: ~33 MB for
-the 27B at 8K tokens); sharing those reads between rows is left for long contexts.
+A program takes the rows whose query heads fill the tile one row pads to (`row_group`): they read each
+committed K/V tile once. Without that every row of a verify read its KV head's whole cache again: at 32K
+cached tokens on the 27B, 30 of the verify 23's 48 ms (bench/results/h100-replay-2026-12-05).
 """
 
 from __future__ import annotations
@@ -37,13 +38,8 @@ SPLITS_PER_CACHE = 32  # a whole cache is cut into at most this many splits (unl
 # rows x heads x splits partial outputs, so more splits cost it bytes)
 TILE_VALUES = 4096  # K or V values per inner step: 64 positions of a 64-dim head, 16 of a 256-dim one
 COMBINE_ROUND = tl.constexpr(16)  # splits whose maxima the combine loads at once
-# A program's query tile: MAX_ROWS tree rows at most, their query heads in at most MAX_QUERIES slots of
-# at most QUERY_VALUES fp32 values (the 27B's 256-dim heads: 4 rows x 6 heads in 32 slots; SmolLM2's
-# 64-dim: 8 rows x 3 heads in 32). More rows per program: fewer reads of the committed K/V per verify;
-# a larger tile: more registers, and more padding in an AR step's one row.
-MAX_ROWS = 8
-MAX_QUERIES = 64
-QUERY_VALUES = 8192
+# Rows of a tree a program takes at most: their query heads fill the tile one row's heads pad to anyway
+MAX_ROWS = 16
 
 
 def tile_positions(head_dim: int) -> int:
@@ -51,14 +47,14 @@ def tile_positions(head_dim: int) -> int:
     return min(MAX_SPLIT, max(16, TILE_VALUES // triton.next_power_of_2(head_dim)))
 
 
-def row_group(group: int, head_block: int) -> tuple[int, int]:
-    """(rows R, query tile QB) of one program: R rows' `group` query heads of a KV head share each
-    committed K/V tile they read, QB >= R * group queries (a power of two, >= 16 for the dots) of at
-    most QUERY_VALUES / head_block fp32 values each way. From the model's shape only: the AR step runs
-    the same tile as a verify (its one row and padding), so their rows agree bit for bit."""
-    width = min(MAX_QUERIES, max(16, QUERY_VALUES // head_block))
-    rows = max(1, min(MAX_ROWS, width // triton.next_power_of_2(group)))
-    return rows, max(16, triton.next_power_of_2(rows * group))
+def row_group(group: int) -> tuple[int, int]:
+    """(rows R, query tile QB) of one program: QB is the tile one row's `group` query heads pad to (a
+    power of two, >= 16 for the dots), and R rows fill it (the 27B's 6 heads a KV head: 2 rows in 16;
+    SmolLM2's 3: 5 rows). Those rows share every committed K/V tile they read. The AR step runs the
+    same tile as before rows were grouped, so it costs what it did; and from the model's shape only, so
+    a verify's rows equal the AR step's bit for bit."""
+    queries = max(16, triton.next_power_of_2(group))
+    return max(1, min(MAX_ROWS, queries // group)), queries
 
 
 def split_positions(slots: int, head_dim: int) -> int:
@@ -160,23 +156,24 @@ def _split_kernel(
         pos = b + tl.arange(0, BLOCK)
         rel = pos - start  # >= 0: the block token at depth rel on the row's path
         for r in range(R):
-            t = tl.minimum(group * R + r, n_rows - 1)
-            reach = tl.minimum(split_end, start + tl.load(depth_ptr + t) + 1)
-            ok = pos < reach
-            node = tl.load(path_ptr + t * n_rows + rel, mask=ok & (rel >= 0), other=0)
-            slot = tl.where(rel >= 0, block + node, pos)
-            kv_ok = ok[:, None] & head_dims
-            k = tl.load(k_head + slot[:, None] * stride_ks + d[None, :], mask=kv_ok, other=0.0)
-            v = tl.load(v_head + slot[:, None] * stride_vs + d[None, :], mask=kv_ok, other=0.0)
-            if KEY_MASK:
-                key_ok = tl.load(key_ok_ptr + pos, mask=ok & (rel < 0), other=1) != 0
-            new_m, new_denom, new_acc = _tile_update(
-                q, k, v, key_ok, ok[None, :], m, denom, acc, scale, F32, KEY_MASK
-            )
-            mine = real & (member == r) & (b < n_pos)  # the row's queries, if the tile has a position of it
-            m = tl.where(mine, new_m, m)
-            denom = tl.where(mine, new_denom, denom)
-            acc = tl.where(mine[:, None], new_acc, acc)
+            t = group * R + r
+            reach = tl.minimum(split_end, start + tl.load(depth_ptr + tl.minimum(t, n_rows - 1)) + 1)
+            if (t < n_rows) & (b < reach):  # the tile holds a position of this row
+                ok = pos < reach
+                node = tl.load(path_ptr + t * n_rows + rel, mask=ok & (rel >= 0), other=0)
+                slot = tl.where(rel >= 0, block + node, pos)
+                kv_ok = ok[:, None] & head_dims
+                k = tl.load(k_head + slot[:, None] * stride_ks + d[None, :], mask=kv_ok, other=0.0)
+                v = tl.load(v_head + slot[:, None] * stride_vs + d[None, :], mask=kv_ok, other=0.0)
+                if KEY_MASK:
+                    key_ok = tl.load(key_ok_ptr + pos, mask=ok & (rel < 0), other=1) != 0
+                new_m, new_denom, new_acc = _tile_update(
+                    q, k, v, key_ok, ok[None, :], m, denom, acc, scale, F32, KEY_MASK
+                )
+                mine = real & (member == r)  # the row's queries
+                m = tl.where(mine, new_m, m)
+                denom = tl.where(mine, new_denom, denom)
+                acc = tl.where(mine[:, None], new_acc, acc)
     rows = row * n_heads + heads  # (row, head) of the output
     out_ok = real[:, None] & head_dims
     outs = out_ptr + rows[:, None] * HD + d[None, :]
@@ -275,7 +272,7 @@ def tree_attention(
     n_kv = k_cache.shape[0]
     group = n_heads // n_kv
     bd = triton.next_power_of_2(hd)
-    rows, queries = row_group(group, bd)
+    rows, queries = row_group(group)
     split = split_positions(split_for or k_cache.shape[1], hd)
     n_splits = triton.cdiv(n_keys, split)
     n_groups = triton.cdiv(t, rows)
