@@ -166,16 +166,16 @@ def check_grouped_attention() -> list[dict]:
             kv = [t.to(DEVICE, dtype) for t in kv]
             mask = (torch.rand(16, keys_n, generator=gen) < 0.7).to(DEVICE)
             mask[:, -16:] = True
-            # the draft's block attention: one mask for every row (the live context slots), then the block
-            live = mask[0, :-16]
-            block_mask = torch.cat([live[None].expand(16, -1), mask[:, -16:]], dim=1)
+            # the draft's block attention over the context slots, then the whole block: one mask for
+            # every row (the live slots, a row broadcast), or a mask a row (a sliding window's layer)
+            shared = mask[0, :-16][None].expand(16, -1)
             q_rows = q[0].transpose(0, 1).contiguous()  # (16, heads, head_dim)
-            block = block_attention(q_rows, kv[0][0], kv[1][0], live, head_dim**-0.5, keys_n - 16)
-            block = block.transpose(0, 1)[None]
-            for kernel, got, kernel_mask in (
-                ("grouped_attention", grouped_attention(q, *kv, mask, head_dim**-0.5), mask),
-                ("block_attention", block, block_mask),
-            ):
+            cases = [("grouped_attention", grouped_attention(q, *kv, mask, head_dim**-0.5), mask)]
+            for kernel, ctx_mask in (("block_attention", shared), ("block_attention rows", mask[:, :-16])):
+                block = block_attention(q_rows, kv[0][0], kv[1][0], ctx_mask, head_dim**-0.5, keys_n - 16)
+                block_mask = torch.cat([ctx_mask, mask[:, -16:]], dim=1)
+                cases.append((kernel, block.transpose(0, 1)[None], block_mask))
+            for kernel, got, kernel_mask in cases:
                 want = torch.nn.functional.scaled_dot_product_attention(
                     q, *kv, attn_mask=kernel_mask, scale=head_dim**-0.5, enable_gqa=True
                 )

@@ -137,12 +137,15 @@ def test_split_sizes_follow_the_cache_between_one_tile_and_the_maximum():
             assert split in (MAX_SPLIT, tile) or slots <= split * SPLITS_PER_CACHE
 
 
+@pytest.mark.parametrize("window", [None, 4, 40], ids=["alike", "window-4", "window-40"])
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=list(DTYPES))
 @pytest.mark.parametrize("n_ctx", [5, 150])
-def test_block_attention_is_the_draft_blocks_masked_softmax(n_ctx, dtype):
-    """A draft block: every row over the live context keys and the whole block (no causal order). Dead
+def test_block_attention_is_the_draft_blocks_masked_softmax(n_ctx, dtype, window):
+    """A draft block: every row over its context keys and the whole block (no causal order). Dead
     slots include whole splits (the first 70 and the last 30 of 150: a split of masked keys only adds
-    nothing) and the kernel's masked scores never leak."""
+    nothing) and the kernel's masked scores never leak. With a sliding window each row sees its own
+    context keys (row r at position n_ctx + r: the slots past n_ctx + r - window), so the rows that
+    share a program's K/V tiles take different masks of them."""
     from flashtree.models.layers import grouped_attention
 
     n_kv, n_heads, hd, b = 3, 9, 32, 16
@@ -153,12 +156,18 @@ def test_block_attention_is_the_draft_blocks_masked_softmax(n_ctx, dtype):
     if n_ctx > 100:
         live[:70] = False
         live[-30:] = False
-    got = block_attention(q, keys, values, live, hd**-0.5, n_ctx)  # the block right after the context
+    key_ok = live[None, :].expand(b, -1)  # every row alike: one mask read by every row (stride 0)
+    if window is not None:
+        positions = n_ctx + torch.arange(b)
+        key_ok = key_ok & (positions[:, None] - torch.arange(n_ctx)[None, :] < window)
+        # rows differ but where the window spans the context (5 keys, 40) or only dead slots (150, 4)
+        assert torch.equal(key_ok[0], key_ok[-1]) == ((n_ctx, window) in [(5, 40), (150, 4)])
+    got = block_attention(q, keys, values, key_ok, hd**-0.5, n_ctx)  # the block right after the context
     # in a ring the block sits past the context slots: the same bits
     gap = torch.randn(n_kv, 7, hd, generator=gen).to(dtype)
     ring_k, ring_v = (torch.cat([t[:, :n_ctx], gap, t[:, n_ctx:]], dim=1) for t in (keys, values))
-    assert torch.equal(block_attention(q, ring_k, ring_v, live, hd**-0.5, n_ctx + 7), got)
-    mask = torch.cat([live[None, :].expand(b, -1), torch.ones(b, b, dtype=torch.bool)], dim=1)
+    assert torch.equal(block_attention(q, ring_k, ring_v, key_ok, hd**-0.5, n_ctx + 7), got)
+    mask = torch.cat([key_ok, torch.ones(b, b, dtype=torch.bool)], dim=1)
     want = grouped_attention(q.transpose(0, 1)[None].float(), keys[None].float(), values[None].float(), mask,
                              hd**-0.5)[0].transpose(0, 1)  # fmt: skip
     tol = 1e-5 if dtype == torch.float32 else 1.6e-2

@@ -29,6 +29,21 @@ def target_features(target, draft, n):
     return out.features
 
 
+def sliding_draft(gguf, target, tiny_root):
+    """The random 2-layer draft with its first layer a sliding window's (10 positions)."""
+    src = tiny_root / "qwen3-sliding-draft"
+    if not src.exists():
+        plain = random_draft_dir(gguf, tiny_root, layers=2)
+        src.mkdir()
+        cfg = json.loads((plain / "config.json").read_text())
+        cfg.update(
+            layer_types=["sliding_attention", "full_attention"], sliding_window=10, use_sliding_window=True
+        )
+        (src / "config.json").write_text(json.dumps(cfg))
+        save_file(load_file(plain / "model.safetensors"), src / "model.safetensors")
+    return load_draft(src, target)
+
+
 def propose_full(draft, features, root, block):
     """From scratch: every context position fused and attended at once."""
     ctx = draft.new_context(4096)
@@ -51,14 +66,19 @@ def test_incremental_context_equals_full_recompute(qwen3, tiny_root):
         )
 
 
-def test_propose_with_the_attention_kernel_is_the_torch_path(qwen3, tiny_root, monkeypatch):
+@pytest.mark.parametrize("sliding", [False, True], ids=["full", "sliding"])
+def test_propose_with_the_attention_kernel_is_the_torch_path(qwen3, tiny_root, monkeypatch, sliding):
     """On the GPU the draft's block attention runs kernels/attention.block_attention (here under
-    TRITON_INTERPRET=1, with every other decode kernel): the same logits as the torch path's SDPA."""
+    TRITON_INTERPRET=1, with every other decode kernel): the same logits as the torch path's SDPA,
+    a sliding window's layer too (each row its own window of the context)."""
     from flashtree import kernels
     from flashtree.kernels import attention
 
     gguf, target = qwen3
-    draft = random_draft(gguf, target, tiny_root, layers=2)
+    if sliding:
+        draft = sliding_draft(gguf, target, tiny_root)
+    else:
+        draft = random_draft(gguf, target, tiny_root, layers=2)
     feats = target_features(target, draft, 60)
     ring = draft.new_context(24, spare=16)  # wrapped, with dead slots
     for lo in range(0, 60, 7):
@@ -78,6 +98,8 @@ def test_propose_with_the_attention_kernel_is_the_torch_path(qwen3, tiny_root, m
     torch.testing.assert_close(draft.propose(ring, torch.tensor(3), 16), want, atol=1e-5, rtol=1e-5)
     assert len(calls) == 2  # both layers took the kernel
     assert [c[-1] for c in calls] == [n_slots, n_slots]  # the block's K/V in the scratch past the ring
+    first_rows = [torch.equal(c[3][0], c[3][-1]) for c in calls]  # the block's rows' context masks
+    assert first_rows == ([False, True] if sliding else [True, True])
     assert torch.equal(ring.k[:, :, :n_slots], context)  # which leaves the context as it was
     with pytest.raises(FlashtreeError, match="draft block of 17 tokens"):
         draft.propose(ring, torch.tensor(3), 17)
@@ -124,17 +146,7 @@ def test_ring_read_bounded_by_the_kv_bucket(qwen3, tiny_root):
 
 def test_sliding_window_layers_see_only_recent_context(qwen3, tiny_root):
     gguf, target = qwen3
-    src = tiny_root / "qwen3-sliding-draft"
-    if not src.exists():
-        plain = random_draft_dir(gguf, tiny_root, layers=2)
-        src.mkdir()
-        cfg = json.loads((plain / "config.json").read_text())
-        cfg.update(
-            layer_types=["sliding_attention", "full_attention"], sliding_window=10, use_sliding_window=True
-        )
-        (src / "config.json").write_text(json.dumps(cfg))
-        save_file(load_file(plain / "model.safetensors"), src / "model.safetensors")
-    draft = load_draft(src, target)
+    draft = sliding_draft(gguf, target, tiny_root)
     assert [layer.window for layer in draft.layers] == [10, None]
     feats = target_features(target, draft, 40)
     ctx = draft.new_context(4096)

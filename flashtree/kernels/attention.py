@@ -84,10 +84,10 @@ def _tile_update(q, k, v, key_ok, valid, m, denom, acc, scale, F32: tl.constexpr
     """One tile of keys added to the online softmax (m, denom, acc) of every query of q: the same
     operations for a tile shared by all of a program's rows and for one row's own tile, so that a row's
     sums do not depend on which way its tiles came. valid: (1, BLOCK) positions inside the split and the
-    row's reach; key_ok: (BLOCK,) committed keys to attend to (KEY_MASK)."""
+    row's reach; key_ok: (QB or 1, BLOCK) committed keys each query attends to (KEY_MASK)."""
     scores = _dot(q, tl.trans(k.to(tl.float32)), F32)
     if KEY_MASK:
-        scores = tl.where(key_ok[None, :], scores, -1e30)
+        scores = tl.where(key_ok, scores, -1e30)
     scores = tl.where(valid, scores * scale, float("-inf"))  # (QB, BLOCK)
     m_new = tl.maximum(m, tl.max(scores, axis=1))
     alpha = tl.exp(m - m_new)
@@ -101,7 +101,7 @@ def _tile_update(q, k, v, key_ok, valid, m, denom, acc, scale, F32: tl.constexpr
 def _split_kernel(
     q_ptr, k_ptr, v_ptr, path_ptr, depth_ptr, start_ptr, block_ptr, key_ok_ptr, m_ptr, l_ptr, acc_ptr,
     out_ptr, counter_ptr, n_rows, n_kv, n_heads, n_splits,
-    stride_qt, stride_qh, stride_kh, stride_ks, stride_vh, stride_vs, scale,
+    stride_qt, stride_qh, stride_kh, stride_ks, stride_vh, stride_vs, stride_ok, scale,
     G: tl.constexpr, R: tl.constexpr, QB: tl.constexpr, HD: tl.constexpr, BD: tl.constexpr,
     SPLIT_N: tl.constexpr, BLOCK: tl.constexpr, F32: tl.constexpr, KEY_MASK: tl.constexpr,
     GDC: tl.constexpr,
@@ -113,8 +113,9 @@ def _split_kernel(
     each row's queries take only their own tile's update. Writes the split's running max m, sum l and
     unnormalized output acc (fp32) per (row, query head); the program of (row group, kv head) that
     finishes last combines the splits into the output (`_combine`). KEY_MASK: committed positions p with
-    key_ok[p] false are left out (their score -1e30, not -inf: a split of masked keys only then has a
-    finite max and finite sums, which the combine weighs by exp(-1e30 - max) = 0)."""
+    key_ok[t * stride_ok + p] false are left out of row t (stride_ok 0: one mask for every row; their
+    score -1e30, not -inf: a split of masked keys only then has a finite max and finite sums, which the
+    combine weighs by exp(-1e30 - max) = 0)."""
     wait_for_inputs(GDC)
     group, kvh, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     start = tl.load(start_ptr)
@@ -142,15 +143,15 @@ def _split_kernel(
     shared_end = tl.minimum(hi, start // BLOCK * BLOCK)  # tiles of committed positions only
     head_dims = (d < HD)[None, :]
     k_head, v_head = k_ptr + kvh * stride_kh, v_ptr + kvh * stride_vh
-    key_ok = tl.full((BLOCK,), 1, tl.int1)
     for b in range(lo, shared_end, BLOCK):
         pos = b + tl.arange(0, BLOCK)
         # K and V together: the V tile's load is in flight while the scores are computed
         k = tl.load(k_head + pos[:, None] * stride_ks + d[None, :], mask=head_dims, other=0.0)
         v = tl.load(v_head + pos[:, None] * stride_vs + d[None, :], mask=head_dims, other=0.0)
-        if KEY_MASK:
-            key_ok = tl.load(key_ok_ptr + pos) != 0
         valid = (pos < hi)[None, :]  # all true: the same mask a row's own tile applies
+        key_ok = valid  # unused without KEY_MASK
+        if KEY_MASK:
+            key_ok = tl.load(key_ok_ptr + row[:, None] * stride_ok + pos[None, :]) != 0
         m, denom, acc = _tile_update(q, k, v, key_ok, valid, m, denom, acc, scale, F32, KEY_MASK)
     for b in range(tl.maximum(lo, shared_end), hi, BLOCK):
         pos = b + tl.arange(0, BLOCK)
@@ -165,8 +166,10 @@ def _split_kernel(
                 kv_ok = ok[:, None] & head_dims
                 k = tl.load(k_head + slot[:, None] * stride_ks + d[None, :], mask=kv_ok, other=0.0)
                 v = tl.load(v_head + slot[:, None] * stride_vs + d[None, :], mask=kv_ok, other=0.0)
+                key_ok = ok[None, :]  # unused without KEY_MASK
                 if KEY_MASK:
-                    key_ok = tl.load(key_ok_ptr + pos, mask=ok & (rel < 0), other=1) != 0
+                    row_ok = tl.load(key_ok_ptr + t * stride_ok + pos, mask=ok & (rel < 0), other=1)
+                    key_ok = (row_ok != 0)[None, :]
                 new_m, new_denom, new_acc = _tile_update(
                     q, k, v, key_ok, ok[None, :], m, denom, acc, scale, F32, KEY_MASK
                 )
@@ -261,12 +264,14 @@ def tree_attention(
     depths: torch.Tensor,  # (T,) int32
     n_keys: int,  # slots that may be read (start + T, or a CUDA graph's bucket): sizes the split grid
     scale: float,
-    key_ok: torch.Tensor | None = None,  # (>= start,) bool: committed slots to attend to (None: all)
+    key_ok: torch.Tensor | None = None,  # (>= start,) or (T, >= start) bool: committed slots to attend
+    # to, of every row or row by row (None: all)
     block_at: torch.Tensor | None = None,  # 0-d long: the slot of block node 0 (None: start)
     split_for: int | None = None,  # the slot count the split size follows (None: the cache's)
 ) -> torch.Tensor:
     """softmax(q K^T * scale) V of every row over its committed keys (those of `key_ok`) and its
-    ancestors (itself included), (T, n_heads, head_dim) in q's dtype. The block's K/V sit at slots
+    ancestors (itself included), (T, n_heads, head_dim) in q's dtype. A (T, S) key_ok may be a row
+    broadcast (stride 0 between rows: one mask for every row, read as such). The block's K/V sit at slots
     start.. (the target's cache) or at block_at.. (the draft's ring keeps them past its slots)."""
     t, n_heads, hd = q.shape
     n_kv = k_cache.shape[0]
@@ -276,6 +281,8 @@ def tree_attention(
     split = split_positions(split_for or k_cache.shape[1], hd)
     n_splits = triton.cdiv(n_keys, split)
     n_groups = triton.cdiv(t, rows)
+    if key_ok is not None and key_ok.stride(-1) != 1:
+        key_ok = key_ok.contiguous()
     m = torch.empty(t, n_heads, n_splits, dtype=torch.float32, device=q.device)
     lsum = torch.empty_like(m)
     acc = torch.empty(t, n_heads, n_splits, bd, dtype=torch.float32, device=q.device)
@@ -285,7 +292,7 @@ def tree_attention(
         start if key_ok is None else key_ok.view(torch.uint8),
         m, lsum, acc, out, tile_counters(q.device, n_groups * n_kv), t, n_kv, n_heads, n_splits,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        scale,
+        key_ok.stride(0) if key_ok is not None and key_ok.dim() == 2 else 0, scale,
         G=group, R=rows, QB=queries, HD=hd, BD=bd, SPLIT_N=split, BLOCK=tile_positions(hd),
         F32=q.dtype == torch.float32, KEY_MASK=key_ok is not None, num_warps=8 if bd >= 256 else 4,
         **pdl_options(q),
@@ -297,18 +304,19 @@ def block_attention(
     q: torch.Tensor,  # (B, n_heads, head_dim): a draft block's rows
     keys: torch.Tensor,  # (n_kv, slots, head_dim): S context keys at slots 0..S-1, the block's at block_at..
     values: torch.Tensor,
-    key_ok: torch.Tensor,  # (S,) bool: the context keys to attend to
+    key_ok: torch.Tensor,  # (B, S) bool: the context keys each row attends to (a row broadcast: all alike)
     scale: float,
     block_at: int,
 ) -> torch.Tensor:
-    """A DFlash draft block's attention: every row over the live context keys and all B block keys (no
-    causal order inside a block), (B, n_heads, head_dim). It is tree_attention with each row's "path"
+    """A DFlash draft block's attention: every row over its context keys (the live ones; a sliding
+    window's layer: those inside the row's window) and all B block keys (no causal order inside a
+    block), (B, n_heads, head_dim). It is tree_attention with each row's "path"
     the whole block, its splits those of S + B slots. The block's K/V sit in the draft's ring past its
     context slots (written there with the rotary, one launch), not in a concatenation of the context
     and the block (two copies of the whole context a layer). Why not SDPA: its fp32 kernel for the
     SmolLM2 draft's 16 rows x ~500 keys took 38 us a layer on the H200 (0.19 ms of a 2.7 ms tree step,
     bench/results/h200-dense-matmul-2026-12-04)."""
-    b, s = q.shape[0], key_ok.shape[0]
+    b, s = q.shape[0], key_ok.shape[1]
     start, block, path, depths = _whole_block(b, s, block_at, q.device)
     return tree_attention(q, keys, values, start, path, depths, s + b, scale, key_ok, block, split_for=s + b)
 

@@ -186,14 +186,13 @@ class DraftLayer(nn.Module):
         q = rms_norm(self.q(xn).view(b, self.n_heads, self.head_dim), self.q_norm, self.eps)
         k, v = self.normed_kv(xn)
         scale = self.head_dim**-0.5
-        one_mask = self.window is None and ctx_mask is not None  # every row sees the live context slots
-        if one_mask and kernels.triton_kernels_for(q) and not q.requires_grad:
-            # our kernel, not SDPA's slow fp32 one; the block's rotated K/V go to the ring in the
-            # rotary's launch, not into a copy of the context
+        if ctx_mask is not None and kernels.triton_kernels_for(q) and not q.requires_grad:
+            # our kernel, not SDPA's (slow in fp32; with a window, after two copies of the context); the
+            # block's rotated K/V go to the ring in the rotary's launch, not into a copy of the context
             from flashtree.kernels.attention import block_attention
 
             q = ring.cache.write_rotated(ring.block_slots[:b], q, k, v, cos, sin)
-            out = block_attention(q, ring.cache.k, ring.cache.v, ctx_mask[0], scale, ring.block_at)
+            out = block_attention(q, ring.cache.k, ring.cache.v, ctx_mask, scale, ring.block_at)
             out = out.reshape(b, -1)
         else:
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
@@ -322,12 +321,13 @@ class DFlashDraft(nn.Module):
         positions = ctx.position + torch.arange(block_size, device=self.device)
         x = self.target.embed(ids).to(self.dtype)
         cos, sin = self.rotary.cos_sin(positions, self.dtype)
-        live, slot_pos = ctx.live()[:read], ctx.slot_pos[:read]  # (S,)
+        live = ctx.live()[:read][None, :].expand(block_size, -1)  # (B, S), every row alike
+        masks = {None: live}  # by window, made once a step: the sliding layers share theirs
+        for window in {layer.window for layer in self.layers} - {None}:
+            masks[window] = live & (positions[:, None] - ctx.slot_pos[None, :read] < window)
         for i, layer in enumerate(self.layers):
-            mask = live[None, :].expand(block_size, -1)
-            if layer.window is not None:
-                mask = mask & (positions[:, None] - slot_pos[None, :] < layer.window)
-            x = layer(x, cos, sin, RingRead(ctx.layer(i), read, n_slots, ctx.block_slots), mask)
+            ring = RingRead(ctx.layer(i), read, n_slots, ctx.block_slots)
+            x = layer(x, cos, sin, ring, masks[layer.window])
         return self.lm_head(self.norm(x[1:]).to(self.target.dtype))
 
 
