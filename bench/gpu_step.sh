@@ -10,6 +10,9 @@
 #   small    bench/gpu_small_kernels.py: rotary, tree conv, tree DeltaNet, fused norms, attention, fp8 draft
 #            matrices vs their torch paths (no files)
 #   registers bench/sm90_registers.py under the device's Triton: registers and spills per tile (no GPU used)
+#   attention bench/gpu_attention.py: the decode/verify attention's longest split (MAX_SPLIT) swept: each
+#            value's verify rows checked against its AR step bit for bit, and timed at the 27B's heads
+#            (AR step and 23-node verify at 512 / 8K / 32K cached tokens)
 #   deltanet bench/gpu_deltanet.py: the tree DeltaNet kernel's tiles checked and timed at the 27B's heads
 #            (AR step and 23-token verify; FLASHTREE_DELTA_TILE applies a choice)
 #   graphs   bench/gpu_graphs.py: CUDA-graph decode steps emit the eager steps' tokens (tiny targets)
@@ -107,6 +110,7 @@ for stage in "$@"; do
     small) python3 bench/gpu_small_kernels.py "$OUT" 2>&1 | tee "$OUT/small.log" ;;
     registers) python3 bench/sm90_registers.py "$OUT/registers.json" 2>&1 | tail -n 30 | tee "$OUT/registers.log" ;;
     deltanet) python3 bench/gpu_deltanet.py "$OUT" 2>&1 | tee "$OUT/deltanet.log" ;;
+    attention) python3 bench/gpu_attention.py "$OUT" 2>&1 | tee "$OUT/attention.log" ;;
     dense) python3 bench/gpu_dense_matmul.py "$OUT" --sweep 2>&1 | tee "$OUT/dense.log"
         cp "$OUT/dense_matmul.json" "$STASH/" ;;  # tiles_by_shape: FLASHTREE_DENSE_TILES for a later pair
     graphs) python3 bench/gpu_graphs.py "$OUT" 2>&1 | tee "$OUT/graphs.log" ;;
@@ -160,6 +164,6 @@ for stage in "$@"; do
         done ;;
     profile-pair) python3 bench/gpu_profile_steps.py "$OUT/profile_${PAIR_NAME:-pair}" "$GGUF" "$STASH/draft.gguf" \
         2>&1 | grep -v USDT | tee "$OUT/profile_${PAIR_NAME:-pair}.log" ;;
-    *) echo "unknown stage $stage (prep|kernels|small|registers|deltanet|dense|graphs|graphs-quant|probe|step|stage-a|pair|pdl-checks|pdl|pdl-step|splits|splits-step|ncu|profile-pair)" >&2; exit 2 ;;
+    *) echo "unknown stage $stage (prep|kernels|small|registers|deltanet|attention|dense|graphs|graphs-quant|probe|step|stage-a|pair|pdl-checks|pdl|pdl-step|splits|splits-step|ncu|profile-pair)" >&2; exit 2 ;;
     esac
 done

@@ -127,9 +127,10 @@ def test_rows_fill_the_query_tile_one_row_pads_to():
 def test_split_sizes_follow_the_cache_between_one_tile_and_the_maximum():
     assert tile_positions(64) == 64 and tile_positions(256) == 16
     assert split_positions(600, 64) == 64  # a short cache: one tile a split
-    assert split_positions(2048, 64) == 64 and split_positions(2048, 256) == 64
-    assert split_positions(8192, 64) == MAX_SPLIT and split_positions(8192, 256) == MAX_SPLIT
-    assert split_positions(256 * 1024, 256) == MAX_SPLIT  # long contexts: the largest splits
+    assert split_positions(2048, 64) == 64 and split_positions(2048, 256) == 32
+    assert split_positions(8192 + 1024, 256) == 256  # an 8K context's cache
+    assert split_positions(32768 + 1024, 256) == MAX_SPLIT == 512  # a 32K one: the largest splits
+    assert split_positions(256 * 1024, 256) == MAX_SPLIT
     for slots in (90, 400, 5000, 70000):
         for hd in (24, 64, 128, 256):
             split, tile = split_positions(slots, hd), tile_positions(hd)

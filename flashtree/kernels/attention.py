@@ -32,10 +32,12 @@ import triton.language as tl
 from flashtree.kernels.launch import pdl_options, wait_for_inputs
 from flashtree.kernels.qmatmul import tile_counters
 
-MAX_SPLIT = 256  # positions per split at most: a program's share of a long context
-SPLITS_PER_CACHE = 32  # a whole cache is cut into at most this many splits (unless a tile is longer):
-# caches of 8K slots and more keep the 256-position splits measured on the 27B (a verify writes
-# rows x heads x splits partial outputs, so more splits cost it bytes)
+MAX_SPLIT = 512  # positions per split at most: a program's share of a long context
+SPLITS_PER_CACHE = 64  # a whole cache is cut into at most this many splits (unless a tile is longer)
+# Why 512 and 64 (27B heads, H100, bench/results/h100-attention-splits-2026-12-05): an 8K context's cache
+# keeps 256-position splits (512 cost its AR step 20 us a layer), a 32K one takes 512 (its AR step 116 ->
+# 94 us a layer, the verify 23 969 -> 964: 256 left 128 splits for the combine to add). A verify writes
+# rows x heads x splits partial outputs, so more splits cost it bytes.
 TILE_VALUES = 4096  # K or V values per inner step: 64 positions of a 64-dim head, 16 of a 256-dim one
 COMBINE_ROUND = tl.constexpr(16)  # splits whose maxima the combine loads at once
 # Rows of a tree a program takes at most: their query heads fill the tile one row's heads pad to anyway
