@@ -42,6 +42,9 @@
 #            each way of adding the splits; the chosen FLASHTREE_QMM_SPLITS and _TILES in $STASH
 #   ncu      Nsight Compute (--set full) on the int8 matvec, the bf16 matmul at 23 rows and the tree DeltaNet
 #            at 27B shapes (bench/ncu_kernels.py; no GGUF needed): one text report per kernel in $OUT
+#   ab       an A/B in one call: the stages in AB_STAGES (e.g. "deltanet", "small graphs-quant") on the tree's
+#            files (into $OUT/a), then again with the files under .ab/ copied over them (into $OUT/b;
+#            `bash bench/ab_files.sh BRANCH` writes a branch's changed files there; carry .ab)
 #   splits-step  the 27B step (packed, STEP_ARITH) without and with the chosen targets and tile:
 #            step_packed_*_splits{0,1}.json
 set -u
@@ -151,6 +154,11 @@ for stage in "$@"; do
         python3 bench/gpu_splits.py "$OUT" "$STASH/q27.gguf" --arith "${SPLITS_ARITH:-int8}" \
             --rows "${SPLITS_ROWS:-1}" --splits-out "$STASH/qmm_splits.json" --tiles-out "$STASH/qmm_tiles.json" \
             2>&1 | grep -v USDT | tee "$OUT/splits.log" ;;
+    ab)
+        [ -d .ab ] || { echo "ab: no .ab/ (bench/ab_files.sh BRANCH, and carry .ab)" >&2; exit 2; }
+        # shellcheck disable=SC2086  # AB_STAGES: several stages
+        OUT=$OUT/a bash bench/gpu_step.sh ${AB_STAGES:?}
+        cp -r .ab/. . && OUT=$OUT/b bash bench/gpu_step.sh ${AB_STAGES:?} ;;
     splits-step)
         STEP_WEIGHTS=packed STEP_SUFFIX=_splits0 step
         FLASHTREE_QMM_SPLITS=$(cat "$STASH/qmm_splits.json") FLASHTREE_QMM_TILES=$(cat "$STASH/qmm_tiles.json") \
@@ -164,6 +172,6 @@ for stage in "$@"; do
         done ;;
     profile-pair) python3 bench/gpu_profile_steps.py "$OUT/profile_${PAIR_NAME:-pair}" "$GGUF" "$STASH/draft.gguf" \
         2>&1 | grep -v USDT | tee "$OUT/profile_${PAIR_NAME:-pair}.log" ;;
-    *) echo "unknown stage $stage (prep|kernels|small|registers|deltanet|attention|dense|graphs|graphs-quant|probe|step|stage-a|pair|pdl-checks|pdl|pdl-step|splits|splits-step|ncu|profile-pair)" >&2; exit 2 ;;
+    *) echo "unknown stage $stage (prep|kernels|small|registers|deltanet|attention|dense|graphs|graphs-quant|probe|step|stage-a|pair|pdl-checks|pdl|pdl-step|splits|ab|splits-step|ncu|profile-pair)" >&2; exit 2 ;;
     esac
 done
