@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 
 import torch
+from gpu_deltanet import TREE  # 23 nodes: a 16-token chain and 7 siblings
 from gpu_kernels import graph_time_us  # bench/ is on sys.path as the script's dir
 from gpu_small_kernels import DEVICE, check_attention
 
@@ -31,7 +32,6 @@ from flashtree.models.block import BlockLayout
 
 N_KV, N_HEADS, HD = 4, 24, 256  # the 27B's attention heads
 LAYERS = 16
-TREE = list(range(-1, 15)) + [0, 1, 2, 5, 0, 16, 9]  # 23 nodes: a 16-token chain and 7 siblings
 CONTEXTS = (512, 8192, 32768)
 MAX_SPLITS = (128, 256, 512, 1024)
 

@@ -266,14 +266,14 @@ def tree_attention(
     depths: torch.Tensor,  # (T,) int32
     n_keys: int,  # slots that may be read (start + T, or a CUDA graph's bucket): sizes the split grid
     scale: float,
-    key_ok: torch.Tensor | None = None,  # (>= start,) or (T, >= start) bool: committed slots to attend
-    # to, of every row or row by row (None: all)
+    key_ok: torch.Tensor | None = None,  # (T, >= start) bool: the committed slots each row attends to
+    # (None: all)
     block_at: torch.Tensor | None = None,  # 0-d long: the slot of block node 0 (None: start)
     split_for: int | None = None,  # the slot count the split size follows (None: the cache's)
 ) -> torch.Tensor:
     """softmax(q K^T * scale) V of every row over its committed keys (those of `key_ok`) and its
-    ancestors (itself included), (T, n_heads, head_dim) in q's dtype. A (T, S) key_ok may be a row
-    broadcast (stride 0 between rows: one mask for every row, read as such). The block's K/V sit at slots
+    ancestors (itself included), (T, n_heads, head_dim) in q's dtype. key_ok may be a row broadcast
+    (stride 0 between rows: one mask for every row, read as such). The block's K/V sit at slots
     start.. (the target's cache) or at block_at.. (the draft's ring keeps them past its slots)."""
     t, n_heads, hd = q.shape
     n_kv = k_cache.shape[0]
@@ -294,7 +294,7 @@ def tree_attention(
         start if key_ok is None else key_ok.view(torch.uint8),
         m, lsum, acc, out, tile_counters(q.device, n_groups * n_kv), t, n_kv, n_heads, n_splits,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        key_ok.stride(0) if key_ok is not None and key_ok.dim() == 2 else 0, scale,
+        0 if key_ok is None else key_ok.stride(0), scale,
         G=group, R=rows, QB=queries, HD=hd, BD=bd, SPLIT_N=split, BLOCK=tile_positions(hd),
         F32=q.dtype == torch.float32, KEY_MASK=key_ok is not None, num_warps=8 if bd >= 256 else 4,
         **pdl_options(q),
