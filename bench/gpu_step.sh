@@ -43,8 +43,10 @@
 #   ncu      Nsight Compute (--set full) on the int8 matvec, the bf16 matmul at 23 rows and the tree DeltaNet
 #            at 27B shapes (bench/ncu_kernels.py; no GGUF needed): one text report per kernel in $OUT
 #   ab       an A/B in one call: the stages in AB_STAGES (e.g. "deltanet", "small graphs-quant") on the tree's
-#            files (into $OUT/a), then again with the files under .ab/ copied over them (into $OUT/b;
-#            `bash bench/ab_files.sh BRANCH` writes a branch's changed files there; carry .ab)
+#            files (into $OUT/ab/a), then again with the files under AB_DIR (default .ab) copied over them
+#            (into $OUT/ab/b; the folder is named after AB_DIR); the tree's files are put back after, so
+#            several A/Bs can follow in one command (`bash bench/ab_files.sh BRANCH [DIR]` writes a branch's
+#            changed files under DIR; carry it)
 #   splits-step  the 27B step (packed, STEP_ARITH) without and with the chosen targets and tile:
 #            step_packed_*_splits{0,1}.json
 set -u
@@ -154,11 +156,18 @@ for stage in "$@"; do
         python3 bench/gpu_splits.py "$OUT" "$STASH/q27.gguf" --arith "${SPLITS_ARITH:-int8}" \
             --rows "${SPLITS_ROWS:-1}" --splits-out "$STASH/qmm_splits.json" --tiles-out "$STASH/qmm_tiles.json" \
             2>&1 | grep -v USDT | tee "$OUT/splits.log" ;;
-    ab)
-        [ -d .ab ] || { echo "ab: no .ab/ (bench/ab_files.sh BRANCH, and carry .ab)" >&2; exit 2; }
+    ab)  # the b side's files are put back afterwards, so that several A/Bs can follow in one call
+        dir=${AB_DIR:-.ab}; name=${dir#.}
+        [ -d "$dir" ] || { echo "ab: no $dir/ (bench/ab_files.sh BRANCH $dir, and carry $dir)" >&2; exit 2; }
         # shellcheck disable=SC2086  # AB_STAGES: several stages
-        OUT=$OUT/a bash bench/gpu_step.sh ${AB_STAGES:?}
-        cp -r .ab/. . && OUT=$OUT/b bash bench/gpu_step.sh ${AB_STAGES:?} ;;
+        OUT=$OUT/$name/a bash bench/gpu_step.sh ${AB_STAGES:?}
+        keep=$(mktemp -d)
+        (cd "$dir" && find . -type f) | while read -r path; do
+            [ -f "$path" ] && mkdir -p "$keep/$(dirname "$path")" && cp "$path" "$keep/$path"
+        done
+        cp -r "$dir/." . && OUT=$OUT/$name/b bash bench/gpu_step.sh ${AB_STAGES:?}
+        (cd "$dir" && find . -type f) | while read -r path; do rm -f "$path"; done
+        cp -r "$keep/." . && rm -rf "$keep" ;;
     splits-step)
         STEP_WEIGHTS=packed STEP_SUFFIX=_splits0 step
         FLASHTREE_QMM_SPLITS=$(cat "$STASH/qmm_splits.json") FLASHTREE_QMM_TILES=$(cat "$STASH/qmm_tiles.json") \
