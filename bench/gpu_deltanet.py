@@ -11,7 +11,8 @@ only; across warps: shared memory and barriers), and how many programs share the
 Per tile: gpu_small_kernels.check_tree_deltanet (the torch reference within 1e-5, each token alone equal
 to its row of the launch bit for bit, the AR step's in-place write), then the time per call from CUDA
 graphs of 48 calls on 48 layers' own states (151 MB, more than L2 holds, as in a step): the AR step (one
-token, its state written in place) and a 23-token tree (a 16-token chain and 7 siblings). Apply a choice
+token, its state written in place) and a 23-token tree (a 16-token chain and 7 siblings), the tree also
+as the model's verify runs it (`keep`: only the states its siblings restart from written). Apply a choice
 with FLASHTREE_DELTA_TILE=BV,WARPS (kernels/tree_deltanet.py); off the GPU a dry run checks one tile.
 """
 
@@ -27,6 +28,7 @@ from gpu_small_kernels import DEVICE, check_tree_deltanet
 
 from flashtree.bench.run import provenance
 from flashtree.kernels.tree_deltanet import TILE, tree_gated_delta_rule
+from flashtree.models.block import BlockLayout
 
 TILES = [(32, 4), (32, 2), (32, 1), (16, 4), (16, 2), (16, 1), (8, 1), (8, 2), (64, 4), (64, 8), (128, 8)]
 NK, NV, KD, VD = 16, 48, 128, 128  # the 27B's heads
@@ -51,14 +53,17 @@ def timings(tile: tuple[int, int]) -> dict:
             conv_out[:1], alpha[:1], beta[:1], dt_bias, ssm_a, s, root, NK, states=s[None], tile=tile
         )
 
-    def verify(s):
+    def verify(s, keep=None):
         return tree_gated_delta_rule(
-            conv_out, alpha, beta, dt_bias, ssm_a, s, tree, NK, states=states, tile=tile
+            conv_out, alpha, beta, dt_bias, ssm_a, s, tree, NK, states=states, tile=tile, keep=keep
         )
+
+    restarts = BlockLayout.from_parents(tree.long()).restart_points().to(torch.int8)  # the model's verify
 
     return {
         "ar_us": graph_time_us([lambda s=s: ar(s) for s in layer_states]),
         "verify_23_us": graph_time_us([lambda s=s: verify(s) for s in layer_states]),
+        "verify_23_restart_states_us": graph_time_us([lambda s=s: verify(s, restarts) for s in layer_states]),
     }
 
 
@@ -72,7 +77,10 @@ def main(out_dir: Path) -> int:
             row |= timings(tile)
         rows.append(row)
         times = (
-            f"AR {row['ar_us']:7.1f} us  verify 23 {row['verify_23_us']:7.1f} us" if "ar_us" in row else ""
+            f"AR {row['ar_us']:7.1f} us  verify 23 {row['verify_23_us']:7.1f} us (restart states only "
+            f"{row['verify_23_restart_states_us']:7.1f})"
+            if "ar_us" in row
+            else ""
         )
         print(f"tile BV {tile[0]:>3} warps {tile[1]}: err {row['max_abs_err']:.1e} ok {row['ok']} "
               f"rows bitwise {row['rows_bitwise']}  {times}", flush=True)  # fmt: skip

@@ -182,3 +182,27 @@ def test_commit_replay_rebuilds_every_node_state_bit_for_bit(monkeypatch, replay
         replay_accepted(conv_out, gates, padded, torch.tensor([len(path)]), state, nk)
         for layer in range(layers):
             assert torch.equal(state[layer], node_states[layer][node]), (node, layer)
+
+
+def test_verify_keeps_only_the_states_its_siblings_restart_from():
+    """keep (a verify's BlockLayout.restart_points): the tokens a sibling branch restarts from are the
+    only states written, the outputs are the same bits, the other rows of `states` are left as they
+    were (a 27B verify of 23 nodes wrote 3.4 GB of states no one read)."""
+    from flashtree.models.block import BlockLayout
+
+    nk, nv, kd, vd = SHAPES["ragged"]
+    parents = torch.tensor(TREES["tree"])
+    layout = BlockLayout.from_parents(parents)
+    keep = layout.restart_points()
+    assert keep.tolist() == [True, True, True] + [False] * 6  # 3, 5 and 7 restart from 0, 1 and 2
+    assert not BlockLayout.chain(5).restart_points().any()
+    t = parents.shape[0]
+    conv_out, alpha, beta, dt_bias, ssm_a, s0 = raw_inputs(t, nk, nv, kd, vd, seed=3)
+    o, states = tree_gated_delta_rule(conv_out, alpha, beta, dt_bias, ssm_a, s0, parents, nk)
+    scratch = torch.full_like(states, float("nan"))
+    kept_o, _ = tree_gated_delta_rule(
+        conv_out, alpha, beta, dt_bias, ssm_a, s0, parents, nk, states=scratch, keep=keep.to(torch.int8)
+    )
+    assert torch.equal(kept_o, o)
+    assert torch.equal(scratch[keep], states[keep])
+    assert scratch[~keep].isnan().all()

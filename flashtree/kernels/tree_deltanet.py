@@ -93,14 +93,16 @@ def _token_update(s, k, v, decay, beta, eps, k_scale, K: tl.constexpr):
 @triton.jit(do_not_specialize=["T"])
 def _tree_gated_delta_rule_kernel(
     x_ptr, alpha_ptr, beta_ptr, stride_ab, dt_bias_ptr, a_ptr, parents_ptr, s0_ptr, out_ptr, states_ptr,
-    gates_ptr, T, eps, q_scale, k_scale, H: tl.constexpr, NK: tl.constexpr, K: tl.constexpr,
-    V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, KEEP_GATES: tl.constexpr, GDC: tl.constexpr,
+    gates_ptr, keep_ptr, T, eps, q_scale, k_scale, H: tl.constexpr, NK: tl.constexpr, K: tl.constexpr,
+    V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, KEEP_GATES: tl.constexpr,
+    SOME_STATES: tl.constexpr, GDC: tl.constexpr,
 ):  # fmt: skip
     """Token after token; token t + 1's inputs are loaded while token t computes. Why: on the H200 the
     walk cost ~2 us a token, its state stores only ~20 % of that (bench/results/
     h200-bf16mma-2026-12-03/NOTES.md); the overlap itself is not timed yet. KEEP_GATES: the programs of
     the first value slice also store each token's decay and beta (`_gates`) at gates_ptr (T, 2, H), for
-    `replay_path`."""
+    `replay_path`. SOME_STATES: only the states of the tokens with keep_ptr[t] != 0 are stored (the ones
+    a sibling restarts from); the others' stores carry an all-false mask."""
     wait_for_inputs(GDC)
     h = tl.program_id(0)
     offs_k = tl.arange(0, BK)
@@ -141,7 +143,11 @@ def _tree_gated_delta_rule_kernel(
         s = _token_update(s, k, v, decay, beta, eps, k_scale, K)
         row = t * H + h
         tl.store(out_ptr + row * V + offs_v, tl.sum(s * q[:, None], axis=0), mask=mask_v)
-        tl.store(states_ptr + row * K * V + kv_offs, s, mask=mask_kv)
+        keep = mask_kv
+        if SOME_STATES:
+            # the flag broadcast before the compare: Triton's interpreter rejects a scalar term in a mask
+            keep = mask_kv & (tl.full(mask_kv.shape, 0, tl.int8) + tl.load(keep_ptr + t) != 0)
+        tl.store(states_ptr + row * K * V + kv_offs, s, mask=keep)
         prev = t
 
 
@@ -190,12 +196,15 @@ def tree_gated_delta_rule(
     states: torch.Tensor | None = None,
     tile: tuple[int, int] | None = None,
     gates: torch.Tensor | None = None,
+    keep: torch.Tensor | None = None,
 ):
     """Every token from its parent's state, gates and norms included. Returns o (T, nv, vd) fp32 and
     the state after every token (T, nv, kd, vd), written to `states` if given (contiguous fp32; for a
     single token it may be `state` itself: each program reads its slice before writing it). tile:
     (BV, warps), default TILE. gates (T, 2, nv) fp32, if given, receives each token's decay and beta
-    (for `replay_path`)."""
+    (for `replay_path`). keep (T,) int8, if given: only the states of tokens with keep[t] != 0 are
+    written, the others' rows of `states` left as they were: the verify keeps the ones its sibling
+    branches restart from (BlockLayout.restart_points), a commit replays the accepted path's."""
     t = conv_out.shape[0]
     h, kd, vd = state.shape
     if alpha.dtype != beta.dtype or alpha.stride() != beta.stride() or alpha.stride(1) != 1:
@@ -212,8 +221,9 @@ def tree_gated_delta_rule(
     _tree_gated_delta_rule_kernel[(h, triton.cdiv(vd, bv))](
         conv_out.contiguous(), alpha, beta, alpha.stride(0), dt_bias.float().contiguous(),
         ssm_a.float().contiguous(), parents.to(torch.int32), state.contiguous(), out, states,
-        out if gates is None else gates, t, eps, 1.0 / kd, kd**-0.5, H=h, NK=n_k_heads, K=kd, V=vd,
-        BK=triton.next_power_of_2(kd), BV=bv, KEEP_GATES=gates is not None, num_warps=warps,
+        out if gates is None else gates, out if keep is None else keep, t, eps, 1.0 / kd, kd**-0.5, H=h,
+        NK=n_k_heads, K=kd, V=vd, BK=triton.next_power_of_2(kd), BV=bv, KEEP_GATES=gates is not None,
+        SOME_STATES=keep is not None, num_warps=warps,
         **pdl_options(out),
     )  # fmt: skip
     return out, states

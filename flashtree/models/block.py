@@ -53,6 +53,14 @@ class BlockLayout:
         depth order: entry j is the ancestor at depth j."""
         return torch.sort((~self.visible).to(torch.uint8), dim=1, stable=True).indices
 
+    def restart_points(self) -> torch.Tensor:
+        """(T,) bool: the tokens a later token of the block restarts from, i.e. whose child is not the
+        token right after them (a sibling branch). A walk in block order needs only their states kept.
+        Fixed-size torch ops only: no host sync."""
+        idx = torch.arange(self.size, device=self.parents.device)
+        restarts = (self.parents >= 0) & (self.parents != idx - 1)  # (T,) tokens that restart
+        return ((self.parents[None, :] == idx[:, None]) & restarts[None, :]).any(dim=1)
+
     def conv_window_index(self, kernel: int) -> torch.Tensor:
         """(T, kernel) indices into [conv_state (kernel-1 rows) | block tokens (T rows)]: the causal
         conv window of each token along its own ancestry, oldest first."""

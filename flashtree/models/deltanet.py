@@ -197,13 +197,15 @@ class GatedDeltaNet(nn.Module):
         """Every block token from its parent's state, the state after each token written to states_out
         (T, heads, k, v): one Triton launch on the GPU (gates and norms included), the torch reference
         elsewhere. gates_out (T, 2, heads) fp32, if given, receives each token's decay and beta (what a
-        commit replays from). Returns o (T, heads, v)."""
+        commit replays from). In a verify (fp.commit false) states_out is a scratch only the walk itself
+        reads: the kernel writes only the states a sibling branch restarts from (every state: 3.4 GB
+        written by a 27B verify of 23 nodes). Returns o (T, heads, v)."""
         if kernels.triton_kernels_for(conv_out):
             from flashtree.kernels.tree_deltanet import tree_gated_delta_rule
 
             return tree_gated_delta_rule(
                 conv_out, alpha, beta, self.dt_bias, self.ssm_a, state, fp.parents_int32, self.n_k_heads,
-                states=states_out, gates=gates_out,
+                states=states_out, gates=gates_out, keep=None if fp.commit else fp.restart_points,
             )[0]  # fmt: skip
         q, k, v, g, beta = delta_rule_inputs(conv_out, alpha, beta, *self._head_args)
         decay = g.exp()

@@ -65,6 +65,14 @@ class ForwardPass:
         return self._cache["parents32"]
 
     @property
+    def restart_points(self) -> torch.Tensor:
+        """(T,) int8: the tokens whose DeltaNet state a later token restarts from (BlockLayout), once per
+        pass: the verify's kernel stores only theirs."""
+        if "restarts" not in self._cache:
+            self._cache["restarts"] = self.layout.restart_points().to(torch.int8)
+        return self._cache["restarts"]
+
+    @property
     def attention_paths(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(paths (T, T), depths (T,)) as int32, for kernels/attention.py, once per pass."""
         if "paths" not in self._cache:
