@@ -84,6 +84,8 @@ def main(out_dir: Path) -> int:
         )
         print(f"tile BV {tile[0]:>3} warps {tile[1]}: err {row['max_abs_err']:.1e} ok {row['ok']} "
               f"rows bitwise {row['rows_bitwise']}  {times}", flush=True)  # fmt: skip
+        if not row["rows_bitwise"]:
+            print(f"  bitwise, by comparison: {row['bitwise']}", flush=True)
     result = {
         **provenance(),
         "device": str(DEVICE),

@@ -235,24 +235,34 @@ def check_tree_deltanet(tile: tuple[int, int] | None = None) -> dict:
     inputs = delta_rule_inputs(conv_out, alpha, beta, dt_bias, ssm_a, nk, kd, vd)
     ref_o, ref_states = recurrent_delta_rule(*inputs, s0, PARENTS)
     err = max((o - ref_o).abs().max().item(), (states - ref_states).abs().max().item())
-    alone, root = True, torch.tensor([-1], dtype=torch.int32, device=DEVICE)
+    same, root = {}, torch.tensor([-1], dtype=torch.int32, device=DEVICE)
+    same["alone"] = True
     for i, p in enumerate(PARENTS):  # each node alone, from its parent's state as the kernel left it
         step = slice(i, i + 1)
         start = s0 if p < 0 else states[p]
         o_i, s_i = tree_gated_delta_rule(
             conv_out[step], alpha[step], beta[step], dt_bias, ssm_a, start, root, nk, tile=tile
         )
-        alone &= torch.equal(o_i[0], o[i]) and torch.equal(s_i[0], states[i])
+        same["alone"] &= torch.equal(o_i[0], o[i]) and torch.equal(s_i[0], states[i])
     # the AR step writes the new state over the old one (states=state): the same bits
     state = s0.clone()
     o_0, _ = tree_gated_delta_rule(
         conv_out[:1], alpha[:1], beta[:1], dt_bias, ssm_a, state, root, nk, states=state[None], tile=tile
     )
-    alone &= torch.equal(o_0[0], o[0]) and torch.equal(state, states[0])
-    # the commit's replay of each node's ancestry (two layers' copies of the walk) ends in its state
+    same["in_place"] = torch.equal(o_0[0], o[0]) and torch.equal(state, states[0])
+    # the verify as the model runs it (gates kept, only the restart points' states stored): the same outputs
+    # and kept states; its gates feed the commit's replay of each node's ancestry (two layers' copies of the
+    # walk), which ends in that node's state
     gates = torch.empty(2, t, 2, nv, device=DEVICE)
-    tree_gated_delta_rule(conv_out, alpha, beta, dt_bias, ssm_a, s0, parents, nk, tile=tile, gates=gates[0])
+    restarts = BlockLayout.from_parents(parents.long()).restart_points()
+    kept = torch.zeros_like(states)
+    o_v, _ = tree_gated_delta_rule(
+        conv_out, alpha, beta, dt_bias, ssm_a, s0, parents, nk, states=kept, tile=tile, gates=gates[0],
+        keep=restarts.to(torch.int8),
+    )  # fmt: skip
+    same["verify"] = torch.equal(o_v, o) and torch.equal(kept[restarts], states[restarts])
     gates[1] = gates[0]
+    same["replay"] = True
     for node in range(t):
         path = [node]
         while PARENTS[path[-1]] >= 0:
@@ -261,8 +271,11 @@ def check_tree_deltanet(tile: tuple[int, int] | None = None) -> dict:
         replayed = torch.stack([s0, s0]).contiguous()
         count = torch.tensor([path.shape[0]], dtype=torch.int32, device=DEVICE)
         replay_path(torch.stack([conv_out, conv_out]), gates, path, count, replayed, nk, tile=tile)
-        alone &= torch.equal(replayed[0], states[node]) and torch.equal(replayed[1], states[node])
-    return {"kernel": "tree_deltanet", "max_abs_err": err, "ok": err < TOL, "rows_bitwise": alone}
+        same["replay"] &= torch.equal(replayed[0], states[node]) and torch.equal(replayed[1], states[node])
+    return {
+        "kernel": "tree_deltanet", "max_abs_err": err, "ok": err < TOL, "rows_bitwise": all(same.values()),
+        "bitwise": same,
+    }  # fmt: skip
 
 
 def within_rounding(got: torch.Tensor, want: torch.Tensor) -> bool:
