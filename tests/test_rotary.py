@@ -81,6 +81,34 @@ def test_rotary_store_is_rotary_and_index_copy_bit_for_bit(tokens, heads, kv_hea
     assert torch.equal(kv_only[0], want_k) and torch.equal(kv_only[1], want_v)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("head_dim,rot", [(64, 64), (32, 16)], ids=["full", "partial"])
+def test_rotary_store_norms_q_and_k_as_the_norm_kernel_does(head_dim, rot, dtype):
+    """norms: q and k RMSNorm-ed per head in the same launch == fused.rms_norm (its own launch) then the
+    plain fused launch, bit for bit; and within rounding of torch's RMSNorm (the path off the GPU)."""
+    from flashtree.kernels.fused import rms_norm as norm_kernel
+
+    tokens, heads, kv_heads = 5, 6, 2
+    gen = torch.Generator().manual_seed(head_dim + rot)
+    width = (2 * heads + 2 * kv_heads) * head_dim  # qwen3.5's q rows interleave a gate per head
+    merged = (torch.randn(tokens, width, generator=gen) * 3).to(dtype)
+    q = merged[:, : 2 * heads * head_dim].view(tokens, heads, 2 * head_dim)[..., :head_dim]  # strided heads
+    k = merged[:, 2 * heads * head_dim : (2 * heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
+    v = merged[:, (2 * heads + kv_heads) * head_dim :].view(tokens, kv_heads, head_dim)
+    q_weight, k_weight = (torch.rand(head_dim, generator=gen) + 0.5 for _ in range(2))
+    cos, sin = Rotary(rot, 1e4).cos_sin(torch.randint(0, 5000, (tokens,), generator=gen), dtype)
+    slots = torch.randperm(40, generator=gen)[:tokens]
+    caches = [[torch.zeros(kv_heads, 40, head_dim, dtype=dtype) for _ in range(2)] for _ in range(2)]
+    got_q = rotary_store(q, k, v, cos, sin, *caches[0], slots, (q_weight, k_weight, 1e-6))
+    normed_q, normed_k = norm_kernel(q, q_weight, 1e-6), norm_kernel(k, k_weight, 1e-6)
+    want_q = rotary_store(normed_q, normed_k, v, cos, sin, *caches[1], slots)
+    assert torch.equal(got_q, want_q)
+    assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
+    torch_q = torch.nn.functional.rms_norm(q.float(), (head_dim,), q_weight, 1e-6).to(dtype)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2  # fp32 sums in another order; bf16: 1 ulp of |x| < 4
+    torch.testing.assert_close(got_q.float(), torch_rotary(torch_q, cos, sin).float(), atol=tol, rtol=tol)
+
+
 def test_kv_cache_takes_the_fused_launch_only_where_it_gives_the_same_result(monkeypatch):
     calls = []
     monkeypatch.setattr(kernels, "triton_kernels_for", lambda x: True)

@@ -31,15 +31,24 @@ def rounded(v, BF16: tl.constexpr):
 
 @triton.jit
 def _rotated_row(
-    row, cos_ptr, sin_ptr, t, D: tl.constexpr, ROT: tl.constexpr, BD: tl.constexpr, BF16: tl.constexpr
-):
+    row, cos_ptr, sin_ptr, t, w_ptr, eps, D: tl.constexpr, ROT: tl.constexpr, BD: tl.constexpr,
+    BF16: tl.constexpr, NORM: tl.constexpr,
+):  # fmt: skip
     """One head of token t at `row`: its first ROT dims rotated, the rest as they are; (BD,) fp32
-    holding values of the tensor's dtype (so the store's cast is exact)."""
+    holding values of the tensor's dtype (so the store's cast is exact). NORM: the head RMSNorm-ed
+    first (weight w_ptr), as fused.rms_norm computes and rounds it (qwen3's q / k norms)."""
     d = tl.arange(0, BD)
     half = ROT // 2
     rotating = d < ROT
+    across = tl.where(d < half, d + half, d - half)
     x = tl.load(row + d, mask=d < D, other=0.0).to(tl.float32)
-    partner = tl.load(row + tl.where(d < half, d + half, d - half), mask=rotating, other=0.0).to(tl.float32)
+    partner = tl.load(row + across, mask=rotating, other=0.0).to(tl.float32)
+    if NORM:  # the partner's norm: its row's (this row's) rstd times its own weight
+        rstd = 1.0 / tl.sqrt_rn(tl.sum(x * x, axis=0) / D + eps)
+        x = rounded(x * rstd * tl.load(w_ptr + d, mask=d < D, other=0.0).to(tl.float32), BF16)
+        partner = rounded(
+            partner * rstd * tl.load(w_ptr + across, mask=rotating, other=0.0).to(tl.float32), BF16
+        )
     rotated = tl.where(d < half, -partner, partner)  # cat([-x2, x1])
     cos = tl.load(cos_ptr + t * ROT + d, mask=rotating, other=0.0).to(tl.float32)
     sin = tl.load(sin_ptr + t * ROT + d, mask=rotating, other=0.0).to(tl.float32)
@@ -57,29 +66,35 @@ def _rotary_kernel(
     t = tl.program_id(0)
     h = tl.program_id(1)
     d = tl.arange(0, BD)
-    out = _rotated_row(x_ptr + t * stride_t + h * stride_h, cos_ptr, sin_ptr, t, D, ROT, BD, BF16)
+    out = _rotated_row(
+        x_ptr + t * stride_t + h * stride_h, cos_ptr, sin_ptr, t, x_ptr, 0.0, D, ROT, BD, BF16, False
+    )
     tl.store(out_ptr + (t * H + h) * D + d, out.to(out_ptr.dtype.element_ty), mask=d < D)
 
 
 @triton.jit
 def _rotary_store_kernel(
-    q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, slots_ptr,
-    q_st, q_sh, k_st, k_sh, v_st, v_sh, cache_sh, cache_ss, NQ, D: tl.constexpr, ROT: tl.constexpr,
-    BD: tl.constexpr, BF16: tl.constexpr, GDC: tl.constexpr,
+    q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, qw_ptr, kw_ptr,
+    q_st, q_sh, k_st, k_sh, v_st, v_sh, cache_sh, cache_ss, NQ, eps, D: tl.constexpr, ROT: tl.constexpr,
+    BD: tl.constexpr, BF16: tl.constexpr, NORM: tl.constexpr, GDC: tl.constexpr,
 ):  # fmt: skip
     """Program (t, h): query head h of token t (h < NQ), else KV head h - NQ: its rotated K and its V
-    stored at the token's cache slot."""
+    stored at the token's cache slot. NORM: q and k RMSNorm-ed per head first (weights qw_ptr, kw_ptr)."""
     wait_for_inputs(GDC)
     t = tl.program_id(0)
     h = tl.program_id(1)
     d = tl.arange(0, BD)
     if h < NQ:
-        out = _rotated_row(q_ptr + t * q_st + h * q_sh, cos_ptr, sin_ptr, t, D, ROT, BD, BF16)
+        out = _rotated_row(
+            q_ptr + t * q_st + h * q_sh, cos_ptr, sin_ptr, t, qw_ptr, eps, D, ROT, BD, BF16, NORM
+        )
         tl.store(q_out_ptr + (t * NQ + h) * D + d, out.to(q_out_ptr.dtype.element_ty), mask=d < D)
     else:
         j = h - NQ
         at = j * cache_sh + tl.load(slots_ptr + t) * cache_ss + d
-        k = _rotated_row(k_ptr + t * k_st + j * k_sh, cos_ptr, sin_ptr, t, D, ROT, BD, BF16)
+        k = _rotated_row(
+            k_ptr + t * k_st + j * k_sh, cos_ptr, sin_ptr, t, kw_ptr, eps, D, ROT, BD, BF16, NORM
+        )
         tl.store(k_cache_ptr + at, k.to(k_cache_ptr.dtype.element_ty), mask=d < D)
         v = tl.load(v_ptr + t * v_st + j * v_sh + d, mask=d < D)
         tl.store(v_cache_ptr + at, v, mask=d < D)
@@ -102,21 +117,28 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 def rotary_store(
     q: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+    norms: tuple[torch.Tensor, torch.Tensor, float] | None = None,
 ) -> torch.Tensor | None:  # fmt: skip
     """One launch for an attention layer's RoPE and cache write: q (T, heads, hd) rotated into a new
     tensor (returned; None without q), k (T, n_kv, hd) rotated and v as it is stored at `slots` (T,) of
     the caches (n_kv, max_ctx, hd), unit stride along hd and slots. The same bits as two `rotary` calls
-    and two index copies (four launches: a small model's decode step is bound by launches)."""
+    and two index copies (four launches: a small model's decode step is bound by launches). norms (q's
+    weight, k's, eps): q and k RMSNorm-ed per head first, as two fused.rms_norm launches would (qwen3's
+    and qwen3.5's q / k norms: 2 launches fewer per attention layer and step)."""
     if q is None:  # keys and values only (the draft's context): no query programs
-        rotary_store(k[:, :0], k, v, cos, sin, k_cache, v_cache, slots)
+        rotary_store(k[:, :0], k, v, cos, sin, k_cache, v_cache, slots, norms)
         return None
     t, nq, d = q.shape
     n_kv = k.shape[1]
     q_out = torch.empty(t, nq, d, dtype=q.dtype, device=q.device)
+    q_weight, k_weight, eps = norms or (q, q, 0.0)
+    # one warp when norming: fused.rms_norm's launch for a head row of this width, so the same sum order
+    warps = 1 if norms else 4
     _rotary_store_kernel[(t, nq + n_kv)](
-        q, k, v, cos.contiguous(), sin.contiguous(), q_out, k_cache, v_cache, slots,
+        q, k, v, cos.contiguous(), sin.contiguous(), q_out, k_cache, v_cache, slots, q_weight, k_weight,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        k_cache.stride(0), k_cache.stride(1), nq, D=d, ROT=cos.shape[-1], BD=triton.next_power_of_2(d),
-        BF16=q.dtype == torch.bfloat16, enable_fp_fusion=False, **pdl_options(q),
+        k_cache.stride(0), k_cache.stride(1), nq, eps, D=d, ROT=cos.shape[-1], BD=triton.next_power_of_2(d),
+        BF16=q.dtype == torch.bfloat16, NORM=norms is not None, num_warps=warps, enable_fp_fusion=False,
+        **pdl_options(q),
     )  # fmt: skip
     return q_out

@@ -8,7 +8,7 @@ from torch import nn
 
 from flashtree import kernels
 from flashtree.kernels.attention import tree_attention
-from flashtree.models.layers import Linear, MergedLinear, rms_norm, sigmoid_gate
+from flashtree.models.layers import Linear, MergedLinear, sigmoid_gate
 from flashtree.models.pass_ import ForwardPass
 from flashtree.models.state import KVCache
 
@@ -48,11 +48,9 @@ class Attention(nn.Module):
         q = q.reshape(t, self.n_heads, hd)
         k = k.view(t, self.n_kv_heads, hd)
         v = v.view(t, self.n_kv_heads, hd)
-        if self.q_norm is not None:
-            q = rms_norm(q, self.q_norm, self.eps)
-            k = rms_norm(k, self.k_norm, self.eps)
+        norms = None if self.q_norm is None else (self.q_norm, self.k_norm, self.eps)  # in RoPE's launch
         cos, sin = fp.rope()
-        q = kv.write_rotated(fp.slots, q, k, v, cos, sin)
+        q = kv.write_rotated(fp.slots, q, k, v, cos, sin, norms)
         decode = t == 1 or not fp.commit  # an AR step or a verify (any size); prefill is the rest
         if kernels.triton_kernels_for(q) and decode and not torch.is_grad_enabled():
             # every row computed as the AR step computes it (see kernels/attention.py)

@@ -166,35 +166,42 @@ class DraftLayer(nn.Module):
             cfg.rms_eps,
         )
 
-    def normed_kv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K (normed, not rotated) and V of inputs x (T, H): (T, n_kv, hd) each. Same weights for the
-        fused target context and the block tokens."""
+    @property
+    def qk_norms(self) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """(q's norm weight, k's, eps): what KVCache.write_rotated norms q and k by, in RoPE's launch."""
+        return self.q_norm, self.k_norm, self.eps
+
+    def raw_kv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K (not normed) and V of inputs x (T, H): (T, n_kv, hd) each. Same weights for the fused target
+        context and the block tokens."""
         t = x.shape[0]
         k, v = (y.view(t, self.n_kv_heads, self.head_dim) for y in self.kv(x))
-        return rms_norm(k, self.k_norm, self.eps), v
+        return k, v
 
     def keys_values(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """K (normed, rotated) and V of inputs x (T, H): (T, n_kv, hd) each."""
-        k, v = self.normed_kv(x)
-        return apply_rotary(k, cos, sin), v
+        k, v = self.raw_kv(x)
+        return apply_rotary(rms_norm(k, self.k_norm, self.eps), cos, sin), v
 
     def forward(self, x, cos, sin, ring: RingRead, ctx_mask):
         """x: (B, H) block; ring: the layer's context K/V and where the block's go; ctx_mask: (B, read)
         bool or None, its rows all alike unless the layer has a sliding window (as `propose` builds it)."""
         b = x.shape[0]
         xn = self.attn_norm(x)
-        q = rms_norm(self.q(xn).view(b, self.n_heads, self.head_dim), self.q_norm, self.eps)
-        k, v = self.normed_kv(xn)
+        q = self.q(xn).view(b, self.n_heads, self.head_dim)
+        k, v = self.raw_kv(xn)
         scale = self.head_dim**-0.5
         if ctx_mask is not None and kernels.triton_kernels_for(q) and not q.requires_grad:
             # our kernel, not SDPA's (slow in fp32; with a window, after two copies of the context); the
-            # block's rotated K/V go to the ring in the rotary's launch, not into a copy of the context
+            # block's normed, rotated K/V go to the ring in the rotary's launch, not into a copy of the
+            # context
             from flashtree.kernels.attention import block_attention
 
-            q = ring.cache.write_rotated(ring.block_slots[:b], q, k, v, cos, sin)
+            q = ring.cache.write_rotated(ring.block_slots[:b], q, k, v, cos, sin, self.qk_norms)
             out = block_attention(q, ring.cache.k, ring.cache.v, ctx_mask, scale, ring.block_at)
             out = out.reshape(b, -1)
         else:
+            q, k = rms_norm(q, self.q_norm, self.eps), rms_norm(k, self.k_norm, self.eps)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
             keys = torch.cat([ring.cache.k[:, : ring.read], k.transpose(0, 1)], dim=1)  # (n_kv, read + B, hd)
             values = torch.cat([ring.cache.v[:, : ring.read], v.transpose(0, 1)], dim=1)
@@ -296,8 +303,8 @@ class DFlashDraft(nn.Module):
         fused = self.hidden_norm(self.fc(features.to(self.dtype)))  # (T, H)
         cos, sin = self.rotary.cos_sin(positions, self.dtype)
         slots = positions % ctx.slot_pos.shape[0]
-        for i, layer in enumerate(self.layers):  # K rotated and K/V stored: one launch on the GPU
-            ctx.layer(i).write_rotated(slots, None, *layer.normed_kv(fused), cos, sin)
+        for i, layer in enumerate(self.layers):  # K normed and rotated, K/V stored: one launch on the GPU
+            ctx.layer(i).write_rotated(slots, None, *layer.raw_kv(fused), cos, sin, layer.qk_norms)
         ctx.slot_pos.index_copy_(0, slots, positions)
         ctx.position += t_all if n is None else n
 

@@ -19,7 +19,7 @@ import torch
 
 from flashtree.errors import FlashtreeError
 from flashtree.models.deltanet import replay_accepted
-from flashtree.models.layers import apply_rotary, rotary_kernel_fits
+from flashtree.models.layers import apply_rotary, rms_norm, rotary_kernel_fits
 
 
 class CommitPlan(NamedTuple):
@@ -45,16 +45,21 @@ class KVCache:
         self.v.index_copy_(1, slots, v.transpose(0, 1))
 
     def write_rotated(
-        self, slots: torch.Tensor, q: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor, cos, sin
-    ) -> torch.Tensor | None:
+        self, slots: torch.Tensor, q: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor, cos, sin,
+        norms: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+    ) -> torch.Tensor | None:  # fmt: skip
         """RoPE on q (T, heads, hd) and k, then k and v written at slots; returns the rotated q (None
-        without q). On the GPU one Triton launch (kernels/rotary.py) computes the same bits as the torch
-        path's four."""
+        without q). norms (q's weight, k's, eps): q and k RMSNorm-ed per head before. On the GPU one
+        Triton launch (kernels/rotary.py) computes the same bits as the torch path's four (six)."""
         fits = (q is None or rotary_kernel_fits(q, cos)) and rotary_kernel_fits(k, cos) and v.stride(-1) == 1
         if fits and k.dtype == self.k.dtype and v.dtype == self.v.dtype:
             from flashtree.kernels.rotary import rotary_store
 
-            return rotary_store(q, k, v, cos, sin, self.k, self.v, slots)
+            return rotary_store(q, k, v, cos, sin, self.k, self.v, slots, norms)
+        if norms is not None:
+            q_weight, k_weight, eps = norms
+            q = None if q is None else rms_norm(q, q_weight, eps)
+            k = rms_norm(k, k_weight, eps)
         self.write(slots, apply_rotary(k, cos, sin), v)
         return None if q is None else apply_rotary(q, cos, sin)
 
