@@ -26,6 +26,10 @@ from flashtree.convert.synth import synth_model
 from flashtree.models.block import BlockLayout
 from flashtree.models.loader import load_target
 
+# Allocations without contents: the Triton kernels write their outputs into such buffers, which the probe
+# sees only as the module outputs that follow (the kernels are not torch functions).
+UNINITIALIZED = {"empty", "empty_like", "new_empty", "empty_strided"}
+
 
 class Recorder(TorchFunctionMode):
     """Every tensor output whose first dim is the pass's token count, keyed by (module, op, k-th call
@@ -74,8 +78,11 @@ class Recorder(TorchFunctionMode):
         out = func(*args, **(kwargs or {}))
         if self.busy:
             return out
+        name = getattr(func, "__name__", str(func))
+        if name in UNINITIALIZED:  # a kernel's output buffer: its bits at creation are whatever was there
+            return out
         scope = self.stack[-1].split("#")[0]
-        self._keep((scope, getattr(func, "__name__", str(func))), out)
+        self._keep((scope, name), out)
         return out
 
     def close(self) -> None:
