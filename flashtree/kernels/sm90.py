@@ -93,7 +93,7 @@ def recording() -> Iterator[list[dict]]:
 
 # Compiles each record (JSON on stdin) with the switches in argv[1] on; reports what its PTX does before
 # and after griddepcontrol.wait, or why it did not compile; with argv[2] == "registers", ptxas -v's
-# registers and spill bytes too.
+# registers and spill bytes too; with "sass", how many SASS instructions of each opcode it holds.
 _COMPILE = """
 import importlib, inspect, json, pathlib, re, subprocess, sys, tempfile, traceback
 import triton
@@ -116,6 +116,17 @@ def ptxas_facts(ptx):
     return {"registers": int(regs.group(1)) if regs else None,
             "spill_bytes": int(spills.group(1)) if spills else None}
 
+def sass_opcodes(cubin):  # instructions per opcode (its first word: FFMA, FMUL, ...), by Triton's nvdisasm
+    with tempfile.TemporaryDirectory() as tmp:
+        path = pathlib.Path(tmp) / "k.cubin"
+        path.write_bytes(cubin)
+        nvdisasm = pathlib.Path(triton.__file__).parent / "backends/nvidia/bin/nvdisasm"
+        sass = subprocess.run([str(nvdisasm), "-c", str(path)], capture_output=True, text=True).stdout
+    counts = {}
+    for op in re.findall(r"^\\s+/\\*[0-9a-f]+\\*/\\s+(?:@!?U?P\\w+\\s+)?([A-Z][A-Z0-9_]*)", sass, re.M):
+        counts[op] = counts.get(op, 0) + 1
+    return counts
+
 report = []
 for rec in json.load(sys.stdin):
     fn = getattr(importlib.import_module(rec["module"]), rec["name"])
@@ -125,7 +136,8 @@ for rec in json.load(sys.stdin):
     try:
         attrs = {(names.index(k),): [["tt.divisibility", 16]] for k in rec["aligned"]}
         src = ASTSource(fn, sig, {(names.index(k),): v for k, v in const.items()}, attrs)
-        ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=rec["options"]).asm["ptx"]
+        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=rec["options"])
+        ptx = kernel.asm["ptx"]
     except Exception:
         report.append({"name": rec["name"], "failure": traceback.format_exc(limit=3)[-1500:]})
         continue
@@ -135,17 +147,20 @@ for rec in json.load(sys.stdin):
     }
     if sys.argv[2] == "registers":
         facts |= ptxas_facts(ptx)
+    if sys.argv[2] == "sass":
+        facts["opcodes"] = sass_opcodes(kernel.asm["cubin"])
     report.append(facts)
 print(json.dumps(report))
 """
 
 
-def compile_for_sm90(records: list[dict], registers: bool = False) -> list[dict]:
+def compile_for_sm90(records: list[dict], registers: bool = False, sass: bool = False) -> list[dict]:
     """Each record compiled for sm_90 with GDC and ASM on: its PTX facts (and ptxas's registers and spill
-    bytes), or its failure, in the records' order."""
+    bytes; or, with `sass`, its SASS instructions per opcode), or its failure, in the records' order."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    mode = "sass" if sass else "registers" if registers else "-"
     done = subprocess.run(
-        [sys.executable, "-c", _COMPILE, json.dumps(GPU_SWITCHES), "registers" if registers else "-"],
+        [sys.executable, "-c", _COMPILE, json.dumps(GPU_SWITCHES), mode],
         input=json.dumps(records), env=env, capture_output=True, text=True,
     )  # fmt: skip
     if done.returncode != 0:
