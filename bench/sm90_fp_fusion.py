@@ -108,7 +108,7 @@ def main(out: Path) -> int:
             if facts["failure"]:
                 print(f"{name}: did not compile\n{facts['failure']}")
                 return 1
-            ops = facts["opcodes"]
+            ops = facts["opcodes"]["kernel"]
             row = {"variant": name, "fp_fusion": fusion, "instructions": sum(ops.values())}
             rows.append(row | {op: ops.get(op, 0) for op in OPCODES})
     print(f"{'variant':<46} {'fusion':>6} {'instructions':>12} " + " ".join(f"{op:>5}" for op in OPCODES))

@@ -116,16 +116,35 @@ def ptxas_facts(ptx):
     return {"registers": int(regs.group(1)) if regs else None,
             "spill_bytes": int(spills.group(1)) if spills else None}
 
-def sass_opcodes(cubin):  # instructions per opcode (its first word: FFMA, FMUL, ...), by Triton's nvdisasm
+def sass_opcodes(cubin):
+    # instructions per opcode (its first word; PRMT also by its selector) in the whole kernel and in its
+    # longest loop (a label and the last branch back to it), by Triton's nvdisasm
     with tempfile.TemporaryDirectory() as tmp:
         path = pathlib.Path(tmp) / "k.cubin"
         path.write_bytes(cubin)
         nvdisasm = pathlib.Path(triton.__file__).parent / "backends/nvidia/bin/nvdisasm"
         sass = subprocess.run([str(nvdisasm), "-c", str(path)], capture_output=True, text=True).stdout
-    counts = {}
-    for op in re.findall(r"^\\s+/\\*[0-9a-f]+\\*/\\s+(?:@!?U?P\\w+\\s+)?([A-Z][A-Z0-9_]*)", sass, re.M):
-        counts[op] = counts.get(op, 0) + 1
-    return counts
+    ops, labels, loop = [], {}, (0, 0)
+    for line in sass.splitlines():
+        label = re.match(r"^(\\.L_x_\\d+):", line)
+        if label:
+            labels[label.group(1)] = len(ops)
+        found = re.match(r"^\\s+/\\*[0-9a-f]+\\*/\\s+(?:@!?U?P\\w+\\s+)?([A-Z][A-Z0-9_]*)\\S*\\s*(.*)", line)
+        if not found:
+            continue
+        op, rest = found.group(1), found.group(2)
+        if op == "PRMT":
+            op += " " + rest.split(",")[2].strip()
+        ops.append(op)
+        back = re.search(r"BRA `\\((\\.L_x_\\d+)\\)", line)
+        if back and back.group(1) in labels and len(ops) - labels[back.group(1)] > loop[1] - loop[0]:
+            loop = (labels[back.group(1)], len(ops))
+    def count(part):
+        counts = {}
+        for op in part:
+            counts[op] = counts.get(op, 0) + 1
+        return counts
+    return {"kernel": count(ops), "loop": count(ops[loop[0] : loop[1]])}
 
 report = []
 for rec in json.load(sys.stdin):
