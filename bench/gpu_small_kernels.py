@@ -235,8 +235,7 @@ def check_tree_deltanet(tile: tuple[int, int] | None = None) -> dict:
     inputs = delta_rule_inputs(conv_out, alpha, beta, dt_bias, ssm_a, nk, kd, vd)
     ref_o, ref_states = recurrent_delta_rule(*inputs, s0, PARENTS)
     err = max((o - ref_o).abs().max().item(), (states - ref_states).abs().max().item())
-    same, root = {}, torch.tensor([-1], dtype=torch.int32, device=DEVICE)
-    same["alone"] = True
+    same, root = {"alone": True}, torch.tensor([-1], dtype=torch.int32, device=DEVICE)
     for i, p in enumerate(PARENTS):  # each node alone, from its parent's state as the kernel left it
         step = slice(i, i + 1)
         start = s0 if p < 0 else states[p]

@@ -52,11 +52,14 @@ def record_variants() -> list[tuple[str, dict]]:
     alpha, beta = torch.randn(2, t, NV, generator=gen)
     dt_bias, ssm_a = torch.randn(NV, generator=gen), -torch.rand(NV, generator=gen)
     s0 = torch.randn(NV, KD, VD, generator=gen)
-    state, gates = s0.clone(), torch.empty(t, 2, NV)
+    state, gates = s0.clone(), torch.zeros(t, 2, NV)  # the replay compiles the same for any gates
     replayed = torch.stack([s0, s0]).contiguous()
     conv_state, weight = torch.randn(3, 64, generator=gen), torch.randn(64, 4, generator=gen)
     new, conv_now = torch.randn(t, 64, generator=gen), conv_state.clone()
     q, k, v = torch.randn(t, N_HEADS, HD).bfloat16(), *torch.randn(2, N_KV, 64, HD).bfloat16()
+    keep = layout.restart_points().to(torch.int8)
+    two_layers = torch.stack([conv_out, conv_out]), torch.stack([gates, gates])
+    path, count = parents[:2] + 1, torch.tensor([2], dtype=torch.int32)
 
     def attention(rows: int):
         sub = BlockLayout.from_parents(parents[:rows].long())
@@ -68,25 +71,9 @@ def record_variants() -> list[tuple[str, dict]]:
             conv_out[:1], alpha[:1], beta[:1], dt_bias, ssm_a, state, parents[:1], NK, states=state[None]
         ),
         "tree DeltaNet, verify (gates, restart states)": lambda: tree_gated_delta_rule(
-            conv_out,
-            alpha,
-            beta,
-            dt_bias,
-            ssm_a,
-            s0,
-            parents,
-            NK,
-            gates=gates,
-            keep=layout.restart_points().to(torch.int8),
-        ),  # fmt: skip
-        "tree DeltaNet, commit replay": lambda: replay_path(
-            torch.stack([conv_out, conv_out]),
-            torch.stack([gates, gates]),
-            parents[:2] + 1,
-            torch.tensor([2], dtype=torch.int32),
-            replayed,
-            NK,
-        ),  # fmt: skip
+            conv_out, alpha, beta, dt_bias, ssm_a, s0, parents, NK, gates=gates, keep=keep
+        ),
+        "tree DeltaNet, commit replay": lambda: replay_path(*two_layers, path, count, replayed, NK),
         "tree conv, AR step": lambda: tree_conv_silu(
             conv_now, new[:1], torch.tensor([[0, 1, 2, 3]]), weight, windows=conv_now[None]
         ),
@@ -104,7 +91,7 @@ def main(out: Path) -> int:
     variants = record_variants()
     for fusion in (True, False):
         records = [r | {"options": r["options"] | {"enable_fp_fusion": fusion}} for _, r in variants]
-        for (name, _), facts in zip(variants, compile_for_sm90(records, sass=True), strict=True):
+        for (name, _), facts in zip(variants, compile_for_sm90(records, also="sass"), strict=True):
             if facts["failure"]:
                 print(f"{name}: did not compile\n{facts['failure']}")
                 return 1

@@ -46,7 +46,7 @@ def records() -> list[dict]:
 def main(out: Path) -> int:
     rows = []
     recs = records()
-    for record, facts in zip(recs, compile_for_sm90(recs, sass=True), strict=True):
+    for record, facts in zip(recs, compile_for_sm90(recs, also="sass"), strict=True):
         if facts["failure"]:
             print(f"{record['name']}: did not compile\n{facts['failure']}")
             return 1

@@ -59,7 +59,7 @@ def main(out: Path) -> None:
     rows = []
     for tile in TILES:
         records = records_for(tile)
-        for record, facts in zip(records, compile_for_sm90(records, registers=True), strict=True):
+        for record, facts in zip(records, compile_for_sm90(records, also="registers"), strict=True):
             c = record["constexprs"]
             row = {
                 "kernel": record["name"], "type": QT(c["QTYPE"]).name,

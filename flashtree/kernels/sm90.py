@@ -95,7 +95,7 @@ def recording() -> Iterator[list[dict]]:
 # and after griddepcontrol.wait, or why it did not compile; with argv[2] == "registers", ptxas -v's
 # registers and spill bytes too; with "sass", how many SASS instructions of each opcode it holds.
 _COMPILE = """
-import importlib, inspect, json, pathlib, re, subprocess, sys, tempfile, traceback
+import collections, importlib, inspect, json, pathlib, re, subprocess, sys, tempfile, traceback
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -139,12 +139,7 @@ def sass_opcodes(cubin):
         back = re.search(r"BRA `\\((\\.L_x_\\d+)\\)", line)
         if back and back.group(1) in labels and len(ops) - labels[back.group(1)] > loop[1] - loop[0]:
             loop = (labels[back.group(1)], len(ops))
-    def count(part):
-        counts = {}
-        for op in part:
-            counts[op] = counts.get(op, 0) + 1
-        return counts
-    return {"kernel": count(ops), "loop": count(ops[loop[0] : loop[1]])}
+    return {"kernel": collections.Counter(ops), "loop": collections.Counter(ops[loop[0] : loop[1]])}
 
 report = []
 for rec in json.load(sys.stdin):
@@ -173,13 +168,13 @@ print(json.dumps(report))
 """
 
 
-def compile_for_sm90(records: list[dict], registers: bool = False, sass: bool = False) -> list[dict]:
-    """Each record compiled for sm_90 with GDC and ASM on: its PTX facts (and ptxas's registers and spill
-    bytes; or, with `sass`, its SASS instructions per opcode), or its failure, in the records' order."""
+def compile_for_sm90(records: list[dict], also: str = "-") -> list[dict]:
+    """Each record compiled for sm_90 with GDC and ASM on: its PTX facts, or its failure, in the records'
+    order; also="registers": ptxas's registers and spill bytes too; also="sass": its SASS instructions
+    per opcode, in the whole kernel and in its longest loop."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    mode = "sass" if sass else "registers" if registers else "-"
     done = subprocess.run(
-        [sys.executable, "-c", _COMPILE, json.dumps(GPU_SWITCHES), mode],
+        [sys.executable, "-c", _COMPILE, json.dumps(GPU_SWITCHES), also],
         input=json.dumps(records), env=env, capture_output=True, text=True,
     )  # fmt: skip
     if done.returncode != 0:
