@@ -21,6 +21,8 @@ Query heads of one KV head (GQA) share a program: (G padded to 16, head_dim) x (
 A program takes the rows whose query heads fill the tile one row pads to (`row_group`): they read each
 committed K/V tile once. Without that every row of a verify read its KV head's whole cache again: at 32K
 cached tokens on the 27B, 30 of the verify 23's 48 ms (bench/results/h100-replay-2026-12-05).
+Compiled without fp fusion: the AR step (one row a program) and the verify (the rows of a group) are two
+variants of the kernel, and whether a multiply and an add become one fma depends on the code around them.
 """
 
 from __future__ import annotations
@@ -297,7 +299,7 @@ def tree_attention(
         0 if key_ok is None else key_ok.stride(0), scale,
         G=group, R=rows, QB=queries, HD=hd, BD=bd, SPLIT_N=split, BLOCK=tile_positions(hd),
         F32=q.dtype == torch.float32, KEY_MASK=key_ok is not None, num_warps=8 if bd >= 256 else 4,
-        **pdl_options(q),
+        enable_fp_fusion=False, **pdl_options(q),
     )  # fmt: skip
     return out
 

@@ -3,6 +3,7 @@
 One program per (token, channel tile) sums the kernel's taps in a fixed order in fp32, so a token's
 output does not depend on how many tokens share the launch (the AR step and the verify rows compute
 it the same way, see deltanet.l2_normalize), in one kernel where torch needs one per tap and op.
+Compiled without fp fusion, so that its variants (with and without WINDOWS) round each tap alike.
 The torch reference is `GatedDeltaNet.causal_conv`'s CPU path; tests compare the two under
 TRITON_INTERPRET=1.
 """
@@ -77,6 +78,6 @@ def tree_conv_silu(
     _tree_conv_silu_kernel[(t, triton.cdiv(c, bc))](
         state.contiguous(), new, index.contiguous(), weight.contiguous(), out,
         out if windows is None else windows, c, new.stride(0), KERNEL=kernel, BC=bc,
-        WINDOWS=windows is not None, **pdl_options(out),
+        WINDOWS=windows is not None, enable_fp_fusion=False, **pdl_options(out),
     )  # fmt: skip
     return out

@@ -18,6 +18,12 @@ rebuilt at commit by walking the accepted path again from the committed state, e
 launch, with the same per-token code (`_token_update`) on the same inputs: the conv output rows (kept by
 the conv) and each token's decay and beta (kept by the verify launch). So it equals the verify's node state
 bit for bit, and a 27B verify of 23 nodes keeps 186 MB pending instead of 3.5 GB of states.
+
+Both kernels compile without fp fusion: the same source line must round the same way in every variant
+(AR in place, verify with gates and restart states, replay), and whether the compiler contracts a
+multiply and an add into one fma depends on the code around it (the likely reason why a GPU check of one
+tile, (32, 1), lost the replay's bits when an unrelated argument was added:
+bench/results/h100-branches-2026-12-05).
 """
 
 from __future__ import annotations
@@ -223,8 +229,7 @@ def tree_gated_delta_rule(
         ssm_a.float().contiguous(), parents.to(torch.int32), state.contiguous(), out, states,
         out if gates is None else gates, out if keep is None else keep, t, eps, 1.0 / kd, kd**-0.5, H=h,
         NK=n_k_heads, K=kd, V=vd, BK=triton.next_power_of_2(kd), BV=bv, KEEP_GATES=gates is not None,
-        SOME_STATES=keep is not None, num_warps=warps,
-        **pdl_options(out),
+        SOME_STATES=keep is not None, num_warps=warps, enable_fp_fusion=False, **pdl_options(out),
     )  # fmt: skip
     return out, states
 
@@ -248,5 +253,5 @@ def replay_path(
     bv = min(block_v, triton.next_power_of_2(vd))
     _replay_path_kernel[(h, triton.cdiv(vd, bv), layers)](
         conv_out, gates, path, n, state, conv_out.shape[1], eps, kd**-0.5, H=h, NK=n_k_heads, K=kd, V=vd,
-        BK=triton.next_power_of_2(kd), BV=bv, num_warps=warps, **pdl_options(state),
+        BK=triton.next_power_of_2(kd), BV=bv, num_warps=warps, enable_fp_fusion=False, **pdl_options(state),
     )  # fmt: skip
