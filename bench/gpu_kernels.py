@@ -12,7 +12,9 @@
    its integer emulation (qmatmul.EMULATE_PTX) at M = 1, 23 and in the dequantizer.
 2. sweep: a few tiles per bucket on the 27B shapes, then the K-split target (qmatmul.SPLIT_TARGET); the
    fastest tiles are kept (and written as FLASHTREE_QMM_TILES JSON to --tiles-out).
-3. shapes: every 27B layer shape at M in {1, 16, 23, 32, 64} next to dense bf16 cuBLAS, as achieved
+3. types: per GGUF type of the 27B shapes and per bucket, tiles timed on that type's matrices alone; a
+   type's winner is kept as its own tile ("b32:Q6_K") where it beats the bucket's by 2 %.
+4. shapes: every 27B layer shape at M in {1, 16, 23, 32, 64} next to dense bf16 cuBLAS, as achieved
    bandwidth against the copy ceiling measured in the same run.
 Timings replay a CUDA graph of back-to-back calls that cycle over enough weight copies to leave L2.
 Run from the repository root with it on PYTHONPATH; needs torch, triton, numpy and gguf.
@@ -95,6 +97,13 @@ UNIFORM_BF16 = [
     TileConfig(*c) for c in ((64, 2, 1, 1, 0), (64, 2, 2, 1, 0), (128, 2, 2, 1, 0), (32, 1, 2, 1, 0))
 ]
 UNIFORM_M = (1, 16, 23, 32, 64)
+# Tiles tried per type in each bf16 bucket: Q6_K's matrices ran at 0.33 of copy bandwidth at 23 rows with
+# the b32 tile (128 x 4 x 2), where Q4_K's ran at 0.41 and Q6_K's own at 16 rows (64 x 4 x 1) at 0.45
+# (bench/results/h100-q6k-tiles-2026-12-05).
+TYPE_SWEEP_BF16 = [TileConfig(*c) for c in (
+    (64, 4, 1, 1, 0), (64, 4, 2, 1, 0), (128, 4, 1, 1, 0), (128, 4, 2, 1, 0), (64, 8, 2, 1, 0),
+    (128, 8, 2, 1, 0), (256, 8, 2, 1, 0))]  # fmt: skip
+TYPE_GAIN = 0.98  # a type's own tile is kept if it takes at most this fraction of the bucket tile's time
 SPLIT_TARGETS = (1 << 15, 1 << 16, 1 << 17, 1 << 18)  # runtime only: no compiles
 L2_BYTES = 60 << 20
 DEVICE = torch.device("cuda")
@@ -311,6 +320,38 @@ def sweep_uniform_bf16(total_us) -> list[dict]:
     return table
 
 
+def sweep_types() -> dict:
+    """Per type of SHAPES_27B and per bucket: each candidate tile on that type's matrices alone (every
+    shape of the type, at the bucket's M), against the bucket's tile; a clear winner becomes the type's
+    own tile in qmatmul.TILES ("BUCKET:TYPE")."""
+    buckets = SWEEP_BF16 if qmatmul.ARITHMETIC == "bf16" else SWEEP
+    table, chosen = [], {}
+    for qtype in sorted({qt for _, qt, _, _ in SHAPES_27B}):
+        shapes = [(r, c) for _, qt, r, c in SHAPES_27B if qt == qtype]
+        copies = {shape: weight_copies(qtype, *shape) for shape in shapes}
+        for key, (ms, candidates) in buckets.items():
+            own, bucket_tile = f"{key}:{qtype.name}", qmatmul.TILES[key]
+            tiles = TYPE_SWEEP_BF16 if qmatmul.ARITHMETIC == "bf16" else candidates
+            timed = {}
+            for tile in [bucket_tile, *(t for t in tiles if t != bucket_tile)]:
+                qmatmul.TILES[own] = tile
+                try:
+                    timed[tile] = sum(quant_time_us(copies[s], qtype, *s, m) for s in shapes for m in ms)
+                except Exception as e:  # noqa: BLE001 - a config that does not compile is skipped
+                    print(f"types {own} {astuple(tile)} failed: {type(e).__name__}: {str(e)[:200]}")
+                    continue
+                table.append({"key": own, "tile": list(astuple(tile)), "m": list(ms), "us": timed[tile]})
+                print(f"types {own:10} {astuple(tile)} M={ms}: {timed[tile]:9.1f} us", flush=True)
+            del qmatmul.TILES[own]
+            best = min(timed, key=timed.get)
+            if best != bucket_tile and timed[best] <= TYPE_GAIN * timed[bucket_tile]:
+                qmatmul.TILES[own] = chosen[own] = best
+                print(f"types {own}: own tile {astuple(best)} ({timed[best]:.1f} us, the bucket's tile "
+                      f"{timed[bucket_tile]:.1f})", flush=True)  # fmt: skip
+        del copies
+    return {"tiles": table, "chosen": {k: list(astuple(t)) for k, t in chosen.items()}}
+
+
 def _tiles() -> dict:
     return {k: list(astuple(t)) for k, t in qmatmul.TILES.items()}
 
@@ -388,6 +429,7 @@ def main() -> None:
     stages = {
         "checks": lambda: check_all(args.types.split(",")),
         "sweep": sweep,
+        "types": sweep_types,
         "shapes": lambda: time_shapes(ceilings.copy_gb_s),
     }
     for name in args.stages.split(","):
@@ -401,7 +443,7 @@ def main() -> None:
         print(f"--- stage {name}: {result[f'{name}_s']:.0f} s", flush=True)
         result["tiles"], result["split_target"] = _tiles(), qmatmul.SPLIT_TARGET
         (args.out / f"{args.name}.json").write_text(json.dumps(result, indent=2) + "\n")
-        if name == "sweep" and args.tiles_out:  # the next run may start before the shapes are timed
+        if name in ("sweep", "types") and args.tiles_out:  # a next run may start before the shapes are timed
             args.tiles_out.write_text(json.dumps(result["tiles"]))
     print(f"tiles {result['tiles']}  SPLIT_TARGET {qmatmul.SPLIT_TARGET}  total {time.time() - t0:.0f} s")
 

@@ -347,9 +347,32 @@ def test_tiles_from_env(monkeypatch):
     monkeypatch.setenv("FLASHTREE_QMM_TILES", '{"m1": [128, 4, 1, 2]}')
     tiles = qmatmul.tiles_from_env()
     assert tiles["m1"] == qmatmul.TileConfig(128, 4, 1, 2) and tiles["m16"] == qmatmul.DEFAULT_TILES["m16"]
-    monkeypatch.setenv("FLASHTREE_QMM_TILES", '{"gemv": [8, 2, 2]}')
-    with pytest.raises(FlashtreeError, match="unknown keys"):
-        qmatmul.tiles_from_env()
+    monkeypatch.setenv("FLASHTREE_QMM_TILES", '{"b32:Q6_K": [64, 4, 1, 1, 0]}')
+    tiles = qmatmul.tiles_from_env()
+    assert tiles["b32:Q6_K"] == qmatmul.TileConfig(64, 4, 1, 1, 0)
+    assert tiles["b32"] == qmatmul.DEFAULT_TILES["b32"]
+    for bad in ('{"gemv": [8, 2, 2]}', '{"b32:Q9_K": [64, 4, 1]}', '{"b48:Q6_K": [64, 4, 1]}'):
+        monkeypatch.setenv("FLASHTREE_QMM_TILES", bad)
+        with pytest.raises(FlashtreeError, match="unknown keys"):
+            qmatmul.tiles_from_env()
+
+
+def test_a_type_may_have_its_own_tile_in_a_bucket(monkeypatch):
+    """A "BUCKET:TYPE" tile is launched for that type's products in that bucket only; the values are the
+    bucket tile's, bit for bit, and rows stay batch-invariant across buckets."""
+    rows, cols = 37, 512
+    raw, _ = case(QT.Q6_K, rows, cols)
+    fields = repack(raw, QT.Q6_K, cols)
+    x = torch.randn(23, cols, generator=torch.Generator().manual_seed(5))
+    before = quant_matmul(x, fields, QT.Q6_K, rows, cols, "bf16")
+    own = qmatmul.TileConfig(16, 4, 1, 1, 0)
+    monkeypatch.setitem(qmatmul.TILES, "b32:Q6_K", own)
+    assert qmatmul.tile_for(23, "bf16", QT.Q6_K) == own
+    assert qmatmul.tile_for(23, "bf16", QT.Q4_K) == qmatmul.TILES["b32"]
+    assert qmatmul.tile_for(16, "bf16", QT.Q6_K) == qmatmul.TILES["b16"]
+    after = quant_matmul(x, fields, QT.Q6_K, rows, cols, "bf16")
+    assert torch.equal(after, before)
+    assert torch.equal(quant_matmul(x[7:8], fields, QT.Q6_K, rows, cols, "bf16")[0], after[7])
 
 
 def test_loader_switch_builds_quant_linears_with_the_same_logits(tmp_path):

@@ -830,8 +830,8 @@ DEFAULT_TILES = {
 
 def tiles_from_env() -> dict[str, TileConfig]:
     """DEFAULT_TILES, with overrides from FLASHTREE_QMM_TILES (JSON {"m1": [rows, warps, stages, unroll
-    (, fused_sum)],
-    ...}), the way a tuning sweep hands its choice to a benchmark run."""
+    (, fused_sum)], ...}), the way a tuning sweep hands its choice to a benchmark run. A key may name one
+    GGUF type's tile in a bucket ("b32:Q6_K"): that type's matrices take it instead of the bucket's."""
     text = os.environ.get("FLASHTREE_QMM_TILES")
     if not text:
         return dict(DEFAULT_TILES)
@@ -841,12 +841,18 @@ def tiles_from_env() -> dict[str, TileConfig]:
         raise FlashtreeError(
             f"FLASHTREE_QMM_TILES: expected JSON {{key: [rows, warps, stages, unroll(, fused_sum)]}} ({e})"
         ) from None
-    unknown = set(chosen) - set(DEFAULT_TILES)
+    unknown = [key for key in chosen if not _known_tile_key(key)]
     if unknown:
         raise FlashtreeError(
-            f"FLASHTREE_QMM_TILES: unknown keys {sorted(unknown)} (use {sorted(DEFAULT_TILES)})"
+            f"FLASHTREE_QMM_TILES: unknown keys {sorted(unknown)} (use {sorted(DEFAULT_TILES)}, or"
+            " BUCKET:TYPE, e.g. b32:Q6_K)"
         )
     return DEFAULT_TILES | chosen
+
+
+def _known_tile_key(key: str) -> bool:
+    bucket, _, type_ = key.partition(":")
+    return bucket in DEFAULT_TILES and (not type_ or type_ in QT.__members__)
 
 
 TILES = tiles_from_env()
@@ -882,6 +888,13 @@ def tile_key(m: int, arithmetic: str = "int8") -> str:
     if arithmetic == "bf16":
         return f"b{columns}"
     return "m1" if m == 1 else f"m{columns}"
+
+
+def tile_for(m: int, arithmetic: str, qtype: int) -> TileConfig:
+    """The tile of an M-row product on a `qtype` matrix: the type's own in the bucket if one is set
+    ("b32:Q6_K"), else the bucket's."""
+    key = tile_key(m, arithmetic)
+    return TILES.get(f"{key}:{type_name(qtype)}", TILES[key])
 
 
 def splits_from_env() -> dict[str, int]:
@@ -1011,7 +1024,7 @@ def quant_matmul(
     n_splits, per_split = k_splits(n_rows, n_blocks // lay.group, target)
     y = torch.empty(m, n_rows, dtype=x.dtype, device=x.device)
     parts = y if n_splits == 1 else torch.empty(n_splits, m, n_rows, dtype=torch.float32, device=x.device)
-    tile = TILES[tile_key(m, arithmetic)]
+    tile = tile_for(m, arithmetic, qtype)
     grid = (triton.cdiv(n_rows, tile.rows), n_splits)
     counters = tile_counters(x.device, grid[0])
     launch = _static_args(lay, x.device) | {"BN": tile.rows, "num_warps": tile.warps}
