@@ -1,4 +1,5 @@
-"""The decode/verify attention's longest split swept at the 27B's heads (kernels/attention.py MAX_SPLIT).
+"""The decode/verify attention's longest split and its inner tile swept at the 27B's heads
+(kernels/attention.py MAX_SPLIT, TILE_VALUES).
 
     python bench/gpu_attention.py OUT_DIR    -> OUT_DIR/attention.json; exit 1 when a value fails its check
 
@@ -10,9 +11,11 @@ how many programs share the GPU and how many partial outputs the combine adds (1
 holds for the AR step and every verify alike (the split size follows the cache only), so rows keep
 agreeing bit for bit whatever it is, but it changes the outputs' last bits, so each value is checked on
 its own: gpu_small_kernels.check_attention (verify rows = the AR step, bit for bit; SDPA within
-rounding). Times per call from CUDA graphs of 16 calls (the 27B's 16 attention layers), each on its own
-cache (16 layers at 32K: 4.3 GB, more than L2 holds), for the AR step (one row) and a 23-node tree (a
-16-token chain and 7 siblings), at 512, 8192 and 32768 cached tokens.
+rounding). The inner tile (TILE_VALUES / head_dim positions a step: 16 for the 27B's 256-dim heads) is
+swept with it: at 32K cached tokens the verify 23's attention (964 us a layer) is ~20 TFLOP/s of its dots,
+a serial walk of 16-position steps. Times per call from CUDA graphs of 16 calls (the 27B's 16 attention
+layers), each on its own cache (16 layers at 32K: 4.3 GB, more than L2 holds), for the AR step (one row)
+and a 23-node tree (a 16-token chain and 7 siblings), at 512, 8192 and 32768 cached tokens.
 """
 
 from __future__ import annotations
@@ -33,11 +36,11 @@ from flashtree.models.block import BlockLayout
 N_KV, N_HEADS, HD = 4, 24, 256  # the 27B's attention heads
 LAYERS = 16
 CONTEXTS = (512, 8192, 32768)
-MAX_SPLITS = (128, 256, 512, 1024)
+SETTINGS = ((512, 4096), (256, 4096), (512, 8192), (512, 16384), (256, 8192))  # (MAX_SPLIT, TILE_VALUES)
 
 
 def timings(context: int, paths: torch.Tensor, depths: torch.Tensor) -> dict:
-    """AR and verify 23 times per layer (us) at `context` cached tokens under the current MAX_SPLIT."""
+    """AR and verify 23 times per layer (us) at `context` cached tokens under the current settings."""
     slots = context + 1024  # an engine's cache past the context: its split size follows the slots
     gen = torch.Generator().manual_seed(context)
     caches = [
@@ -63,11 +66,12 @@ def main(out_dir: Path) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     layout = BlockLayout.from_parents(torch.tensor(TREE, device=DEVICE))
     paths, depths = layout.paths().to(torch.int32), layout.depths.to(torch.int32)
-    default, rows = attention.MAX_SPLIT, []
-    for value in MAX_SPLITS if DEVICE.type == "cuda" else (default,):
-        attention.MAX_SPLIT = value
+    default, rows = (attention.MAX_SPLIT, attention.TILE_VALUES), []
+    for max_split, tile_values in SETTINGS if DEVICE.type == "cuda" else (default,):
+        attention.MAX_SPLIT, attention.TILE_VALUES = max_split, tile_values
         checks = check_attention()
-        row = {"max_split": value, "ok": all(c["ok"] and c["rows_bitwise"] for c in checks), "checks": checks}
+        ok = all(c["ok"] and c["rows_bitwise"] for c in checks)
+        row = {"max_split": max_split, "tile_values": tile_values, "ok": ok, "checks": checks}
         if DEVICE.type == "cuda":
             row["times"] = [timings(context, paths, depths) for context in CONTEXTS]
         rows.append(row)
@@ -75,10 +79,10 @@ def main(out_dir: Path) -> int:
             f"{t['context']}: AR {t['ar_us']:6.1f} verify 23 {t['verify_23_us']:7.1f} us (split {t['split']})"
             for t in row.get("times", [])
         )
-        print(f"MAX_SPLIT {value:>5}: checks ok {row['ok']}  {times}", flush=True)
-    attention.MAX_SPLIT = default
+        print(f"MAX_SPLIT {max_split:>5} TILE_VALUES {tile_values:>5}: checks ok {ok}  {times}", flush=True)
+    attention.MAX_SPLIT, attention.TILE_VALUES = default
     result = {**provenance(), "device": str(DEVICE), "heads": [N_KV, N_HEADS, HD], "layers": LAYERS,
-              "default_max_split": default, "rows": rows}  # fmt: skip
+              "default": list(default), "rows": rows}  # fmt: skip
     (out_dir / "attention.json").write_text(json.dumps(result, indent=2) + "\n")
     failures = [r for r in rows if not r["ok"]]
     print("FAILURES" if failures else "all ok", len(failures))
