@@ -1,7 +1,7 @@
 """Quantized-matmul kernels on a real GPU: checks, a small tile sweep, the 27B layer shapes timed.
 
     python bench/gpu_kernels.py OUT_DIR [--stages checks,sweep,shapes] [--name kernels]
-                                [--types Q4_K,Q6_K,...] [--tiles-out FILE]
+                                [--types Q4_K,Q6_K,...] [--tiles-out FILE] [--own-tiles b32:Q6_K,...]
 
 1. checks: every type at M in {1, 5, 16, 23, 33, 64, 100} (dp4a; the m16, m32, m64 tensor-core buckets;
    dequantize + cuBLAS), with relative errors against
@@ -320,16 +320,20 @@ def sweep_uniform_bf16(total_us) -> list[dict]:
     return table
 
 
-def sweep_types() -> dict:
-    """Per type of SHAPES_27B and per bucket: each candidate tile on that type's matrices alone (every
-    shape of the type, at the bucket's M), against the bucket's tile; a clear winner becomes the type's
-    own tile in qmatmul.TILES ("BUCKET:TYPE")."""
+def sweep_types(keys: list[str] | None = None) -> dict:
+    """Per type of SHAPES_27B and per bucket (or the "BUCKET:TYPE" keys given): each candidate tile on
+    that type's matrices alone (every shape of the type, at the bucket's M), against the bucket's tile;
+    a clear winner becomes the type's own tile in qmatmul.TILES ("BUCKET:TYPE")."""
     buckets = SWEEP_BF16 if qmatmul.ARITHMETIC == "bf16" else SWEEP
     table, chosen = [], {}
     for qtype in sorted({qt for _, qt, _, _ in SHAPES_27B}):
+        wanted = [key for key in buckets if keys is None or f"{key}:{qtype.name}" in keys]
+        if not wanted:
+            continue
         shapes = [(r, c) for _, qt, r, c in SHAPES_27B if qt == qtype]
         copies = {shape: weight_copies(qtype, *shape) for shape in shapes}
-        for key, (ms, candidates) in buckets.items():
+        for key in wanted:
+            ms, candidates = buckets[key]
             own, bucket_tile = f"{key}:{qtype.name}", qmatmul.TILES[key]
             tiles = TYPE_SWEEP_BF16 if qmatmul.ARITHMETIC == "bf16" else candidates
             timed = {}
@@ -417,6 +421,7 @@ def main() -> None:
     parser.add_argument("--stages", default="checks,sweep,shapes")
     parser.add_argument("--name", default="kernels", help="results go to OUT_DIR/NAME.json")
     parser.add_argument("--types", default=",".join(t.name for t in CHECK_SHAPES), help="types to check")
+    parser.add_argument("--own-tiles", help="the types stage's BUCKET:TYPE keys (default: all)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     result = {"device": torch.cuda.get_device_name(DEVICE), "torch": torch.__version__}
@@ -429,7 +434,7 @@ def main() -> None:
     stages = {
         "checks": lambda: check_all(args.types.split(",")),
         "sweep": sweep,
-        "types": sweep_types,
+        "types": lambda: sweep_types(args.own_tiles.split(",") if args.own_tiles else None),
         "shapes": lambda: time_shapes(ceilings.copy_gb_s),
     }
     for name in args.stages.split(","):
