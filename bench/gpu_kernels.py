@@ -13,7 +13,7 @@
 2. sweep: a few tiles per bucket on the 27B shapes, then the K-split target (qmatmul.SPLIT_TARGET); the
    fastest tiles are kept (and written as FLASHTREE_QMM_TILES JSON to --tiles-out).
 3. types: per GGUF type of the 27B shapes and per bucket, tiles timed on that type's matrices alone; a
-   type's winner is kept as its own tile ("b32:Q6_K") where it beats the bucket's by 2 %.
+   type's winner becomes its own tile ("b32:Q6_K") where it beats the type's current tile by 2 %.
 4. shapes: every 27B layer shape at M in {1, 16, 23, 32, 64} next to dense bf16 cuBLAS, as achieved
    bandwidth against the copy ceiling measured in the same run.
 Timings replay a CUDA graph of back-to-back calls that cycle over enough weight copies to leave L2.
@@ -103,7 +103,7 @@ UNIFORM_M = (1, 16, 23, 32, 64)
 TYPE_SWEEP_BF16 = [TileConfig(*c) for c in (
     (64, 4, 1, 1, 0), (64, 4, 2, 1, 0), (128, 4, 1, 1, 0), (128, 4, 2, 1, 0), (64, 8, 2, 1, 0),
     (128, 8, 2, 1, 0), (256, 8, 2, 1, 0))]  # fmt: skip
-TYPE_GAIN = 0.98  # a type's own tile is kept if it takes at most this fraction of the bucket tile's time
+TYPE_GAIN = 0.98  # a type's new tile is taken if it takes at most this fraction of its current tile's time
 SPLIT_TARGETS = (1 << 15, 1 << 16, 1 << 17, 1 << 18)  # runtime only: no compiles
 L2_BYTES = 60 << 20
 DEVICE = torch.device("cuda")
@@ -322,8 +322,9 @@ def sweep_uniform_bf16(total_us) -> list[dict]:
 
 def sweep_types(keys: list[str] | None = None) -> dict:
     """Per type of SHAPES_27B and per bucket (or the "BUCKET:TYPE" keys given): each candidate tile on
-    that type's matrices alone (every shape of the type, at the bucket's M), against the bucket's tile;
-    a clear winner becomes the type's own tile in qmatmul.TILES ("BUCKET:TYPE")."""
+    that type's matrices alone (every shape of the type, at the bucket's M), against the type's current
+    tile (its own or the bucket's); a clear winner becomes the type's own tile in qmatmul.TILES
+    ("BUCKET:TYPE"), and a type whose tile is the bucket's has no key of its own."""
     buckets = SWEEP_BF16 if qmatmul.ARITHMETIC == "bf16" else SWEEP
     table, chosen = [], {}
     for qtype in sorted({qt for _, qt, _, _ in SHAPES_27B}):
@@ -334,10 +335,11 @@ def sweep_types(keys: list[str] | None = None) -> dict:
         copies = {shape: weight_copies(qtype, *shape) for shape in shapes}
         for key in wanted:
             ms, candidates = buckets[key]
-            own, bucket_tile = f"{key}:{qtype.name}", qmatmul.TILES[key]
+            own = f"{key}:{qtype.name}"
+            current = qmatmul.tile_for(ms[0], qmatmul.ARITHMETIC, qtype)  # its own tile if it has one
             tiles = TYPE_SWEEP_BF16 if qmatmul.ARITHMETIC == "bf16" else candidates
             timed = {}
-            for tile in [bucket_tile, *(t for t in tiles if t != bucket_tile)]:
+            for tile in [current, *(t for t in tiles if t != current)]:
                 qmatmul.TILES[own] = tile
                 try:
                     timed[tile] = sum(quant_time_us(copies[s], qtype, *s, m) for s in shapes for m in ms)
@@ -346,12 +348,14 @@ def sweep_types(keys: list[str] | None = None) -> dict:
                     continue
                 table.append({"key": own, "tile": list(astuple(tile)), "m": list(ms), "us": timed[tile]})
                 print(f"types {own:10} {astuple(tile)} M={ms}: {timed[tile]:9.1f} us", flush=True)
-            del qmatmul.TILES[own]
             best = min(timed, key=timed.get)
-            if best != bucket_tile and timed[best] <= TYPE_GAIN * timed[bucket_tile]:
-                qmatmul.TILES[own] = chosen[own] = best
-                print(f"types {own}: own tile {astuple(best)} ({timed[best]:.1f} us, the bucket's tile "
-                      f"{timed[bucket_tile]:.1f})", flush=True)  # fmt: skip
+            keep = best if timed[best] <= TYPE_GAIN * timed[current] else current
+            if keep == qmatmul.TILES[key]:
+                del qmatmul.TILES[own]
+            else:
+                qmatmul.TILES[own] = chosen[own] = keep
+            print(f"types {own}: {astuple(keep)} ({timed[keep]:.1f} us; the current tile "
+                  f"{timed[current]:.1f})", flush=True)  # fmt: skip
         del copies
     return {"tiles": table, "chosen": {k: list(astuple(t)) for k, t in chosen.items()}}
 

@@ -121,12 +121,13 @@ def main() -> None:
     print(f"ceilings: {ceilings}; {n_matrices} matrices in {len(groups)} groups, M = {args.rows}", flush=True)
     bucket = tile_key(args.rows, args.arith)
     tile = qmatmul.TILES[bucket]
+    saved = {k: t for k, t in qmatmul.TILES.items() if k.partition(":")[0] == bucket}  # types' own tiles too
     by_fused = {}
     for fused in (tile.fused_sum, 1 - tile.fused_sum):  # the default way first: its sums are the baseline
         print(f"{bucket} tile {tile}, fused_sum {fused}:", flush=True)
-        qmatmul.TILES[bucket] = replace(tile, fused_sum=fused)
+        qmatmul.TILES.update({k: replace(t, fused_sum=fused) for k, t in saved.items()})
         by_fused[fused] = sweep(groups, args.rows, ceilings.copy_gb_s)
-    qmatmul.TILES[bucket] = tile
+    qmatmul.TILES.update(saved)
     fused = min(by_fused, key=lambda f: by_fused[f]["total_chosen_ms"])
     best = by_fused[fused]
     print(

@@ -37,6 +37,8 @@ COLS = 256 * 4  # 4 super-blocks a row: the kernels' code is the same for any wi
 
 def records_for(tile: tuple[int, int, int]) -> list[dict]:
     rows, warps, stages = tile
+    for key in [k for k in qmatmul.TILES if ":" in k]:  # a type's own tile: this tile for every type here
+        del qmatmul.TILES[key]
     for key in ("m16", "m32", "b16", "b32"):
         qmatmul.TILES[key] = qmatmul.TileConfig(rows, warps, stages, 1, 0)
     with recording() as found:

@@ -825,6 +825,10 @@ DEFAULT_TILES = {
     "b16": TileConfig(64, 4, 1, 1, 0),
     "b32": TileConfig(128, 4, 2, 1, 0),
     "b64": TileConfig(128, 4, 2, 1, 0),
+    # Q6_K at 23-32 rows: one stage, not two (gpu_kernels.py --stages types --own-tiles b32:Q6_K on an
+    # H100, bench/results/h100-q6k-tiles-2026-12-05: its 27B matrices 1683 -> 1519 us at M = 23 + 32;
+    # the 27B's bf16 verify 23 18.30 -> 17.86 ms)
+    "b32:Q6_K": TileConfig(128, 4, 1, 1, 0),
 }
 
 
