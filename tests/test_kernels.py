@@ -351,6 +351,7 @@ def test_tiles_from_env(monkeypatch):
     tiles = qmatmul.tiles_from_env()
     assert tiles["b32:Q6_K"] == qmatmul.TileConfig(64, 4, 1, 1, 0)
     assert tiles["b32"] == qmatmul.DEFAULT_TILES["b32"]
+    assert all(qmatmul._known_tile_key(key) for key in qmatmul.DEFAULT_TILES)  # the defaults' own keys too
     for bad in ('{"gemv": [8, 2, 2]}', '{"b32:Q9_K": [64, 4, 1]}', '{"b48:Q6_K": [64, 4, 1]}'):
         monkeypatch.setenv("FLASHTREE_QMM_TILES", bad)
         with pytest.raises(FlashtreeError, match="unknown keys"):
@@ -358,8 +359,8 @@ def test_tiles_from_env(monkeypatch):
 
 
 def test_a_type_may_have_its_own_tile_in_a_bucket(monkeypatch):
-    """A "BUCKET:TYPE" tile is launched for that type's products in that bucket only; the values are the
-    bucket tile's, bit for bit, and rows stay batch-invariant across buckets."""
+    """A "BUCKET:TYPE" tile is launched for that type's products in that bucket only; the values are those
+    of the default tiles, bit for bit, and rows stay batch-invariant across buckets."""
     rows, cols = 37, 512
     raw, _ = case(QT.Q6_K, rows, cols)
     fields = repack(raw, QT.Q6_K, cols)
