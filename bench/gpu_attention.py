@@ -1,5 +1,5 @@
-"""The decode/verify attention's longest split and its inner tile swept at the 27B's heads
-(kernels/attention.py MAX_SPLIT, TILE_VALUES).
+"""The decode/verify attention's settings swept at the 27B's heads (kernels/attention.py: MAX_SPLIT, the
+longest split; TILE_VALUES, the inner tile; BF16_DOTS, the dots' operands; NUM_WARPS; NUM_STAGES).
 
     python bench/gpu_attention.py OUT_DIR    -> OUT_DIR/attention.json; exit 1 when a value fails its check
 
@@ -36,7 +36,20 @@ from flashtree.models.block import BlockLayout
 N_KV, N_HEADS, HD = 4, 24, 256  # the 27B's attention heads
 LAYERS = 16
 CONTEXTS = (512, 8192, 32768)
-SETTINGS = ((512, 4096), (256, 4096), (512, 8192), (512, 16384), (256, 8192))  # (MAX_SPLIT, TILE_VALUES)
+KNOBS = ("MAX_SPLIT", "TILE_VALUES", "BF16_DOTS", "NUM_WARPS", "NUM_STAGES")  # kernels/attention.py's
+SETTINGS = [  # each a change from the defaults
+    {"BF16_DOTS": False},
+    {},
+    {"TILE_VALUES": 8192},
+    {"TILE_VALUES": 16384},
+    {"TILE_VALUES": 8192, "BF16_DOTS": False},
+    {"TILE_VALUES": 16384, "BF16_DOTS": False},
+    {"NUM_WARPS": 4},
+    {"TILE_VALUES": 8192, "NUM_WARPS": 4},
+    {"TILE_VALUES": 8192, "NUM_STAGES": 1},
+    {"TILE_VALUES": 8192, "MAX_SPLIT": 256},
+    {"TILE_VALUES": 16384, "MAX_SPLIT": 256},
+]
 
 
 def timings(context: int, paths: torch.Tensor, depths: torch.Tensor) -> dict:
@@ -66,12 +79,14 @@ def main(out_dir: Path) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     layout = BlockLayout.from_parents(torch.tensor(TREE, device=DEVICE))
     paths, depths = layout.paths().to(torch.int32), layout.depths.to(torch.int32)
-    default, rows = (attention.MAX_SPLIT, attention.TILE_VALUES), []
-    for max_split, tile_values in SETTINGS if DEVICE.type == "cuda" else (default,):
-        attention.MAX_SPLIT, attention.TILE_VALUES = max_split, tile_values
+    default, rows = {knob: getattr(attention, knob) for knob in KNOBS}, []
+    for change in SETTINGS if DEVICE.type == "cuda" else ({},):
+        setting = {**default, **change}
+        for knob, value in setting.items():
+            setattr(attention, knob, value)
         checks = check_attention()
         ok = all(c["ok"] and c["rows_bitwise"] for c in checks)
-        row = {"max_split": max_split, "tile_values": tile_values, "ok": ok, "checks": checks}
+        row = {"setting": setting, "ok": ok, "checks": checks}
         if DEVICE.type == "cuda":
             row["times"] = [timings(context, paths, depths) for context in CONTEXTS]
         rows.append(row)
@@ -79,10 +94,12 @@ def main(out_dir: Path) -> int:
             f"{t['context']}: AR {t['ar_us']:6.1f} verify 23 {t['verify_23_us']:7.1f} us (split {t['split']})"
             for t in row.get("times", [])
         )
-        print(f"MAX_SPLIT {max_split:>5} TILE_VALUES {tile_values:>5}: checks ok {ok}  {times}", flush=True)
-    attention.MAX_SPLIT, attention.TILE_VALUES = default
+        err = max(c["max_abs_err"] for c in checks)
+        print(f"{change or 'defaults'}: checks ok {ok} (err {err:.1e})  {times}", flush=True)
+    for knob, value in default.items():
+        setattr(attention, knob, value)
     result = {**provenance(), "device": str(DEVICE), "heads": [N_KV, N_HEADS, HD], "layers": LAYERS,
-              "default": list(default), "rows": rows}  # fmt: skip
+              "default": default, "rows": rows}  # fmt: skip
     (out_dir / "attention.json").write_text(json.dumps(result, indent=2) + "\n")
     failures = [r for r in rows if not r["ok"]]
     print("FAILURES" if failures else "all ok", len(failures))

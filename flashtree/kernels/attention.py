@@ -42,6 +42,9 @@ SPLITS_PER_CACHE = 64  # a whole cache is cut into at most this many splits (unl
 # rows x heads x splits partial outputs, so more splits cost it bytes.
 TILE_VALUES = 4096  # K or V values per inner step: 64 positions of a 64-dim head, 16 of a 256-dim one
 COMBINE_ROUND = tl.constexpr(16)  # splits whose maxima the combine loads at once
+BF16_DOTS = True  # bf16 models: dots on bf16 operands (`dot_mode`)
+NUM_WARPS = 8  # warps a program for heads of 256 values (4 for smaller heads)
+NUM_STAGES = 3  # the software pipeline's depth over the committed K/V tiles (Triton's default)
 # Rows of a tree a program takes at most: their query heads fill the tile one row's heads pad to anyway
 MAX_ROWS = 16
 
@@ -73,23 +76,52 @@ def split_positions(slots: int, head_dim: int) -> int:
 
 
 @triton.jit
-def _dot(a, b, F32: tl.constexpr):
-    """a @ b of fp32 tiles on tensor cores, fp32 accumulation. F32 (fp32 models): tf32x3, each operand
-    a TF32 part plus a TF32 remainder, ~fp32 accuracy (exact-product FMA dots, "ieee", ran several
-    times slower in the fp32 matmul: bench/results/h200-dense-matmul-2026-12-04); else tf32, exact for
-    values that came from bf16 (7 mantissa bits; tf32 keeps 10)."""
-    if F32:
-        return tl.dot(a, b, input_precision="tf32x3")
-    return tl.dot(a, b, input_precision="tf32")
+def _operand(x, DOTS: tl.constexpr):
+    """x as a tensor-core operand of `DOTS` (see `dot_mode`): bf16 for "bf16", bf16 values held in fp32
+    for "bf16 in fp32", else fp32."""
+    if DOTS == "bf16":
+        return x.to(tl.bfloat16)
+    elif DOTS == "bf16 in fp32":
+        return x.to(tl.bfloat16).to(tl.float32)
+    else:
+        return x.to(tl.float32)
 
 
 @triton.jit
-def _tile_update(q, k, v, key_ok, valid, m, denom, acc, scale, F32: tl.constexpr, KEY_MASK: tl.constexpr):
+def _dot(a, b, DOTS: tl.constexpr):
+    """a @ b of `_operand` tiles on tensor cores, fp32 accumulation (see `dot_mode`)."""
+    if DOTS == "tf32x3":
+        return tl.dot(a, b, input_precision="tf32x3")
+    elif DOTS == "tf32":
+        return tl.dot(a, b, input_precision="tf32")
+    elif DOTS == "bf16":
+        return tl.dot(a, b, out_dtype=tl.float32)
+    else:
+        return tl.dot(a, b, input_precision="ieee")
+
+
+def dot_mode(q: torch.Tensor) -> str:
+    """The dots' operands for queries q. fp32 models: "tf32x3", each operand a TF32 part plus a TF32
+    remainder, ~fp32 accuracy (exact-product FMA dots, "ieee", ran several times slower in the fp32
+    matmul: bench/results/h200-dense-matmul-2026-12-04). bf16 models (BF16_DOTS): "bf16", q, K, V and
+    the softmax weights p as bf16 (p rounded to bf16, as FlashAttention does; the rest are bf16 values
+    already, so their products are exact): half the registers and none of the fp32 conversions of
+    "tf32" (fp32 tiles, exact for values that came from bf16, p rounded to TF32). Triton's interpreter
+    multiplies bf16 dots' raw bits, so off CUDA the bf16 operands are held in fp32: "bf16 in fp32"."""
+    if q.dtype == torch.float32:
+        return "tf32x3"
+    if q.dtype != torch.bfloat16 or not BF16_DOTS:
+        return "tf32"
+    return "bf16" if q.is_cuda else "bf16 in fp32"
+
+
+@triton.jit
+def _tile_update(q, k, v, key_ok, valid, m, denom, acc, scale, DOTS: tl.constexpr, KEY_MASK: tl.constexpr):
     """One tile of keys added to the online softmax (m, denom, acc) of every query of q: the same
     operations for a tile shared by all of a program's rows and for one row's own tile, so that a row's
     sums do not depend on which way its tiles came. valid: (1, BLOCK) positions inside the split and the
     row's reach; key_ok: (QB or 1, BLOCK) committed keys each query attends to (KEY_MASK)."""
-    scores = _dot(q, tl.trans(k.to(tl.float32)), F32)
+    scores = _dot(q, tl.trans(_operand(k, DOTS)), DOTS)
     if KEY_MASK:
         scores = tl.where(key_ok, scores, -1e30)
     scores = tl.where(valid, scores * scale, float("-inf"))  # (QB, BLOCK)
@@ -97,7 +129,7 @@ def _tile_update(q, k, v, key_ok, valid, m, denom, acc, scale, F32: tl.constexpr
     alpha = tl.exp(m - m_new)
     p = tl.exp(scores - m_new[:, None])
     denom = denom * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + _dot(p, v.to(tl.float32), F32)
+    acc = acc * alpha[:, None] + _dot(_operand(p, DOTS), _operand(v, DOTS), DOTS)
     return m_new, denom, acc
 
 
@@ -107,7 +139,7 @@ def _split_kernel(
     out_ptr, counter_ptr, n_rows, n_kv, n_heads, n_splits,
     stride_qt, stride_qh, stride_kh, stride_ks, stride_vh, stride_vs, stride_ok, scale,
     G: tl.constexpr, R: tl.constexpr, QB: tl.constexpr, HD: tl.constexpr, BD: tl.constexpr,
-    SPLIT_N: tl.constexpr, BLOCK: tl.constexpr, F32: tl.constexpr, KEY_MASK: tl.constexpr,
+    SPLIT_N: tl.constexpr, BLOCK: tl.constexpr, DOTS: tl.constexpr, KEY_MASK: tl.constexpr,
     GDC: tl.constexpr,
 ):  # fmt: skip
     """Program (row group, kv head, split): the G query heads of R rows (query i: row i // G, head i % G)
@@ -133,11 +165,10 @@ def _split_kernel(
     heads = kvh * G + i % G
     n_pos = start + tl.load(depth_ptr + row) + 1  # (QB,) positions each query's row sees
     q_ok = real[:, None] & (d < HD)[None, :]
-    # tiles in fp32 (bf16 arithmetic would differ between the compiler and the CPU tests' interpreter)
     q = tl.load(
         q_ptr + row[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=q_ok, other=0.0
     )
-    q = q.to(tl.float32)
+    q = _operand(q, DOTS)
     m = tl.full((QB,), float("-inf"), tl.float32)
     denom = tl.zeros((QB,), tl.float32)
     acc = tl.zeros((QB, BD), tl.float32)
@@ -156,7 +187,7 @@ def _split_kernel(
         key_ok = valid  # unused without KEY_MASK
         if KEY_MASK:
             key_ok = tl.load(key_ok_ptr + row[:, None] * stride_ok + pos[None, :]) != 0
-        m, denom, acc = _tile_update(q, k, v, key_ok, valid, m, denom, acc, scale, F32, KEY_MASK)
+        m, denom, acc = _tile_update(q, k, v, key_ok, valid, m, denom, acc, scale, DOTS, KEY_MASK)
     for b in range(tl.maximum(lo, shared_end), hi, BLOCK):
         pos = b + tl.arange(0, BLOCK)
         rel = pos - start  # >= 0: the block token at depth rel on the row's path
@@ -175,7 +206,7 @@ def _split_kernel(
                     row_ok = tl.load(key_ok_ptr + t * stride_ok + pos, mask=ok & (rel < 0), other=1)
                     key_ok = (row_ok != 0)[None, :]
                 new_m, new_denom, new_acc = _tile_update(
-                    q, k, v, key_ok, ok[None, :], m, denom, acc, scale, F32, KEY_MASK
+                    q, k, v, key_ok, ok[None, :], m, denom, acc, scale, DOTS, KEY_MASK
                 )
                 mine = real & (member == r)  # the row's queries
                 m = tl.where(mine, new_m, m)
@@ -298,8 +329,8 @@ def tree_attention(
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         0 if key_ok is None else key_ok.stride(0), scale,
         G=group, R=rows, QB=queries, HD=hd, BD=bd, SPLIT_N=split, BLOCK=tile_positions(hd),
-        F32=q.dtype == torch.float32, KEY_MASK=key_ok is not None, num_warps=8 if bd >= 256 else 4,
-        enable_fp_fusion=False, **pdl_options(q),
+        DOTS=dot_mode(q), KEY_MASK=key_ok is not None, num_warps=NUM_WARPS if bd >= 256 else 4,
+        num_stages=NUM_STAGES, enable_fp_fusion=False, **pdl_options(q),
     )  # fmt: skip
     return out
 
