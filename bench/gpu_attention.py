@@ -36,7 +36,7 @@ from flashtree.models.block import BlockLayout
 N_KV, N_HEADS, HD = 4, 24, 256  # the 27B's attention heads
 LAYERS = 16
 CONTEXTS = (512, 8192, 32768)
-KNOBS = ("MAX_SPLIT", "TILE_VALUES", "BF16_DOTS", "NUM_WARPS", "NUM_STAGES")  # kernels/attention.py's
+KNOBS = ("MAX_SPLIT", "TILE_VALUES", "BF16_DOTS", "NUM_WARPS", "NUM_STAGES", "KEYS_FIRST")
 SETTINGS = [  # each a change from the defaults
     {"BF16_DOTS": False},
     {},
@@ -44,11 +44,13 @@ SETTINGS = [  # each a change from the defaults
     {"TILE_VALUES": 16384},
     {"TILE_VALUES": 8192, "BF16_DOTS": False},
     {"TILE_VALUES": 16384, "BF16_DOTS": False},
-    {"NUM_WARPS": 4},
-    {"TILE_VALUES": 8192, "NUM_WARPS": 4},
     {"TILE_VALUES": 8192, "NUM_STAGES": 1},
     {"TILE_VALUES": 8192, "MAX_SPLIT": 256},
-    {"TILE_VALUES": 16384, "MAX_SPLIT": 256},
+    {"KEYS_FIRST": True},
+    {"KEYS_FIRST": True, "TILE_VALUES": 8192},
+    {"KEYS_FIRST": True, "TILE_VALUES": 16384},
+    {"KEYS_FIRST": True, "TILE_VALUES": 16384, "NUM_WARPS": 4},
+    {"KEYS_FIRST": True, "TILE_VALUES": 8192, "NUM_WARPS": 4},
 ]
 
 

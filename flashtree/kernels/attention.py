@@ -45,6 +45,7 @@ COMBINE_ROUND = tl.constexpr(16)  # splits whose maxima the combine loads at onc
 BF16_DOTS = True  # bf16 models: dots on bf16 operands (`dot_mode`)
 NUM_WARPS = 8  # warps a program for heads of 256 values (4 for smaller heads)
 NUM_STAGES = 3  # the software pipeline's depth over the committed K/V tiles (Triton's default)
+KEYS_FIRST = False  # the dots as K q^T and V^T p (`_tile_update`'s KT)
 # Rows of a tree a program takes at most: their query heads fill the tile one row's heads pad to anyway
 MAX_ROWS = 16
 
@@ -116,21 +117,57 @@ def dot_mode(q: torch.Tensor) -> str:
 
 
 @triton.jit
-def _tile_update(q, k, v, key_ok, valid, m, denom, acc, scale, DOTS: tl.constexpr, KEY_MASK: tl.constexpr):
-    """One tile of keys added to the online softmax (m, denom, acc) of every query of q: the same
-    operations for a tile shared by all of a program's rows and for one row's own tile, so that a row's
-    sums do not depend on which way its tiles came. valid: (1, BLOCK) positions inside the split and the
-    row's reach; key_ok: (QB or 1, BLOCK) committed keys each query attends to (KEY_MASK)."""
-    scores = _dot(q, tl.trans(_operand(k, DOTS)), DOTS)
+def _tile_update(
+    q, k, v, key_ok, valid, mine, m, denom, acc, scale,
+    DOTS: tl.constexpr, KEY_MASK: tl.constexpr, KT: tl.constexpr, ROW: tl.constexpr,
+):  # fmt: skip
+    """One tile of keys added to the online softmax (m, denom, acc) of q's queries: the same operations
+    for a tile shared by all of a program's rows and for one row's own tile (ROW: only the `mine`
+    queries take it; the others add exact zeros), so that a query's sums do not depend on which way its
+    tiles came. valid: (BLOCK,) positions inside the split and the row's reach; key_ok: (QB or 1, BLOCK)
+    committed keys each query attends to (KEY_MASK). KT (keys first): q and acc are transposed,
+    (BD, QB), and the dots are K q^T and V^T p (see KEYS_FIRST)."""
+    if KT:
+        scores = _dot(_operand(k, DOTS), q, DOTS)  # (BLOCK, QB)
+        if KEY_MASK:
+            key_ok = tl.trans(key_ok)
+    else:
+        scores = _dot(q, tl.trans(_operand(k, DOTS)), DOTS)  # (QB, BLOCK)
     if KEY_MASK:
         scores = tl.where(key_ok, scores, -1e30)
-    scores = tl.where(valid, scores * scale, float("-inf"))  # (QB, BLOCK)
-    m_new = tl.maximum(m, tl.max(scores, axis=1))
+    scores = tl.where(_per_query(valid, not KT), scores * scale, float("-inf"))
+    if ROW:
+        scores = tl.where(_per_query(mine, KT), scores, float("-inf"))
+    m_new = tl.maximum(m, tl.max(scores, axis=0 if KT else 1))
     alpha = tl.exp(m - m_new)
-    p = tl.exp(scores - m_new[:, None])
-    denom = denom * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + _dot(_operand(p, DOTS), _operand(v, DOTS), DOTS)
+    p = tl.exp(scores - _per_query(m_new, KT))
+    if ROW:  # the others' m may still be -inf: exp(-inf + inf) is nan
+        alpha = tl.where(mine, alpha, 1.0)
+        p = tl.where(_per_query(mine, KT), p, 0.0)
+    denom = denom * alpha + tl.sum(p, axis=0 if KT else 1)
+    if KT:
+        acc = acc * alpha[None, :] + _dot(_operand(tl.trans(v), DOTS), _operand(p, DOTS), DOTS)
+    else:
+        acc = acc * alpha[:, None] + _dot(_operand(p, DOTS), _operand(v, DOTS), DOTS)
     return m_new, denom, acc
+
+
+@triton.jit
+def _per_query(x, KT: tl.constexpr):
+    """A (QB,) vector of the queries broadcast along an acc tile's values: (QB, 1), or (1, QB) when KT."""
+    if KT:
+        return x[None, :]
+    else:
+        return x[:, None]
+
+
+@triton.jit
+def _acc_offsets(rows, d, BD: tl.constexpr, KT: tl.constexpr):
+    """Offsets of an acc tile's elements in a (rows, BD) array: (QB, BD), or (BD, QB) when KT."""
+    if KT:
+        return rows[None, :] * BD + d[:, None]
+    else:
+        return rows[:, None] * BD + d[None, :]
 
 
 @triton.jit
@@ -140,7 +177,7 @@ def _split_kernel(
     stride_qt, stride_qh, stride_kh, stride_ks, stride_vh, stride_vs, stride_ok, scale,
     G: tl.constexpr, R: tl.constexpr, QB: tl.constexpr, HD: tl.constexpr, BD: tl.constexpr,
     SPLIT_N: tl.constexpr, BLOCK: tl.constexpr, DOTS: tl.constexpr, KEY_MASK: tl.constexpr,
-    GDC: tl.constexpr,
+    KT: tl.constexpr, GDC: tl.constexpr,
 ):  # fmt: skip
     """Program (row group, kv head, split): the G query heads of R rows (query i: row i // G, head i % G)
     over the split's positions (committed position p at slot p, block node j at slot block + j). Tiles
@@ -171,7 +208,11 @@ def _split_kernel(
     q = _operand(q, DOTS)
     m = tl.full((QB,), float("-inf"), tl.float32)
     denom = tl.zeros((QB,), tl.float32)
-    acc = tl.zeros((QB, BD), tl.float32)
+    if KT:
+        q = tl.trans(q)
+        acc = tl.zeros((BD, QB), tl.float32)
+    else:
+        acc = tl.zeros((QB, BD), tl.float32)
     lo = s * SPLIT_N
     split_end = lo + SPLIT_N
     hi = tl.minimum(split_end, tl.max(tl.where(real, n_pos, 0)))  # the group's reach in this split
@@ -183,11 +224,13 @@ def _split_kernel(
         # K and V together: the V tile's load is in flight while the scores are computed
         k = tl.load(k_head + pos[:, None] * stride_ks + d[None, :], mask=head_dims, other=0.0)
         v = tl.load(v_head + pos[:, None] * stride_vs + d[None, :], mask=head_dims, other=0.0)
-        valid = (pos < hi)[None, :]  # all true: the same mask a row's own tile applies
+        valid = pos < hi  # all true: the same mask a row's own tile applies
         key_ok = valid  # unused without KEY_MASK
         if KEY_MASK:
             key_ok = tl.load(key_ok_ptr + row[:, None] * stride_ok + pos[None, :]) != 0
-        m, denom, acc = _tile_update(q, k, v, key_ok, valid, m, denom, acc, scale, DOTS, KEY_MASK)
+        m, denom, acc = _tile_update(
+            q, k, v, key_ok, valid, real, m, denom, acc, scale, DOTS, KEY_MASK, KT, False
+        )
     for b in range(tl.maximum(lo, shared_end), hi, BLOCK):
         pos = b + tl.arange(0, BLOCK)
         rel = pos - start  # >= 0: the block token at depth rel on the row's path
@@ -205,28 +248,26 @@ def _split_kernel(
                 if KEY_MASK:
                     row_ok = tl.load(key_ok_ptr + t * stride_ok + pos, mask=ok & (rel < 0), other=1)
                     key_ok = (row_ok != 0)[None, :]
-                new_m, new_denom, new_acc = _tile_update(
-                    q, k, v, key_ok, ok[None, :], m, denom, acc, scale, DOTS, KEY_MASK
-                )
                 mine = real & (member == r)  # the row's queries
-                m = tl.where(mine, new_m, m)
-                denom = tl.where(mine, new_denom, denom)
-                acc = tl.where(mine[:, None], new_acc, acc)
+                m, denom, acc = _tile_update(
+                    q, k, v, key_ok, ok, mine, m, denom, acc, scale, DOTS, KEY_MASK, KT, True
+                )
     rows = row * n_heads + heads  # (row, head) of the output
-    out_ok = real[:, None] & head_dims
-    outs = out_ptr + rows[:, None] * HD + d[None, :]
     if n_splits == 1:  # the combine of one split: weight exp(0) = 1, the same bits
-        tl.store(outs, (acc / denom[:, None]).to(out_ptr.dtype.element_ty), mask=out_ok)
+        out_ok = _per_query(real, KT) & _per_query(d < HD, not KT)
+        out = (acc / _per_query(denom, KT)).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + _acc_offsets(rows, d, HD, KT), out, mask=out_ok)
     else:
         at = rows * n_splits + s  # (row, head, split)
         tl.store(m_ptr + at, m, mask=real)
         tl.store(l_ptr + at, denom, mask=real)
-        tl.store(acc_ptr + at[:, None] * BD + d[None, :], acc, mask=real[:, None])
+        tl.store(acc_ptr + _acc_offsets(at, d, BD, KT), acc, mask=_per_query(real, KT))
         tl.debug_barrier()  # every thread's partial is stored before the count (released by it)
         tile = counter_ptr + group * n_kv + kvh
         if tl.atomic_add(tile, 1, sem="acq_rel", scope="gpu") == n_splits - 1:
             combined = _combine(m_ptr, l_ptr, acc_ptr, rows, real, n_splits, BD)
-            tl.store(outs, combined.to(out_ptr.dtype.element_ty), mask=out_ok)
+            outs = out_ptr + rows[:, None] * HD + d[None, :]
+            tl.store(outs, combined.to(out_ptr.dtype.element_ty), mask=real[:, None] & head_dims)
             tl.atomic_xchg(tile, 0, sem="relaxed", scope="gpu")  # zero again for the next call
 
 
@@ -329,7 +370,7 @@ def tree_attention(
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         0 if key_ok is None else key_ok.stride(0), scale,
         G=group, R=rows, QB=queries, HD=hd, BD=bd, SPLIT_N=split, BLOCK=tile_positions(hd),
-        DOTS=dot_mode(q), KEY_MASK=key_ok is not None, num_warps=NUM_WARPS if bd >= 256 else 4,
+        DOTS=dot_mode(q), KEY_MASK=key_ok is not None, KT=KEYS_FIRST, num_warps=NUM_WARPS if bd >= 256 else 4,
         num_stages=NUM_STAGES, enable_fp_fusion=False, **pdl_options(q),
     )  # fmt: skip
     return out
