@@ -41,7 +41,7 @@ KNOBS = ("MAX_SPLIT", "TILE_VALUES", "BF16_DOTS", "NUM_WARPS", "NUM_STAGES", "KE
 SETTINGS = [  # each a change from the defaults
     {"BF16_DOTS": False},
     {},
-
+    {"TILE_VALUES": 8192},
     {"TILE_VALUES": 16384, "NUM_STAGES": 2},
     {"TILE_VALUES": 8192, "BF16_DOTS": False},
     {"TILE_VALUES": 16384, "BF16_DOTS": False, "NUM_STAGES": 2},
