@@ -1,25 +1,24 @@
-"""The decode/verify attention's settings swept at the 27B's heads (kernels/attention.py: MAX_SPLIT, the
-longest split; TILE_VALUES, the inner tile; BF16_DOTS, the dots' operands; NUM_WARPS; NUM_STAGES).
+"""The decode/verify attention's settings swept at the 27B's heads and SmolLM2's (kernels/attention.py:
+MAX_SPLIT, the longest split; TILE_POSITIONS, the inner step; BF16_DOTS, the dots' operands of bf16
+models; NUM_WARPS, for 256-dim heads; NUM_STAGES, the K/V tiles in flight).
 
     python bench/gpu_attention.py OUT_DIR    -> OUT_DIR/attention.json; exit 1 when a value fails its check
 
-Why: at 32K cached tokens the AR step's attention ran at 1.15 TB/s (116 us a layer for its 134 MB of K/V)
-and the verify 23's at 983 us a layer (bench/results/h100-attention-tiles-2026-12-05). A split is one
-program's serial walk over its positions (16 at a time for 256-dim heads), and the program that finishes
-a row's splits last combines them in rounds of L2 loads: the longest split sets how long those walks are,
-how many programs share the GPU and how many partial outputs the combine adds (128 at 32K now). A value
-holds for the AR step and every verify alike (the split size follows the cache only), so rows keep
-agreeing bit for bit whatever it is, but it changes the outputs' last bits, so each value is checked on
-its own: gpu_small_kernels.check_attention (verify rows = the AR step, bit for bit; SDPA within
-rounding). The inner tile (TILE_VALUES / head_dim positions a step: 16 for the 27B's 256-dim heads) is
-swept with it: at 32K cached tokens the verify 23's attention (964 us a layer) is ~20 TFLOP/s of its dots,
-a serial walk of 16-position steps. Times per call from CUDA graphs of 16 calls (the 27B's 16 attention
-layers), each on its own cache (16 layers at 32K: 4.3 GB, more than L2 holds), for the AR step (one row)
-and a 23-node tree (a 16-token chain and 7 siblings), at 512, 8192 and 32768 cached tokens.
+Why: a split is one program's serial walk over its positions, one tile a step, and the program that
+finishes a row's splits last combines them in rounds of L2 loads: the settings decide how long those
+walks are, what each step costs, how many programs an SM holds and how many partial outputs the combine
+adds. A setting holds for the AR step and every verify alike, so rows keep agreeing bit for bit whatever
+it is, but it changes the outputs' last bits, so each is checked on its own: gpu_small_kernels.
+check_attention (verify rows = the AR step, bit for bit; SDPA within rounding). Times per call from CUDA
+graphs of 16 calls (16 attention layers), each on its own cache (the 27B's at 32K: 4.3 GB, more than L2
+holds), for the AR step (one row) and a 23-node tree (a 16-token chain and 7 siblings), at 512, 8192 and
+32768 cached tokens; the 27B's heads in bf16, SmolLM2's in fp32 (as the engine runs each). A setting
+the GPU cannot hold (shared memory) is reported and skipped.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import sys
 from pathlib import Path
@@ -34,45 +33,38 @@ from flashtree.bench.run import provenance
 from flashtree.kernels import attention
 from flashtree.models.block import BlockLayout
 
-N_KV, N_HEADS, HD = 4, 24, 256  # the 27B's attention heads
+HEADS = {"27B": (4, 24, 256, torch.bfloat16), "SmolLM2": (3, 9, 64, torch.float32)}  # KV heads, heads, dim
 LAYERS = 16
 CONTEXTS = (512, 8192, 32768)
-KNOBS = ("MAX_SPLIT", "TILE_VALUES", "BF16_DOTS", "NUM_WARPS", "NUM_STAGES", "KEYS_FIRST")
+KNOBS = ("MAX_SPLIT", "TILE_POSITIONS", "BF16_DOTS", "NUM_WARPS", "NUM_STAGES")
 SETTINGS = [  # each a change from the defaults
-    {"BF16_DOTS": False},
+    {"TILE_POSITIONS": 16, "BF16_DOTS": False, "NUM_STAGES": 3},  # session 26 for 256-dim heads
     {},
-    {"TILE_VALUES": 8192},
-    {"TILE_VALUES": 16384, "NUM_STAGES": 2},
-    {"TILE_VALUES": 8192, "BF16_DOTS": False},
-    {"TILE_VALUES": 16384, "BF16_DOTS": False, "NUM_STAGES": 2},
-    {"TILE_VALUES": 8192, "NUM_STAGES": 1},
-    {"TILE_VALUES": 8192, "MAX_SPLIT": 256},
-    {"KEYS_FIRST": True},
-    {"KEYS_FIRST": True, "TILE_VALUES": 8192},
-    {"KEYS_FIRST": True, "TILE_VALUES": 16384, "NUM_STAGES": 2},
-    {"KEYS_FIRST": True, "TILE_VALUES": 16384, "NUM_WARPS": 4, "NUM_STAGES": 2},
-    {"KEYS_FIRST": True, "TILE_VALUES": 8192, "NUM_WARPS": 4},
+    {"NUM_STAGES": 3},  # session 26 for 64-dim heads
+    {"TILE_POSITIONS": 32},
+    {"TILE_POSITIONS": 32, "NUM_STAGES": 3},
+    {"TILE_POSITIONS": 128, "NUM_STAGES": 1},
 ]
 
 
-def timings(context: int, paths: torch.Tensor, depths: torch.Tensor) -> dict:
+def timings(heads: str, context: int, paths: torch.Tensor, depths: torch.Tensor) -> dict:
     """AR and verify 23 times per layer (us) at `context` cached tokens under the current settings."""
+    n_kv, n_heads, hd, dtype = HEADS[heads]
     slots = context + 1024  # an engine's cache past the context: its split size follows the slots
     gen = torch.Generator().manual_seed(context)
-    caches = [
-        [torch.randn(N_KV, slots, HD, generator=gen).to(DEVICE, torch.bfloat16) for _ in range(2)]
-        for _ in range(LAYERS)
-    ]
-    q = torch.randn(len(TREE), N_HEADS, HD, generator=gen).to(DEVICE, torch.bfloat16)
+    shape = (n_kv, slots, hd)
+    caches = [[torch.randn(shape, generator=gen).to(DEVICE, dtype) for _ in range(2)] for _ in range(LAYERS)]
+    q = torch.randn(len(TREE), n_heads, hd, generator=gen).to(DEVICE, dtype)
     start = torch.tensor(context, device=DEVICE)
     n_keys = context + 32  # the step's key bucket
 
     def verify(k, v, t=len(TREE)):
-        return attention.tree_attention(q[:t], k, v, start, paths[:t, :t], depths[:t], n_keys, HD**-0.5)
+        return attention.tree_attention(q[:t], k, v, start, paths[:t, :t], depths[:t], n_keys, hd**-0.5)
 
     return {
+        "heads": heads,
         "context": context,
-        "split": attention.split_positions(slots, HD),
+        "split": attention.split_positions(slots),
         "ar_us": graph_time_us([lambda c=c: verify(*c, t=1) for c in caches]),
         "verify_23_us": graph_time_us([lambda c=c: verify(*c) for c in caches]),
     }
@@ -92,20 +84,20 @@ def main(out_dir: Path) -> int:
             ok = all(c["ok"] and c["rows_bitwise"] for c in checks)
             row = {"setting": setting, "ok": ok, "checks": checks}
             if DEVICE.type == "cuda":
-                row["times"] = [timings(context, paths, depths) for context in CONTEXTS]
+                row["times"] = [timings(h, c, paths, depths) for h, c in itertools.product(HEADS, CONTEXTS)]
         except triton.runtime.errors.OutOfResources as e:  # a setting the GPU cannot hold: not a failure
             print(f"{change}: {e}", flush=True)
             continue
         rows.append(row)
-        times = "  ".join(
-            f"{t['context']}: AR {t['ar_us']:6.1f} verify 23 {t['verify_23_us']:7.1f} us (split {t['split']})"
-            for t in row.get("times", [])
-        )
         err = max(c["max_abs_err"] for c in checks)
-        print(f"{change or 'defaults'}: checks ok {ok} (err {err:.1e})  {times}", flush=True)
+        print(f"{change or 'defaults'}: checks ok {ok} (err {err:.1e})", flush=True)
+        for t in row.get("times", []):
+            times = f"AR {t['ar_us']:6.1f} verify 23 {t['verify_23_us']:7.1f} us (split {t['split']})"
+            print(f"  {t['heads']:>8} {t['context']:>6}: {times}", flush=True)
     for knob, value in default.items():
         setattr(attention, knob, value)
-    result = {**provenance(), "device": str(DEVICE), "heads": [N_KV, N_HEADS, HD], "layers": LAYERS,
+    heads = {name: [*shape[:3], str(shape[3])] for name, shape in HEADS.items()}
+    result = {**provenance(), "device": str(DEVICE), "heads": heads, "layers": LAYERS,
               "default": default, "rows": rows}  # fmt: skip
     (out_dir / "attention.json").write_text(json.dumps(result, indent=2) + "\n")
     failures = [r for r in rows if not r["ok"]]

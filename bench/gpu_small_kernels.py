@@ -390,7 +390,7 @@ def check_attention() -> list[dict]:
             attn_mask=mask, scale=hd**-0.5, enable_gqa=True,
         )[0].transpose(0, 1)  # fmt: skip
         err = (got.float() - want).abs().max().item()
-        more = start + 3 * split_positions(slots, hd)  # keys: more (empty) splits launched
+        more = start + 3 * split_positions(slots)  # keys: more (empty) splits launched
         alone = torch.equal(tree_attention(q, k, v, start_t, paths, depths, more, hd**-0.5), got)
         for node in range(t):
             depth = int(layout.depths[node])

@@ -14,10 +14,10 @@ import torch.nn.functional as F  # noqa: E402
 from flashtree.kernels.attention import (  # noqa: E402
     MAX_SPLIT,
     SPLITS_PER_CACHE,
+    TILE_POSITIONS,
     block_attention,
     row_group,
     split_positions,
-    tile_positions,
     tree_attention,
 )
 from flashtree.kernels.qmatmul import tile_counters  # noqa: E402
@@ -28,14 +28,14 @@ TREES = {
     "chain": [-1, 0, 1, 2],
     "tree": [-1, 0, 1, 0, 3, 1, 5, 2, 0],  # siblings, branches back up
 }
-# (kv heads, query heads, head_dim, committed tokens, cache slots): one split of one tile; three splits
-# (a partial one) of one tile; three of two tiles each (the cache is long: 256-position splits); 20-21
-# splits of one 16-position tile (the combine's rounds: two of maxima, a ragged last one of sums); GQA 1, 3
+# (kv heads, query heads, head_dim, committed tokens, cache slots): one split of one tile; six splits
+# (a partial one) of one tile; three of eight tiles each (the cache is long: MAX_SPLIT-position splits);
+# 20-21 splits of one tile (the combine's rounds: two of maxima, a ragged last one of sums); GQA 1, 3
 SHAPES = {
     "short": (2, 6, 32, 37, 90),
-    "long": (1, 1, 24, 2 * 128 + 90, 400),
+    "long": (1, 1, 24, 5 * TILE_POSITIONS + 26, 400),
     "long-cache": (1, 1, 24, 2 * MAX_SPLIT + 90, MAX_SPLIT * SPLITS_PER_CACHE),
-    "many-splits": (1, 2, 256, 19 * 16 + 5, 512),
+    "many-splits": (1, 2, 256, 19 * TILE_POSITIONS + 5, 20 * TILE_POSITIONS),
 }
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
 
@@ -105,9 +105,8 @@ def test_verify_rows_are_the_ar_steps_bit_for_bit(shape, dtype):
     """Each tree node vs one AR step at its position after its path was committed (its ancestors' K/V
     moved to their positions, as commit_path does), and vs a call with more (empty) splits."""
     q, k, v, start, layout = case(shape, "tree", DTYPES[dtype], seed=1)
-    hd = q.shape[-1]
     got = run(q, k, v, start, layout)
-    assert torch.equal(run(q, k, v, start, layout, n_keys=start + 3 * split_positions(k.shape[1], hd)), got)
+    assert torch.equal(run(q, k, v, start, layout, n_keys=start + 3 * split_positions(k.shape[1])), got)
     paths = layout.paths()
     for node in range(layout.size):
         depth = int(layout.depths[node])
@@ -125,17 +124,16 @@ def test_rows_fill_the_query_tile_one_row_pads_to():
 
 
 def test_split_sizes_follow_the_cache_between_one_tile_and_the_maximum():
-    assert tile_positions(64) == 64 and tile_positions(256) == 16
-    assert split_positions(600, 64) == 64  # a short cache: one tile a split
-    assert split_positions(2048, 64) == 64 and split_positions(2048, 256) == 32
-    assert split_positions(8192 + 1024, 256) == 256  # an 8K context's cache
-    assert split_positions(32768 + 1024, 256) == MAX_SPLIT == 512  # a 32K one: the largest splits
-    assert split_positions(256 * 1024, 256) == MAX_SPLIT
+    assert TILE_POSITIONS == 64
+    assert split_positions(600) == 64  # a short cache: one tile a split
+    assert split_positions(2048) == 64 and split_positions(4096 + 1) == 128
+    assert split_positions(8192 + 1024) == 256  # an 8K context's cache
+    assert split_positions(32768 + 1024) == MAX_SPLIT == 512  # a 32K one: the largest splits
+    assert split_positions(256 * 1024) == MAX_SPLIT
     for slots in (90, 400, 5000, 70000):
-        for hd in (24, 64, 128, 256):
-            split, tile = split_positions(slots, hd), tile_positions(hd)
-            assert split % tile == 0 and split & (split - 1) == 0
-            assert split in (MAX_SPLIT, tile) or slots <= split * SPLITS_PER_CACHE
+        split = split_positions(slots)
+        assert split % TILE_POSITIONS == 0 and split & (split - 1) == 0
+        assert split in (MAX_SPLIT, TILE_POSITIONS) or slots <= split * SPLITS_PER_CACHE
 
 
 @pytest.mark.parametrize("window", [None, 4, 40], ids=["alike", "window-4", "window-40"])

@@ -12,7 +12,7 @@ step, where the same keys sit at their positions.
 So row t (at position start + depth[t]) walks its positions 0 .. start + depth[t]: committed ones at
 their own slots, its ancestors' at start + path[t][position - start]. Positions are cut into splits
 (position-aligned, of a size fixed by the cache: the same for every call of an engine, split_positions),
-each split in blocks of TILE_VALUES / head_dim positions (online softmax in fp32, the same tiles for
+each split in blocks of TILE_POSITIONS positions (online softmax in fp32, the same tiles for
 every row); the program of a (row, KV head) that finishes its split last combines the splits in order
 (an arrival counter, as the matmuls' K-splits: one launch a layer, the combine was a second one). A
 split past a row's last position is empty (m = -inf, l = 0) and adds exact zeros, so the number of
@@ -40,19 +40,17 @@ SPLITS_PER_CACHE = 64  # a whole cache is cut into at most this many splits (unl
 # keeps 256-position splits (512 cost its AR step 20 us a layer), a 32K one takes 512 (its AR step 116 ->
 # 94 us a layer, the verify 23 969 -> 964: 256 left 128 splits for the combine to add). A verify writes
 # rows x heads x splits partial outputs, so more splits cost it bytes.
-TILE_VALUES = 4096  # K or V values per inner step: 64 positions of a 64-dim head, 16 of a 256-dim one
-COMBINE_ROUND = tl.constexpr(16)  # splits whose maxima the combine loads at once
+TILE_POSITIONS = 64  # positions per inner step, whatever the head size
 BF16_DOTS = True  # bf16 models: dots on bf16 operands (`dot_mode`)
 NUM_WARPS = 8  # warps a program for heads of 256 values (4 for smaller heads)
-NUM_STAGES = 3  # the software pipeline's depth over the committed K/V tiles (Triton's default)
-KEYS_FIRST = False  # the dots as K q^T and V^T p (`_tile_update`'s KT)
+NUM_STAGES = 2  # the software pipeline's depth over the committed K/V tiles: two tiles of K and V in flight
+# Why 64, bf16 and 2 (27B heads, H100, bench/results/h100-attention-tiles64-2026-12-06): the 16-position
+# steps of 256-dim heads in tf32 were a serial walk of small dots; at 32K cached tokens the verify 23's
+# attention took 967 us a layer, 657 with bf16 dots, 471 in 64-position steps too (the AR step's 94 -> 74).
+# Three stages of 64 x 256 tiles do not fit an SM's shared memory.
+COMBINE_ROUND = tl.constexpr(16)  # splits whose maxima the combine loads at once
 # Rows of a tree a program takes at most: their query heads fill the tile one row's heads pad to anyway
 MAX_ROWS = 16
-
-
-def tile_positions(head_dim: int) -> int:
-    """Positions per inner step, from the head size only."""
-    return min(MAX_SPLIT, max(16, TILE_VALUES // triton.next_power_of_2(head_dim)))
 
 
 def row_group(group: int) -> tuple[int, int]:
@@ -65,7 +63,7 @@ def row_group(group: int) -> tuple[int, int]:
     return max(1, min(MAX_ROWS, queries // group)), queries
 
 
-def split_positions(slots: int, head_dim: int) -> int:
+def split_positions(slots: int) -> int:
     """Positions per split for a KV cache of `slots` slots: a power of two from one tile to MAX_SPLIT
     cutting the whole cache into at most SPLITS_PER_CACHE splits. It depends on the cache only, so the
     AR step and every verify of an engine split alike (their rows agree bit for bit). Why not always
@@ -73,7 +71,7 @@ def split_positions(slots: int, head_dim: int) -> int:
     4 tiles in turn (SmolLM2, 3 KV heads, on the H200: ~10 us a layer, 27% of the AR step's kernel time).
     """
     want = triton.next_power_of_2(triton.cdiv(slots, SPLITS_PER_CACHE))
-    return min(MAX_SPLIT, max(tile_positions(head_dim), want))
+    return min(MAX_SPLIT, max(TILE_POSITIONS, want))
 
 
 @triton.jit
@@ -119,55 +117,28 @@ def dot_mode(q: torch.Tensor) -> str:
 @triton.jit
 def _tile_update(
     q, k, v, key_ok, valid, mine, m, denom, acc, scale,
-    DOTS: tl.constexpr, KEY_MASK: tl.constexpr, KT: tl.constexpr, ROW: tl.constexpr,
+    DOTS: tl.constexpr, KEY_MASK: tl.constexpr, ROW: tl.constexpr,
 ):  # fmt: skip
     """One tile of keys added to the online softmax (m, denom, acc) of q's queries: the same operations
     for a tile shared by all of a program's rows and for one row's own tile (ROW: only the `mine`
     queries take it; the others add exact zeros), so that a query's sums do not depend on which way its
     tiles came. valid: (BLOCK,) positions inside the split and the row's reach; key_ok: (QB or 1, BLOCK)
-    committed keys each query attends to (KEY_MASK). KT (keys first): q and acc are transposed,
-    (BD, QB), and the dots are K q^T and V^T p (see KEYS_FIRST)."""
-    if KT:
-        scores = _dot(_operand(k, DOTS), q, DOTS)  # (BLOCK, QB)
-        if KEY_MASK:
-            key_ok = tl.trans(key_ok)
-    else:
-        scores = _dot(q, tl.trans(_operand(k, DOTS)), DOTS)  # (QB, BLOCK)
+    committed keys each query attends to (KEY_MASK)."""
+    scores = _dot(q, tl.trans(_operand(k, DOTS)), DOTS)  # (QB, BLOCK)
     if KEY_MASK:
         scores = tl.where(key_ok, scores, -1e30)
-    scores = tl.where(_per_query(valid, not KT), scores * scale, float("-inf"))
+    scores = tl.where(valid[None, :], scores * scale, float("-inf"))
     if ROW:
-        scores = tl.where(_per_query(mine, KT), scores, float("-inf"))
-    m_new = tl.maximum(m, tl.max(scores, axis=0 if KT else 1))
+        scores = tl.where(mine[:, None], scores, float("-inf"))
+    m_new = tl.maximum(m, tl.max(scores, axis=1))
     alpha = tl.exp(m - m_new)
-    p = tl.exp(scores - _per_query(m_new, KT))
+    p = tl.exp(scores - m_new[:, None])
     if ROW:  # the others' m may still be -inf: exp(-inf + inf) is nan
         alpha = tl.where(mine, alpha, 1.0)
-        p = tl.where(_per_query(mine, KT), p, 0.0)
-    denom = denom * alpha + tl.sum(p, axis=0 if KT else 1)
-    if KT:
-        acc = acc * alpha[None, :] + _dot(_operand(tl.trans(v), DOTS), _operand(p, DOTS), DOTS)
-    else:
-        acc = acc * alpha[:, None] + _dot(_operand(p, DOTS), _operand(v, DOTS), DOTS)
+        p = tl.where(mine[:, None], p, 0.0)
+    denom = denom * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + _dot(_operand(p, DOTS), _operand(v, DOTS), DOTS)
     return m_new, denom, acc
-
-
-@triton.jit
-def _per_query(x, KT: tl.constexpr):
-    """A (QB,) vector of the queries broadcast along an acc tile's values: (QB, 1), or (1, QB) when KT."""
-    if KT:
-        return x[None, :]
-    else:
-        return x[:, None]
-
-
-@triton.jit
-def _acc_offsets(rows, d, BD: tl.constexpr, KT: tl.constexpr):
-    """Offsets of an acc tile's elements in a (rows, BD) array: (QB, BD), or (BD, QB) when KT."""
-    if KT:
-        return rows[None, :] * BD + d[:, None]
-    else:
-        return rows[:, None] * BD + d[None, :]
 
 
 @triton.jit
@@ -177,7 +148,7 @@ def _split_kernel(
     stride_qt, stride_qh, stride_kh, stride_ks, stride_vh, stride_vs, stride_ok, scale,
     G: tl.constexpr, R: tl.constexpr, QB: tl.constexpr, HD: tl.constexpr, BD: tl.constexpr,
     SPLIT_N: tl.constexpr, BLOCK: tl.constexpr, DOTS: tl.constexpr, KEY_MASK: tl.constexpr,
-    KT: tl.constexpr, GDC: tl.constexpr,
+    GDC: tl.constexpr,
 ):  # fmt: skip
     """Program (row group, kv head, split): the G query heads of R rows (query i: row i // G, head i % G)
     over the split's positions (committed position p at slot p, block node j at slot block + j). Tiles
@@ -208,11 +179,7 @@ def _split_kernel(
     q = _operand(q, DOTS)
     m = tl.full((QB,), float("-inf"), tl.float32)
     denom = tl.zeros((QB,), tl.float32)
-    if KT:
-        q = tl.trans(q)
-        acc = tl.zeros((BD, QB), tl.float32)
-    else:
-        acc = tl.zeros((QB, BD), tl.float32)
+    acc = tl.zeros((QB, BD), tl.float32)
     lo = s * SPLIT_N
     split_end = lo + SPLIT_N
     hi = tl.minimum(split_end, tl.max(tl.where(real, n_pos, 0)))  # the group's reach in this split
@@ -229,7 +196,7 @@ def _split_kernel(
         if KEY_MASK:
             key_ok = tl.load(key_ok_ptr + row[:, None] * stride_ok + pos[None, :]) != 0
         m, denom, acc = _tile_update(
-            q, k, v, key_ok, valid, real, m, denom, acc, scale, DOTS, KEY_MASK, KT, False
+            q, k, v, key_ok, valid, real, m, denom, acc, scale, DOTS, KEY_MASK, False
         )
     for b in range(tl.maximum(lo, shared_end), hi, BLOCK):
         pos = b + tl.arange(0, BLOCK)
@@ -250,24 +217,23 @@ def _split_kernel(
                     key_ok = (row_ok != 0)[None, :]
                 mine = real & (member == r)  # the row's queries
                 m, denom, acc = _tile_update(
-                    q, k, v, key_ok, ok, mine, m, denom, acc, scale, DOTS, KEY_MASK, KT, True
+                    q, k, v, key_ok, ok, mine, m, denom, acc, scale, DOTS, KEY_MASK, True
                 )
     rows = row * n_heads + heads  # (row, head) of the output
+    out_ok = real[:, None] & head_dims
+    outs = out_ptr + rows[:, None] * HD + d[None, :]
     if n_splits == 1:  # the combine of one split: weight exp(0) = 1, the same bits
-        out_ok = _per_query(real, KT) & _per_query(d < HD, not KT)
-        out = (acc / _per_query(denom, KT)).to(out_ptr.dtype.element_ty)
-        tl.store(out_ptr + _acc_offsets(rows, d, HD, KT), out, mask=out_ok)
+        tl.store(outs, (acc / denom[:, None]).to(out_ptr.dtype.element_ty), mask=out_ok)
     else:
         at = rows * n_splits + s  # (row, head, split)
         tl.store(m_ptr + at, m, mask=real)
         tl.store(l_ptr + at, denom, mask=real)
-        tl.store(acc_ptr + _acc_offsets(at, d, BD, KT), acc, mask=_per_query(real, KT))
+        tl.store(acc_ptr + at[:, None] * BD + d[None, :], acc, mask=real[:, None])
         tl.debug_barrier()  # every thread's partial is stored before the count (released by it)
         tile = counter_ptr + group * n_kv + kvh
         if tl.atomic_add(tile, 1, sem="acq_rel", scope="gpu") == n_splits - 1:
             combined = _combine(m_ptr, l_ptr, acc_ptr, rows, real, n_splits, BD)
-            outs = out_ptr + rows[:, None] * HD + d[None, :]
-            tl.store(outs, combined.to(out_ptr.dtype.element_ty), mask=real[:, None] & head_dims)
+            tl.store(outs, combined.to(out_ptr.dtype.element_ty), mask=out_ok)
             tl.atomic_xchg(tile, 0, sem="relaxed", scope="gpu")  # zero again for the next call
 
 
@@ -354,7 +320,7 @@ def tree_attention(
     group = n_heads // n_kv
     bd = triton.next_power_of_2(hd)
     rows, queries = row_group(group)
-    split = split_positions(split_for or k_cache.shape[1], hd)
+    split = split_positions(split_for or k_cache.shape[1])
     n_splits = triton.cdiv(n_keys, split)
     n_groups = triton.cdiv(t, rows)
     if key_ok is not None and key_ok.stride(-1) != 1:
@@ -369,8 +335,8 @@ def tree_attention(
         m, lsum, acc, out, tile_counters(q.device, n_groups * n_kv), t, n_kv, n_heads, n_splits,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         0 if key_ok is None else key_ok.stride(0), scale,
-        G=group, R=rows, QB=queries, HD=hd, BD=bd, SPLIT_N=split, BLOCK=tile_positions(hd),
-        DOTS=dot_mode(q), KEY_MASK=key_ok is not None, KT=KEYS_FIRST, num_warps=NUM_WARPS if bd >= 256 else 4,
+        G=group, R=rows, QB=queries, HD=hd, BD=bd, SPLIT_N=split, BLOCK=TILE_POSITIONS,
+        DOTS=dot_mode(q), KEY_MASK=key_ok is not None, num_warps=NUM_WARPS if bd >= 256 else 4,
         num_stages=NUM_STAGES, enable_fp_fusion=False, **pdl_options(q),
     )  # fmt: skip
     return out

@@ -158,6 +158,7 @@ for rec in json.load(sys.stdin):
     before, wait, _ = ptx.partition("griddepcontrol.wait")
     facts = {
         "name": rec["name"], "failure": None, "waits": bool(wait), "loads_before": before.count("ld.global"),
+        "shared_bytes": kernel.metadata.shared,
     }
     if sys.argv[2] == "registers":
         facts |= ptxas_facts(ptx)
