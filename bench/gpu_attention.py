@@ -40,7 +40,6 @@ KNOBS = ("MAX_SPLIT", "TILE_POSITIONS", "BF16_DOTS", "NUM_WARPS", "NUM_STAGES")
 SETTINGS = [  # each a change from the defaults
     {"TILE_POSITIONS": 16, "BF16_DOTS": False, "NUM_STAGES": 3},  # session 26 for 256-dim heads
     {},
-    {"NUM_STAGES": 3},  # session 26 for 64-dim heads
     {"TILE_POSITIONS": 32},
     {"TILE_POSITIONS": 32, "NUM_STAGES": 3},
     {"TILE_POSITIONS": 128, "NUM_STAGES": 1},

@@ -96,7 +96,8 @@ def test_under_pdl_nothing_is_read_before_the_wait(sm90):
 
 def test_every_decode_kernel_fits_an_sms_shared_memory(sm90):
     """Shared memory is checked only at launch: a tile or pipeline depth that needs more than an sm_90 SM
-    has (227 KB a program) fails there, on the device. The 27B's attention at three stages of 64-position
-    tiles did (296 KB)."""
+    has (227 KB a program) fails there, on the device. The device's Triton (3.6) asked 303104 bytes for
+    the 27B's attention at three stages of 64-position tiles; the Triton here compiles that to less, so
+    this checks each kernel as this Triton builds it, not the device's exact figure."""
     for r in sm90:
         assert r["shared_bytes"] <= 232448, r

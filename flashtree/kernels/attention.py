@@ -47,7 +47,7 @@ NUM_STAGES = 2  # the software pipeline's depth over the committed K/V tiles: tw
 # Why 64, bf16 and 2 (27B heads, H100, bench/results/h100-attention-tiles64-2026-12-06): the 16-position
 # steps of 256-dim heads in tf32 were a serial walk of small dots; at 32K cached tokens the verify 23's
 # attention took 967 us a layer, 657 with bf16 dots, 471 in 64-position steps too (the AR step's 94 -> 74).
-# Three stages of 64 x 256 tiles do not fit an SM's shared memory.
+# Three stages of 64 x 256 tiles did not fit an SM's shared memory under the device's Triton 3.6 (303 KB).
 COMBINE_ROUND = tl.constexpr(16)  # splits whose maxima the combine loads at once
 # Rows of a tree a program takes at most: their query heads fill the tile one row's heads pad to anyway
 MAX_ROWS = 16
