@@ -119,7 +119,10 @@ def test_verify_rows_are_the_ar_steps_bit_for_bit(shape, dtype):
 
 def test_rows_fill_the_query_tile_one_row_pads_to():
     # (query heads per KV head) -> (rows a program, query tile): the 27B 6, SmolLM2 3, GQA-free 1, MQA 24
-    got = [row_group(g) for g in (6, 3, 1, 2, 16, 24)]
+    got = [row_group(g, 23) for g in (6, 3, 1, 2, 16, 24)]
+    assert got == [(5, 32), (10, 32), (16, 32), (16, 32), (2, 32), (1, 32)]
+    # the AR step: the tile its heads pad to
+    got = [row_group(g, 1) for g in (6, 3, 1, 2, 16, 24)]
     assert got == [(2, 16), (5, 16), (16, 16), (8, 16), (1, 16), (1, 32)]
 
 

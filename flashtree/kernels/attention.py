@@ -49,17 +49,19 @@ NUM_STAGES = 2  # the software pipeline's depth over the committed K/V tiles: tw
 # attention took 967 us a layer, 657 with bf16 dots, 471 in 64-position steps too (the AR step's 94 -> 74).
 # Three stages of 64 x 256 tiles did not fit an SM's shared memory under the device's Triton 3.6 (303 KB).
 COMBINE_ROUND = tl.constexpr(16)  # splits whose maxima the combine loads at once
-# Rows of a tree a program takes at most: their query heads fill the tile one row's heads pad to anyway
-MAX_ROWS = 16
+MAX_ROWS = 16  # rows of a tree a program takes at most
+VERIFY_QUERIES = 32  # the query tile of a call of several rows
 
 
-def row_group(group: int) -> tuple[int, int]:
-    """(rows R, query tile QB) of one program: QB is the tile one row's `group` query heads pad to (a
-    power of two, >= 16 for the dots), and R rows fill it (the 27B's 6 heads a KV head: 2 rows in 16;
-    SmolLM2's 3: 5 rows). Those rows share every committed K/V tile they read. The AR step runs the
-    same tile as before rows were grouped, so it costs what it did; and from the model's shape only, so
-    a verify's rows equal the AR step's bit for bit."""
+def row_group(group: int, rows: int) -> tuple[int, int]:
+    """(rows R, query tile QB) of one program of a call of `rows` rows: QB is the tile one row's `group`
+    query heads pad to (a power of two, >= 16 for the dots), at least VERIFY_QUERIES when there are
+    several rows, and R rows fill it (the 27B's 6 heads a KV head: 5 rows in 32; SmolLM2's 3: 10). Those
+    rows share every committed K/V tile they read. The AR step (one row) keeps the tile its heads pad
+    to. A row's bits do not depend on the tile (`_tile_update`), so a verify's rows equal the AR step's."""
     queries = max(16, triton.next_power_of_2(group))
+    if rows > 1:
+        queries = max(queries, VERIFY_QUERIES)
     return max(1, min(MAX_ROWS, queries // group)), queries
 
 
@@ -115,6 +117,16 @@ def dot_mode(q: torch.Tensor) -> str:
 
 
 @triton.jit
+def _row_sums(p, DOTS: tl.constexpr):
+    """p's row sums by the tensor cores (the same products and order as the p @ V dot's), not by a
+    reduction across threads, whose order follows how the tile is laid over the warps: so a row's sum is
+    the same in a 16-query tile (the AR step) and a 32-query one (a verify). Each row of the (QB, 16) dot
+    holds the sum 16 times; their max is it, exactly."""
+    ones = tl.full((p.shape[1], 16), 1.0, tl.float32)
+    return tl.max(_dot(_operand(p, DOTS), _operand(ones, DOTS), DOTS), axis=1)
+
+
+@triton.jit
 def _tile_update(
     q, k, v, key_ok, valid, mine, m, denom, acc, scale,
     DOTS: tl.constexpr, KEY_MASK: tl.constexpr, ROW: tl.constexpr,
@@ -122,9 +134,9 @@ def _tile_update(
     """One tile of keys added to the online softmax (m, denom, acc) of q's queries: the same operations
     for a tile shared by all of a program's rows and for one row's own tile (ROW: only the `mine`
     queries take it; the others add exact zeros), so that a query's sums do not depend on which way its
-    tiles came. valid: (BLOCK,) positions inside the split and the row's reach; key_ok: (QB or 1, BLOCK)
-    committed keys each query attends to (KEY_MASK)."""
-    scores = _dot(q, tl.trans(_operand(k, DOTS)), DOTS)  # (QB, BLOCK)
+    tiles came. k: the tile's K^T (BD, BLOCK); valid: (BLOCK,) positions inside the split and the row's
+    reach; key_ok: (QB or 1, BLOCK) committed keys each query attends to (KEY_MASK)."""
+    scores = _dot(q, _operand(k, DOTS), DOTS)  # (QB, BLOCK)
     if KEY_MASK:
         scores = tl.where(key_ok, scores, -1e30)
     scores = tl.where(valid[None, :], scores * scale, float("-inf"))
@@ -136,7 +148,7 @@ def _tile_update(
     if ROW:  # the others' m may still be -inf: exp(-inf + inf) is nan
         alpha = tl.where(mine, alpha, 1.0)
         p = tl.where(mine[:, None], p, 0.0)
-    denom = denom * alpha + tl.sum(p, axis=1)
+    denom = denom * alpha + _row_sums(p, DOTS)
     acc = acc * alpha[:, None] + _dot(_operand(p, DOTS), _operand(v, DOTS), DOTS)
     return m_new, denom, acc
 
@@ -189,7 +201,8 @@ def _split_kernel(
     for b in range(lo, shared_end, BLOCK):
         pos = b + tl.arange(0, BLOCK)
         # K and V together: the V tile's load is in flight while the scores are computed
-        k = tl.load(k_head + pos[:, None] * stride_ks + d[None, :], mask=head_dims, other=0.0)
+        # K^T as loaded (BD, BLOCK): the interpreter's matmul of a transposed view depends on the rows
+        k = tl.load(k_head + pos[None, :] * stride_ks + d[:, None], mask=tl.trans(head_dims), other=0.0)
         v = tl.load(v_head + pos[:, None] * stride_vs + d[None, :], mask=head_dims, other=0.0)
         valid = pos < hi  # all true: the same mask a row's own tile applies
         key_ok = valid  # unused without KEY_MASK
@@ -209,7 +222,7 @@ def _split_kernel(
                 node = tl.load(path_ptr + t * n_rows + rel, mask=ok & (rel >= 0), other=0)
                 slot = tl.where(rel >= 0, block + node, pos)
                 kv_ok = ok[:, None] & head_dims
-                k = tl.load(k_head + slot[:, None] * stride_ks + d[None, :], mask=kv_ok, other=0.0)
+                k = tl.load(k_head + slot[None, :] * stride_ks + d[:, None], mask=tl.trans(kv_ok), other=0.0)
                 v = tl.load(v_head + slot[:, None] * stride_vs + d[None, :], mask=kv_ok, other=0.0)
                 key_ok = ok[None, :]  # unused without KEY_MASK
                 if KEY_MASK:
@@ -319,7 +332,7 @@ def tree_attention(
     n_kv = k_cache.shape[0]
     group = n_heads // n_kv
     bd = triton.next_power_of_2(hd)
-    rows, queries = row_group(group)
+    rows, queries = row_group(group, t)
     split = split_positions(split_for or k_cache.shape[1])
     n_splits = triton.cdiv(n_keys, split)
     n_groups = triton.cdiv(t, rows)
