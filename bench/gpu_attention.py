@@ -1,6 +1,7 @@
 """The decode/verify attention's settings swept at the 27B's heads and SmolLM2's (kernels/attention.py:
 MAX_SPLIT, the longest split; TILE_POSITIONS, the inner step; BF16_DOTS, the dots' operands of bf16
-models; NUM_WARPS, for 256-dim heads; NUM_STAGES, the K/V tiles in flight).
+models; NUM_WARPS, for 256-dim heads; NUM_STAGES, the K/V tiles in flight; WIDE_FROM_KEYS, the key
+positions from which a verify takes VERIFY_QUERIES queries a program where that computes fewer).
 
     python bench/gpu_attention.py OUT_DIR    -> OUT_DIR/attention.json; exit 1 when a value fails its check
 
@@ -35,14 +36,13 @@ from flashtree.models.block import BlockLayout
 
 HEADS = {"27B": (4, 24, 256, torch.bfloat16), "SmolLM2": (3, 9, 64, torch.float32)}  # KV heads, heads, dim
 LAYERS = 16
-CONTEXTS = (512, 8192, 32768)
-KNOBS = ("MAX_SPLIT", "TILE_POSITIONS", "BF16_DOTS", "NUM_WARPS", "NUM_STAGES")
+CONTEXTS = (512, 2048, 4096, 8192, 32768)
+KNOBS = (
+    "MAX_SPLIT", "TILE_POSITIONS", "BF16_DOTS", "NUM_WARPS", "NUM_STAGES", "VERIFY_QUERIES", "WIDE_FROM_KEYS",
+)  # fmt: skip
 SETTINGS = [  # each a change from the defaults
-    {"TILE_POSITIONS": 16, "BF16_DOTS": False, "NUM_STAGES": 3},  # session 26 for 256-dim heads
-    {},
-    {"TILE_POSITIONS": 32},
-    {"TILE_POSITIONS": 32, "NUM_STAGES": 3},
-    {"TILE_POSITIONS": 128, "NUM_STAGES": 1},
+    {"WIDE_FROM_KEYS": 0},  # the verify's wider tile at every length (where it computes fewer queries)
+    {"WIDE_FROM_KEYS": 1 << 40},  # never
 ]
 
 

@@ -11,10 +11,13 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from flashtree.kernels import attention  # noqa: E402
 from flashtree.kernels.attention import (  # noqa: E402
     MAX_SPLIT,
     SPLITS_PER_CACHE,
     TILE_POSITIONS,
+    VERIFY_QUERIES,
+    WIDE_FROM_KEYS,
     block_attention,
     row_group,
     split_positions,
@@ -30,13 +33,14 @@ TREES = {
 }
 # (kv heads, query heads, head_dim, committed tokens, cache slots): one split of one tile; six splits
 # (a partial one) of one tile; three of eight tiles each (the cache is long: MAX_SPLIT-position splits);
-# 20-21 splits of one tile (the combine's rounds: two of maxima, a ragged last one of sums); GQA 1, 3
+# 20-21 splits of one tile (the combine's rounds: two of maxima, a ragged last one of sums); GQA 1, 2, 6
 SHAPES = {
-    "short": (2, 6, 32, 37, 90),
+    "short": (2, 12, 32, 37, 90),
     "long": (1, 1, 24, 5 * TILE_POSITIONS + 26, 400),
     "long-cache": (1, 1, 24, 2 * MAX_SPLIT + 90, MAX_SPLIT * SPLITS_PER_CACHE),
     "many-splits": (1, 2, 256, 19 * TILE_POSITIONS + 5, 20 * TILE_POSITIONS),
 }
+ROW_CASES = [*((shape, False) for shape in SHAPES), ("short", True)]  # wide: the verify's wider tile
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -100,11 +104,16 @@ def test_splits_combine_under_the_largest_maximum_of_all():
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=list(DTYPES))
-@pytest.mark.parametrize("shape", SHAPES, ids=list(SHAPES))
-def test_verify_rows_are_the_ar_steps_bit_for_bit(shape, dtype):
+@pytest.mark.parametrize("shape, wide", ROW_CASES, ids=[*SHAPES, "wide"])
+def test_verify_rows_are_the_ar_steps_bit_for_bit(shape, dtype, wide, monkeypatch):
     """Each tree node vs one AR step at its position after its path was committed (its ancestors' K/V
-    moved to their positions, as commit_path does), and vs a call with more (empty) splits."""
+    moved to their positions, as commit_path does), and vs a call with more (empty) splits. wide: the
+    verify takes the wider query tile (a long context's) while the AR step keeps its own."""
     q, k, v, start, layout = case(shape, "tree", DTYPES[dtype], seed=1)
+    group = q.shape[1] // k.shape[0]
+    if wide:  # the 27B's 6 query heads a KV head: 5 rows in 32 queries, the AR step 2 in 16
+        monkeypatch.setattr(attention, "WIDE_FROM_KEYS", 0)
+        assert row_group(group, layout.size, start) == (5, VERIFY_QUERIES)
     got = run(q, k, v, start, layout)
     assert torch.equal(run(q, k, v, start, layout, n_keys=start + 3 * split_positions(k.shape[1])), got)
     paths = layout.paths()
@@ -118,12 +127,14 @@ def test_verify_rows_are_the_ar_steps_bit_for_bit(shape, dtype):
 
 
 def test_rows_fill_the_query_tile_one_row_pads_to():
-    # (query heads per KV head) -> (rows a program, query tile): the 27B 6, SmolLM2 3, GQA-free 1, MQA 24
-    got = [row_group(g, 23) for g in (6, 3, 1, 2, 16, 24)]
-    assert got == [(5, 32), (10, 32), (16, 32), (16, 32), (2, 32), (1, 32)]
-    # the AR step: the tile its heads pad to
-    got = [row_group(g, 1) for g in (6, 3, 1, 2, 16, 24)]
-    assert got == [(2, 16), (5, 16), (16, 16), (8, 16), (1, 16), (1, 32)]
+    # (query heads per KV head) -> (rows a program, query tile): 27B 6, SmolLM2 3, GQA-free 1, 8B 4, MQA 24
+    groups = (6, 3, 1, 2, 4, 16, 24)
+    narrow = [(2, 16), (5, 16), (16, 16), (8, 16), (4, 16), (1, 16), (1, 32)]
+    assert [row_group(g, 1, 32768) for g in groups] == narrow  # the AR step
+    assert [row_group(g, 23, WIDE_FROM_KEYS - 1) for g in groups] == narrow  # a short context
+    # a verify 23 at a long context: the wider tile only where it computes fewer query slots (the 27B:
+    # 5 programs x 32 instead of 12 x 16); SmolLM2's 3 would take 3 x 32 instead of 5 x 16, the 8B's a tie
+    assert [row_group(g, 23, WIDE_FROM_KEYS) for g in groups] == [(5, 32), *narrow[1:]]
 
 
 def test_split_sizes_follow_the_cache_between_one_tile_and_the_maximum():

@@ -50,19 +50,27 @@ NUM_STAGES = 2  # the software pipeline's depth over the committed K/V tiles: tw
 # Three stages of 64 x 256 tiles did not fit an SM's shared memory under the device's Triton 3.6 (303 KB).
 COMBINE_ROUND = tl.constexpr(16)  # splits whose maxima the combine loads at once
 MAX_ROWS = 16  # rows of a tree a program takes at most
-VERIFY_QUERIES = 32  # the query tile of a call of several rows
+VERIFY_QUERIES = 32  # a verify's wider query tile, where it pays (`row_group`)
+WIDE_FROM_KEYS = 4096  # key positions from which a verify may take the wider tile
+# Why (27B heads, H200, bench/results/h200-attention-rows-2026-12-06): 5 rows in 32 queries instead of 2
+# in 16 read each KV head's cache 5 times for a verify 23, not 12, and pad 30 of 32 queries, not 12 of 16:
+# at 32K cached tokens its attention took 320 us a layer instead of 474 (the step 23.6 -> 21.1 ms), at 8K
+# 111 instead of 143; at 512 it cost 36 instead of 26 (fewer programs than the SMs can hold). SmolLM2's
+# 3 heads (5 rows in 16, 10 in 32) lost at every length: more query slots than it saves.
 
 
-def row_group(group: int, rows: int) -> tuple[int, int]:
-    """(rows R, query tile QB) of one program of a call of `rows` rows: QB is the tile one row's `group`
-    query heads pad to (a power of two, >= 16 for the dots), at least VERIFY_QUERIES when there are
-    several rows, and R rows fill it (the 27B's 6 heads a KV head: 5 rows in 32; SmolLM2's 3: 10). Those
-    rows share every committed K/V tile they read. The AR step (one row) keeps the tile its heads pad
-    to. A row's bits do not depend on the tile (`_tile_update`), so a verify's rows equal the AR step's."""
-    queries = max(16, triton.next_power_of_2(group))
-    if rows > 1:
-        queries = max(queries, VERIFY_QUERIES)
-    return max(1, min(MAX_ROWS, queries // group)), queries
+def row_group(group: int, rows: int, n_keys: int) -> tuple[int, int]:
+    """(rows R, query tile QB) of one program of a call of `rows` rows over `n_keys` key positions: QB
+    is the tile one row's `group` query heads pad to (a power of two, >= 16 for the dots), and R rows
+    fill it (the 27B's 6 heads a KV head: 2 rows in 16; SmolLM2's 3: 5 rows). Those rows share every
+    committed K/V tile they read. From WIDE_FROM_KEYS keys a verify takes VERIFY_QUERIES queries instead
+    where that computes no more query slots (programs x QB) than the narrow tile: the 27B's 5 rows in 32.
+    A row's bits do not depend on the tile (`_tile_update`), so a verify's rows equal the AR step's."""
+    narrow = max(16, triton.next_power_of_2(group))
+    tiles = [(max(1, min(MAX_ROWS, queries // group)), queries) for queries in (narrow, VERIFY_QUERIES)]
+    if rows == 1 or n_keys < WIDE_FROM_KEYS or narrow >= VERIFY_QUERIES:
+        return tiles[0]
+    return min(tiles, key=lambda tile: triton.cdiv(rows, tile[0]) * tile[1])  # a tie: the narrow one
 
 
 def split_positions(slots: int) -> int:
@@ -332,7 +340,7 @@ def tree_attention(
     n_kv = k_cache.shape[0]
     group = n_heads // n_kv
     bd = triton.next_power_of_2(hd)
-    rows, queries = row_group(group, t)
+    rows, queries = row_group(group, t, n_keys)
     split = split_positions(split_for or k_cache.shape[1])
     n_splits = triton.cdiv(n_keys, split)
     n_groups = triton.cdiv(t, rows)
