@@ -18,9 +18,9 @@ every row); the program of a (row, KV head) that finishes its split last combine
 split past a row's last position is empty (m = -inf, l = 0) and adds exact zeros, so the number of
 splits launched (from the fixed key bucket of a CUDA graph) does not matter either.
 Query heads of one KV head (GQA) share a program: (G padded to 16, head_dim) x (head_dim, block) dots.
-A program takes the rows whose query heads fill the tile one row pads to (`row_group`): they read each
-committed K/V tile once. Without that every row of a verify read its KV head's whole cache again: at 32K
-cached tokens on the 27B, 30 of the verify 23's 48 ms (bench/results/h100-replay-2026-12-05).
+A program takes the rows whose query heads fill the tile one row pads to, or a wider one (`row_group`):
+they read each committed K/V tile once. Without that every row of a verify read its KV head's whole cache
+again: at 32K cached tokens on the 27B, 30 of the verify 23's 48 ms (bench/results/h100-replay-2026-12-05).
 Compiled without fp fusion: the AR step (one row a program) and the verify (the rows of a group) are two
 variants of the kernel, and whether a multiply and an add become one fma depends on the code around them.
 """
@@ -52,11 +52,12 @@ COMBINE_ROUND = tl.constexpr(16)  # splits whose maxima the combine loads at onc
 MAX_ROWS = 16  # rows of a tree a program takes at most
 VERIFY_QUERIES = 32  # a verify's wider query tile, where it pays (`row_group`)
 WIDE_FROM_KEYS = 4096  # key positions from which a verify may take the wider tile
-# Why (27B heads, H200, bench/results/h200-attention-rows-2026-12-06): 5 rows in 32 queries instead of 2
-# in 16 read each KV head's cache 5 times for a verify 23, not 12, and pad 30 of 32 queries, not 12 of 16:
-# at 32K cached tokens its attention took 320 us a layer instead of 474 (the step 23.6 -> 21.1 ms), at 8K
-# 111 instead of 143; at 512 it cost 36 instead of 26 (fewer programs than the SMs can hold). SmolLM2's
-# 3 heads (5 rows in 16, 10 in 32) lost at every length: more query slots than it saves.
+# Why (bench/results/attention-rows-2026-12-06): 5 rows in 32 queries instead of 2 in 16 read each KV head's
+# cache 5 times for a verify 23, not 12, and pad 30 of 32 queries, not 12 of 16. The 27B's verify 23 at
+# 32K cached tokens (H200): its attention 474 -> 320 us a layer, the step 23.6 -> 21.1 ms. Per layer (H100),
+# 16 vs 32 queries: 26 vs 36 us at 512 keys (fewer programs than the SMs hold), 74 vs 75 at 2048, 96 vs 89
+# at 4096, 140 vs 115 at 8K, 452 vs 323 at 32K. SmolLM2's 3 heads (5 rows in 16, 10 in 32) lost at every
+# length on the H200 (20 -> 44 us at 512, 102 -> 133 at 32K): more query slots than it saves.
 
 
 def row_group(group: int, rows: int, n_keys: int) -> tuple[int, int]:
@@ -64,7 +65,7 @@ def row_group(group: int, rows: int, n_keys: int) -> tuple[int, int]:
     is the tile one row's `group` query heads pad to (a power of two, >= 16 for the dots), and R rows
     fill it (the 27B's 6 heads a KV head: 2 rows in 16; SmolLM2's 3: 5 rows). Those rows share every
     committed K/V tile they read. From WIDE_FROM_KEYS keys a verify takes VERIFY_QUERIES queries instead
-    where that computes no more query slots (programs x QB) than the narrow tile: the 27B's 5 rows in 32.
+    where that computes fewer query slots (programs x QB) than the narrow tile: the 27B's 5 rows in 32.
     A row's bits do not depend on the tile (`_tile_update`), so a verify's rows equal the AR step's."""
     narrow = max(16, triton.next_power_of_2(group))
     tiles = [(max(1, min(MAX_ROWS, queries // group)), queries) for queries in (narrow, VERIFY_QUERIES)]
