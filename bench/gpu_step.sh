@@ -13,6 +13,8 @@
 #   attention bench/gpu_attention.py: the decode/verify attention's longest split (MAX_SPLIT) swept: each
 #            value's verify rows checked against its AR step bit for bit, and timed at the 27B's heads
 #            (AR step and 23-node verify at 512 / 8K / 32K cached tokens)
+#   sums     bench/gpu_sum_splits.py: the K-splits' summing launch swept (block, warps) at the 27B's verify
+#            shapes (SUM_ROWS, default 23), each checked bit for bit against the default (no GGUF needed)
 #   deltanet bench/gpu_deltanet.py: the tree DeltaNet kernel's tiles checked and timed at the 27B's heads
 #            (AR step and 23-token verify; FLASHTREE_DELTA_TILE applies a choice)
 #   graphs   bench/gpu_graphs.py: CUDA-graph decode steps emit the eager steps' tokens (tiny targets)
@@ -114,6 +116,7 @@ for stage in "$@"; do
         --name "kernels_${FLASHTREE_QMM_ARITH:-int8}" 2>&1 | tee "$OUT/kernels_${FLASHTREE_QMM_ARITH:-int8}.log" ;;
     small) python3 bench/gpu_small_kernels.py "$OUT" 2>&1 | tee "$OUT/small.log" ;;
     registers) python3 bench/sm90_registers.py "$OUT/registers.json" 2>&1 | tail -n 30 | tee "$OUT/registers.log" ;;
+    sums) python3 bench/gpu_sum_splits.py "$OUT" --rows "${SUM_ROWS:-23}" 2>&1 | tee "$OUT/sum_splits.log" ;;
     deltanet) python3 bench/gpu_deltanet.py "$OUT" 2>&1 | tee "$OUT/deltanet.log" ;;
     attention) python3 bench/gpu_attention.py "$OUT" 2>&1 | tee "$OUT/attention.log" ;;
     dense) python3 bench/gpu_dense_matmul.py "$OUT" --sweep 2>&1 | tee "$OUT/dense.log"
@@ -181,6 +184,6 @@ for stage in "$@"; do
         done ;;
     profile-pair) python3 bench/gpu_profile_steps.py "$OUT/profile_${PAIR_NAME:-pair}" "$GGUF" "$STASH/draft.gguf" \
         2>&1 | grep -v USDT | tee "$OUT/profile_${PAIR_NAME:-pair}.log" ;;
-    *) echo "unknown stage $stage (prep|kernels|small|registers|deltanet|attention|dense|graphs|graphs-quant|probe|step|stage-a|pair|pdl-checks|pdl|pdl-step|splits|ab|splits-step|ncu|profile-pair)" >&2; exit 2 ;;
+    *) echo "unknown stage $stage (prep|kernels|small|registers|sums|deltanet|attention|dense|graphs|graphs-quant|probe|step|stage-a|pair|pdl-checks|pdl|pdl-step|splits|ab|splits-step|ncu|profile-pair)" >&2; exit 2 ;;
     esac
 done

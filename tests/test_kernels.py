@@ -260,6 +260,22 @@ def test_uneven_k_splits_and_unrolled_units(monkeypatch, units, splits, per_spli
     assert not qmatmul.tile_counters(x.device, 1).any()
 
 
+@pytest.mark.parametrize("block,warps", [(1024, 4), (128, 1), (256, 8)])
+def test_the_summing_launch_adds_splits_in_order_whatever_its_block(monkeypatch, block, warps):
+    """sum_splits: y = split 0 + split 1 + ... in fp32, in that order (as the last program of a tile adds
+    them), for any block and warps the launch takes (bench/gpu_sum_splits.py sweeps them): 20 splits
+    (rounds of 8, a ragged last one) over 3 x 300 sums, a last block only partly inside."""
+    monkeypatch.setattr(qmatmul, "SUM_BLOCK", block)
+    monkeypatch.setattr(qmatmul, "SUM_WARPS", warps)
+    parts = torch.randn(20, 3, 300, generator=torch.Generator().manual_seed(5))
+    want = parts[0].clone()
+    for split in parts[1:]:
+        want += split
+    y = torch.empty(3, 300)
+    qmatmul.sum_splits(y, parts)
+    assert torch.equal(y, want)
+
+
 def test_a_matrix_may_have_its_own_split_target(monkeypatch):
     """A per-matrix target (FLASHTREE_QMM_SPLITS) sets that matrix's split count, the same for every M:
     the math and batch invariance hold, and other matrices keep SPLIT_TARGET."""

@@ -35,7 +35,7 @@ import triton.language as tl
 
 from flashtree.errors import FlashtreeError
 from flashtree.kernels.launch import pdl_options, wait_for_inputs
-from flashtree.kernels.qmatmul import _finish, _sum_splits_kernel, k_splits, tile_counters
+from flashtree.kernels.qmatmul import _finish, k_splits, sum_splits, tile_counters
 
 MAX_ROWS = 64  # above this many rows (prefill): cuBLAS, compute-bound there
 
@@ -157,8 +157,5 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, tiles: DenseTiles | None
         FUSED_SUM=bool(tiles.fused_sum), num_warps=tiles.warps, num_stages=tiles.stages, **pdl_options(y),
     )  # fmt: skip
     if n_splits > 1 and not tiles.fused_sum:
-        block = 1024
-        _sum_splits_kernel[(triton.cdiv(m * n, block),)](
-            y, parts, m * n, n_splits, BLOCK=block, **pdl_options(y)
-        )
+        sum_splits(y, parts)
     return y.view(*x.shape[:-1], n)

@@ -388,6 +388,23 @@ def _sum_splits_kernel(y_ptr, part_ptr, n, n_splits, BLOCK: tl.constexpr, GDC: t
     tl.store(y_ptr + i, _sum_of_splits(part_ptr, i, ok, n_splits, n).to(y_ptr.dtype.element_ty), mask=ok)
 
 
+SUM_BLOCK = 1024  # sums a program of `sum_splits` adds
+SUM_WARPS = 4
+# Not yet swept (bench/gpu_sum_splits.py): in the 27B's bf16 verify 23 on an H100 the 288 launches took
+# 4.2 ms of its 18.8 ms of kernels (bench/results/attention-rows-2026-12-06), ~10 MB of partial sums each
+# at ~0.7 TB/s; a 5120-row matrix's 23 rows are 115 programs of 1024 sums, fewer than the SMs.
+
+
+def sum_splits(y: torch.Tensor, parts: torch.Tensor) -> None:
+    """y (M, N) = parts (n_splits, M, N), the K-splits' partial sums, added in split order (the order
+    every path adds them in, `_sum_of_splits`): the second launch of a product whose tile does not add
+    its own splits (`TileConfig.fused_sum`)."""
+    n = y.numel()
+    _sum_splits_kernel[(triton.cdiv(n, SUM_BLOCK),)](
+        y, parts, n, parts.shape[0], BLOCK=SUM_BLOCK, num_warps=SUM_WARPS, **pdl_options(y)
+    )
+
+
 # --- Triton: M = 1, dp4a ------------------------------------------------------------------------------
 
 
@@ -1054,10 +1071,7 @@ def quant_matmul(
             BF16=False, enable_fp_fusion=False, **launch, **pdl_options(y),
         )  # fmt: skip
     if n_splits > 1 and not tile.fused_sum:
-        block = 1024
-        _sum_splits_kernel[(triton.cdiv(m * n_rows, block),)](
-            y, parts, m * n_rows, n_splits, BLOCK=block, **pdl_options(y)
-        )
+        sum_splits(y, parts)
     return y
 
 
