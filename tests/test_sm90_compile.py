@@ -47,10 +47,15 @@ def decode_launches(tmp_path_factory, tiny_root) -> list[dict]:
         fp8.quantize_rows(torch.randn(3, 96).bfloat16())  # an fp8 draft's activations
         # a bf16 model's attention at 256-dim heads (the 27B's), with the dots it takes on CUDA
         mp.setattr(attention, "dot_mode", lambda q: "bf16")
-        q, kv = torch.randn(3, 6, 256).bfloat16(), torch.randn(1, 80, 256).bfloat16()
-        layout = BlockLayout.chain(3)
-        paths, depths = layout.paths().to(torch.int32), layout.depths.to(torch.int32)
-        attention.tree_attention(q, kv, kv, torch.tensor(70), paths, depths, 73, 0.0625)
+        kv = torch.randn(1, 80, 256).bfloat16()
+        for rows in (3, 10):  # 10: a long context's verify, in the wider query tile (5 rows in 32)
+            if rows == 10:
+                mp.setattr(attention, "WIDE_FROM_KEYS", 0)
+                assert attention.row_group(6, rows, 70) == (5, attention.VERIFY_QUERIES)
+            layout = BlockLayout.chain(rows)
+            paths, depths = layout.paths().to(torch.int32), layout.depths.to(torch.int32)
+            q = torch.randn(rows, 6, 256).bfloat16()
+            attention.tree_attention(q, kv, kv, torch.tensor(60), paths, depths, 60 + rows, 0.0625)
         for tile in ((32, 4), (8, 1)):  # FLASHTREE_DELTA_TILE choices besides the default
             nk, nv, kd, vd = 1, 2, 16, 16
             x, ab, state = (
