@@ -260,7 +260,7 @@ def test_uneven_k_splits_and_unrolled_units(monkeypatch, units, splits, per_spli
     assert not qmatmul.tile_counters(x.device, 1).any()
 
 
-@pytest.mark.parametrize("block,warps", [(1024, 4), (128, 1), (256, 8)])
+@pytest.mark.parametrize("block,warps", [(128, 2), (1024, 4), (256, 8)])
 def test_the_summing_launch_adds_splits_in_order_whatever_its_block(monkeypatch, block, warps):
     """sum_splits: y = split 0 + split 1 + ... in fp32, in that order (as the last program of a tile adds
     them), for any block and warps the launch takes (bench/gpu_sum_splits.py sweeps them): 20 splits

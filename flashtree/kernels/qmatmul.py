@@ -388,11 +388,12 @@ def _sum_splits_kernel(y_ptr, part_ptr, n, n_splits, BLOCK: tl.constexpr, GDC: t
     tl.store(y_ptr + i, _sum_of_splits(part_ptr, i, ok, n_splits, n).to(y_ptr.dtype.element_ty), mask=ok)
 
 
-SUM_BLOCK = 1024  # sums a program of `sum_splits` adds
-SUM_WARPS = 4
-# Not yet swept (bench/gpu_sum_splits.py): in the 27B's bf16 verify 23 on an H100 the 288 launches took
-# 4.2 ms of its 18.8 ms of kernels (bench/results/attention-rows-2026-12-06), ~10 MB of partial sums each
-# at ~0.7 TB/s; a 5120-row matrix's 23 rows are 115 programs of 1024 sums, fewer than the SMs.
+SUM_BLOCK = 128  # sums a program of `sum_splits` adds
+SUM_WARPS = 2
+# Swept at the 27B's verify 23 shapes on an H100 (bench/gpu_sum_splits.py, in
+# bench/results/sum-splits-2026-12-06): 128 x 2 warps sums a shape's partials in 2-6.5 us a launch where
+# 1024 x 4 took 5-11 (small blocks give 5120-row matrices more programs than SMs); 256 x 4, 128 x 4 and
+# 512 x 8 were as fast. The 27B's bf16 verify 23 went 17.15 -> 16.04 ms side by side.
 
 
 def sum_splits(y: torch.Tensor, parts: torch.Tensor) -> None:
