@@ -4,6 +4,9 @@ models; NUM_WARPS, for 256-dim heads; NUM_STAGES, the K/V tiles in flight; WIDE_
 positions from which a verify takes VERIFY_QUERIES queries a program where that computes fewer).
 
     python bench/gpu_attention.py OUT_DIR    -> OUT_DIR/attention.json; exit 1 when a value fails its check
+    ATTN_SETTINGS='[{}, {"MAX_ROWS": 1}]' ATTN_HEADS=SmolLM2 ATTN_CONTEXTS=128,512 ATTN_SLOTS=8215 python ...
+        other settings (a JSON list of changes, {} = the defaults), heads, contexts, and the cache's slots
+        (default: the context + 1024; the default pair's engine holds 8215: SmolLM2's 8192 + a tree)
 
 Why: a split is one program's serial walk over its positions, one tile a step, and the program that
 finishes a row's splits last combines them in rounds of L2 loads: the settings decide how long those
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -36,20 +40,24 @@ from flashtree.models.block import BlockLayout
 
 HEADS = {"27B": (4, 24, 256, torch.bfloat16), "SmolLM2": (3, 9, 64, torch.float32)}  # KV heads, heads, dim
 LAYERS = 16
-CONTEXTS = (512, 2048, 4096, 8192, 32768)
+CONTEXTS = tuple(int(c) for c in os.environ.get("ATTN_CONTEXTS", "512,2048,4096,8192,32768").split(","))
+SLOTS = int(os.environ.get("ATTN_SLOTS", "0"))  # 0: context + 1024
 KNOBS = (
-    "MAX_SPLIT", "TILE_POSITIONS", "BF16_DOTS", "NUM_WARPS", "NUM_STAGES", "VERIFY_QUERIES", "WIDE_FROM_KEYS",
+    "MAX_SPLIT", "SPLITS_PER_CACHE", "TILE_POSITIONS", "BF16_DOTS", "NUM_WARPS", "NUM_STAGES", "MAX_ROWS",
+    "SHORT_ROWS", "ROWS_FROM_KEYS", "VERIFY_QUERIES", "WIDE_FROM_KEYS",
 )  # fmt: skip
-SETTINGS = [  # each a change from the defaults
-    {"WIDE_FROM_KEYS": 0},  # the verify's wider tile at every length (where it computes fewer queries)
-    {"WIDE_FROM_KEYS": 1 << 40},  # never
-]
+SETTINGS = json.loads(  # each a change from the defaults
+    os.environ.get(
+        "ATTN_SETTINGS",  # by default: the verify's wider tile at every length (where it computes fewer
+        '[{"WIDE_FROM_KEYS": 0}, {"WIDE_FROM_KEYS": 1099511627776}]',  # queries), and never
+    )
+)
 
 
 def timings(heads: str, context: int, paths: torch.Tensor, depths: torch.Tensor) -> dict:
     """AR and verify 23 times per layer (us) at `context` cached tokens under the current settings."""
     n_kv, n_heads, hd, dtype = HEADS[heads]
-    slots = context + 1024  # an engine's cache past the context: its split size follows the slots
+    slots = SLOTS or context + 1024  # an engine's cache past the context: its split size follows the slots
     gen = torch.Generator().manual_seed(context)
     shape = (n_kv, slots, hd)
     caches = [[torch.randn(shape, generator=gen).to(DEVICE, dtype) for _ in range(2)] for _ in range(LAYERS)]
@@ -83,7 +91,8 @@ def main(out_dir: Path) -> int:
             ok = all(c["ok"] and c["rows_bitwise"] for c in checks)
             row = {"setting": setting, "ok": ok, "checks": checks}
             if DEVICE.type == "cuda":
-                row["times"] = [timings(h, c, paths, depths) for h, c in itertools.product(HEADS, CONTEXTS)]
+                heads = os.environ.get("ATTN_HEADS", ",".join(HEADS)).split(",")
+                row["times"] = [timings(h, c, paths, depths) for h, c in itertools.product(heads, CONTEXTS)]
         except triton.runtime.errors.OutOfResources as e:  # a setting the GPU cannot hold: not a failure
             print(f"{change}: {e}", flush=True)
             continue

@@ -14,6 +14,7 @@ import torch.nn.functional as F  # noqa: E402
 from flashtree.kernels import attention  # noqa: E402
 from flashtree.kernels.attention import (  # noqa: E402
     MAX_SPLIT,
+    ROWS_FROM_KEYS,
     SPLITS_PER_CACHE,
     TILE_POSITIONS,
     VERIFY_QUERIES,
@@ -40,7 +41,15 @@ SHAPES = {
     "long-cache": (1, 1, 24, 2 * MAX_SPLIT + 90, MAX_SPLIT * SPLITS_PER_CACHE),
     "many-splits": (1, 2, 256, 19 * TILE_POSITIONS + 5, 20 * TILE_POSITIONS),
 }
-ROW_CASES = [*((shape, False) for shape in SHAPES), ("short", True)]  # wide: the verify's wider tile
+# the verify's program: its rows as row_group gives them at these short contexts (2 at most), the rows
+# that fill the tile (as from ROWS_FROM_KEYS keys: 16 rows of GQA-free heads, 8 of 2 heads a KV head), or
+# the wider tile (the 27B's heads at a long context)
+ROW_CASES = [
+    *((shape, "short") for shape in SHAPES),
+    ("long", "fill"),
+    ("many-splits", "fill"),
+    ("short", "wide"),
+]
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -104,16 +113,21 @@ def test_splits_combine_under_the_largest_maximum_of_all():
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=list(DTYPES))
-@pytest.mark.parametrize("shape, wide", ROW_CASES, ids=[*SHAPES, "wide"])
-def test_verify_rows_are_the_ar_steps_bit_for_bit(shape, dtype, wide, monkeypatch):
+@pytest.mark.parametrize("shape, tile", ROW_CASES, ids=[f"{shape}-{tile}" for shape, tile in ROW_CASES])
+def test_verify_rows_are_the_ar_steps_bit_for_bit(shape, dtype, tile, monkeypatch):
     """Each tree node vs one AR step at its position after its path was committed (its ancestors' K/V
-    moved to their positions, as commit_path does), and vs a call with more (empty) splits. wide: the
-    verify takes the wider query tile (a long context's) while the AR step keeps its own."""
+    moved to their positions, as commit_path does), and vs a call with more (empty) splits. The AR step's
+    program takes its one row alone, the verify's as many rows as `tile` says."""
     q, k, v, start, layout = case(shape, "tree", DTYPES[dtype], seed=1)
     group = q.shape[1] // k.shape[0]
-    if wide:  # the 27B's 6 query heads a KV head: 5 rows in 32 queries, the AR step 2 in 16
+    want_rows = {"short": min(2, 16 // group), "fill": 16 // group, "wide": 5}[tile]
+    if tile == "fill":
+        monkeypatch.setattr(attention, "ROWS_FROM_KEYS", 0)
+    if tile == "wide":  # the 27B's 6 query heads a KV head: 5 rows in 32 queries
         monkeypatch.setattr(attention, "WIDE_FROM_KEYS", 0)
-        assert row_group(group, layout.size, start) == (5, VERIFY_QUERIES)
+        monkeypatch.setattr(attention, "ROWS_FROM_KEYS", 0)
+    assert row_group(group, layout.size, start) == (want_rows, VERIFY_QUERIES if tile == "wide" else 16)
+    assert row_group(group, 1, start) == (1, 16)
     got = run(q, k, v, start, layout)
     assert torch.equal(run(q, k, v, start, layout, n_keys=start + 3 * split_positions(k.shape[1])), got)
     paths = layout.paths()
@@ -130,8 +144,15 @@ def test_rows_fill_the_query_tile_one_row_pads_to():
     # (query heads per KV head) -> (rows a program, query tile): 27B 6, SmolLM2 3, GQA-free 1, 8B 4, MQA 24
     groups = (6, 3, 1, 2, 4, 16, 24)
     narrow = [(2, 16), (5, 16), (16, 16), (8, 16), (4, 16), (1, 16), (1, 32)]
-    assert [row_group(g, 1, 32768) for g in groups] == narrow  # the AR step
-    assert [row_group(g, 23, WIDE_FROM_KEYS - 1) for g in groups] == narrow  # a short context
+    alone = [(1, tile) for _, tile in narrow]
+    assert [row_group(g, 1, n_keys) for g in groups for n_keys in (100, 32768)] == [
+        tile for tile in alone for _ in range(2)
+    ]  # the AR step: its row alone at any length
+    short = [(min(2, rows), tile) for rows, tile in narrow]
+    assert [
+        row_group(g, 23, ROWS_FROM_KEYS - 1) for g in groups
+    ] == short  # a few hundred keys: 2 rows at most
+    assert [row_group(g, 23, WIDE_FROM_KEYS - 1) for g in groups] == narrow  # a longer context
     # a verify 23 at a long context: the wider tile only where it computes fewer query slots (the 27B:
     # 5 programs x 32 instead of 12 x 16); SmolLM2's 3 would take 3 x 32 instead of 5 x 16, the 8B's a tie
     assert [row_group(g, 23, WIDE_FROM_KEYS) for g in groups] == [(5, 32), *narrow[1:]]

@@ -18,9 +18,10 @@ every row); the program of a (row, KV head) that finishes its split last combine
 split past a row's last position is empty (m = -inf, l = 0) and adds exact zeros, so the number of
 splits launched (from the fixed key bucket of a CUDA graph) does not matter either.
 Query heads of one KV head (GQA) share a program: (G padded to 16, head_dim) x (head_dim, block) dots.
-A program takes the rows whose query heads fill the tile one row pads to, or a wider one (`row_group`):
-they read each committed K/V tile once. Without that every row of a verify read its KV head's whole cache
-again: at 32K cached tokens on the 27B, 30 of the verify 23's 48 ms (bench/results/h100-replay-2026-12-05).
+A verify's program takes the rows whose query heads fill the tile one row pads to (2 at most at short
+contexts), or a wider one (`row_group`): they read each committed K/V tile once. Without that every row
+of a verify read its KV head's whole cache again: at 32K cached tokens on the 27B, 30 of the verify
+23's 48 ms (bench/results/h100-replay-2026-12-05).
 Compiled without fp fusion: the AR step (one row a program) and the verify (the rows of a group) are two
 variants of the kernel, and whether a multiply and an add become one fma depends on the code around them.
 """
@@ -50,6 +51,15 @@ NUM_STAGES = 2  # the software pipeline's depth over the committed K/V tiles: tw
 # Three stages of 64 x 256 tiles did not fit an SM's shared memory under the device's Triton 3.6 (303 KB).
 COMBINE_ROUND = tl.constexpr(16)  # splits whose maxima the combine loads at once
 MAX_ROWS = 16  # rows of a tree a program takes at most
+SHORT_ROWS = 2  # ... and below ROWS_FROM_KEYS key positions at most this many
+ROWS_FROM_KEYS = 2048
+# Why (bench/results/h100-default-pair-2026-12-06, H100): at a few hundred keys a program's serial part is
+# its rows' own tiles and their combine, not the committed tiles they share. SmolLM2's 3 heads a KV head
+# (5 rows a program) in the default pair's 8K cache: a verify 23's attention 18.7 / 18.1 / 18.1 / 18.8 us a
+# layer at 64 / 256 / 512 / 1024 keys, 9.3 / 12.8 / 13.0 / 15.7 in 2 rows; from 2048 keys 5 rows win
+# (30.4 vs 33.8 us, 8K 39.8 vs 72.1, 32K 106.7 vs 135.2). The pair's tree 2081 -> 2438 tok/s side by side.
+# The AR step's program takes its one row alone (padding it to the tile's rows only cost): the 27B's heads
+# 8.5 -> 7.9 us a layer at 512 keys, 15.2 -> 13.7 at 2048, 26.7 -> 24.7 at 8K, 72.0 -> 69.3 at 32K.
 VERIFY_QUERIES = 32  # a verify's wider query tile, where it pays (`row_group`)
 WIDE_FROM_KEYS = 4096  # key positions from which a verify may take the wider tile
 # Why (bench/results/attention-rows-2026-12-06): 5 rows in 32 queries instead of 2 in 16 read each KV head's
@@ -62,14 +72,21 @@ WIDE_FROM_KEYS = 4096  # key positions from which a verify may take the wider ti
 
 def row_group(group: int, rows: int, n_keys: int) -> tuple[int, int]:
     """(rows R, query tile QB) of one program of a call of `rows` rows over `n_keys` key positions: QB
-    is the tile one row's `group` query heads pad to (a power of two, >= 16 for the dots), and R rows
-    fill it (the 27B's 6 heads a KV head: 2 rows in 16; SmolLM2's 3: 5 rows). Those rows share every
-    committed K/V tile they read. From WIDE_FROM_KEYS keys a verify takes VERIFY_QUERIES queries instead
-    where that computes fewer query slots (programs x QB) than the narrow tile: the 27B's 5 rows in 32.
-    A row's bits do not depend on the tile (`_tile_update`), so a verify's rows equal the AR step's."""
+    is the tile one row's `group` query heads pad to (a power of two, >= 16 for the dots), and a verify's
+    R rows fill it (the 27B's 6 heads a KV head: 2 rows in 16; SmolLM2's 3: 5 rows), at most SHORT_ROWS
+    below ROWS_FROM_KEYS keys; an AR step's one row is alone. A program's rows share every committed K/V
+    tile they read. From WIDE_FROM_KEYS keys a verify takes VERIFY_QUERIES queries instead where that
+    computes fewer query slots (programs x QB) than the narrow tile: the 27B's 5 rows in 32. A row's bits
+    do not depend on the tile or its rows (`_tile_update`), so a verify's rows equal the AR step's."""
     narrow = max(16, triton.next_power_of_2(group))
-    tiles = [(max(1, min(MAX_ROWS, queries // group)), queries) for queries in (narrow, VERIFY_QUERIES)]
-    if rows == 1 or n_keys < WIDE_FROM_KEYS or narrow >= VERIFY_QUERIES:
+    if rows == 1:  # the AR step
+        return 1, narrow
+    most = SHORT_ROWS if n_keys < ROWS_FROM_KEYS else MAX_ROWS
+    tiles = [
+        (max(1, min(most, narrow // group)), narrow),
+        (max(1, min(MAX_ROWS, VERIFY_QUERIES // group)), VERIFY_QUERIES),
+    ]
+    if n_keys < WIDE_FROM_KEYS or narrow >= VERIFY_QUERIES:
         return tiles[0]
     return min(tiles, key=lambda tile: triton.cdiv(rows, tile[0]) * tile[1])  # a tie: the narrow one
 
