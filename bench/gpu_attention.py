@@ -1,7 +1,8 @@
 """The decode/verify attention's settings swept at the 27B's heads and SmolLM2's (kernels/attention.py:
 MAX_SPLIT, the longest split; TILE_POSITIONS, the inner step; BF16_DOTS, the dots' operands of bf16
-models; NUM_WARPS, for 256-dim heads; NUM_STAGES, the K/V tiles in flight; WIDE_FROM_KEYS, the key
-positions from which a verify takes VERIFY_QUERIES queries a program where that computes fewer).
+models; NUM_WARPS, for 256-dim heads; NUM_STAGES, the K/V tiles in flight; MAX_ROWS, SHORT_ROWS and
+ROWS_FROM_KEYS, a verify's rows a program; WIDE_FROM_KEYS, the key positions from which a verify takes
+VERIFY_QUERIES queries a program where that computes fewer).
 
     python bench/gpu_attention.py OUT_DIR    -> OUT_DIR/attention.json; exit 1 when a value fails its check
     ATTN_SETTINGS='[{}, {"MAX_ROWS": 1}]' ATTN_HEADS=SmolLM2 ATTN_CONTEXTS=128,512 ATTN_SLOTS=8215 python ...
@@ -52,6 +53,8 @@ SETTINGS = json.loads(  # each a change from the defaults
         '[{"WIDE_FROM_KEYS": 0}, {"WIDE_FROM_KEYS": 1099511627776}]',  # queries), and never
     )
 )
+if unknown := sorted({knob for change in SETTINGS for knob in change} - set(KNOBS)):
+    sys.exit(f"ATTN_SETTINGS: unknown settings {unknown} (known: {', '.join(KNOBS)})")
 
 
 def timings(heads: str, context: int, paths: torch.Tensor, depths: torch.Tensor) -> dict:
