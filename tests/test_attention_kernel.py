@@ -148,10 +148,8 @@ def test_rows_fill_the_query_tile_one_row_pads_to():
     assert [row_group(g, 1, n_keys) for g in groups for n_keys in (100, 32768)] == [
         tile for tile in alone for _ in range(2)
     ]  # the AR step: its row alone at any length
-    short = [(min(2, rows), tile) for rows, tile in narrow]
-    assert [
-        row_group(g, 23, ROWS_FROM_KEYS - 1) for g in groups
-    ] == short  # a few hundred keys: 2 rows at most
+    short = [(min(2, rows), tile) for rows, tile in narrow]  # a few hundred keys: 2 rows at most
+    assert [row_group(g, 23, ROWS_FROM_KEYS - 1) for g in groups] == short
     assert [row_group(g, 23, WIDE_FROM_KEYS - 1) for g in groups] == narrow  # a longer context
     # a verify 23 at a long context: the wider tile only where it computes fewer query slots (the 27B:
     # 5 programs x 32 instead of 12 x 16); SmolLM2's 3 would take 3 x 32 instead of 5 x 16, the 8B's a tie
