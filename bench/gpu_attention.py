@@ -55,6 +55,9 @@ SETTINGS = json.loads(  # each a change from the defaults
 )
 if unknown := sorted({knob for change in SETTINGS for knob in change} - set(KNOBS)):
     sys.exit(f"ATTN_SETTINGS: unknown settings {unknown} (known: {', '.join(KNOBS)})")
+TIMED_HEADS = os.environ.get("ATTN_HEADS", ",".join(HEADS)).split(",")
+if unknown := sorted(set(TIMED_HEADS) - set(HEADS)):
+    sys.exit(f"ATTN_HEADS: unknown heads {unknown} (known: {', '.join(HEADS)})")
 
 
 def timings(heads: str, context: int, paths: torch.Tensor, depths: torch.Tensor) -> dict:
@@ -94,8 +97,8 @@ def main(out_dir: Path) -> int:
             ok = all(c["ok"] and c["rows_bitwise"] for c in checks)
             row = {"setting": setting, "ok": ok, "checks": checks}
             if DEVICE.type == "cuda":
-                heads = os.environ.get("ATTN_HEADS", ",".join(HEADS)).split(",")
-                row["times"] = [timings(h, c, paths, depths) for h, c in itertools.product(heads, CONTEXTS)]
+                times = itertools.product(TIMED_HEADS, CONTEXTS)
+                row["times"] = [timings(h, c, paths, depths) for h, c in times]
         except triton.runtime.errors.OutOfResources as e:  # a setting the GPU cannot hold: not a failure
             print(f"{change}: {e}", flush=True)
             continue
