@@ -22,7 +22,7 @@ from typer.testing import CliRunner
 
 from flashtree.cli import app
 from flashtree.convert.hf import convert_checkpoint
-from flashtree.convert.shapes import default_target_layer_ids, get_shape
+from flashtree.convert.shapes import get_shape
 from flashtree.convert.synth import (
     qwen3_tokenizer_dir,
     synth_draft,
@@ -32,6 +32,7 @@ from flashtree.convert.synth import (
 )
 from flashtree.defaults import default_target_path
 from flashtree.errors import FlashtreeError
+from flashtree.models.config import default_target_layer_ids
 from flashtree.models.dflash import load_draft
 from flashtree.models.loader import load_target
 

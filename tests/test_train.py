@@ -20,12 +20,13 @@ import flashtree
 from flashtree.bench.hf_baseline import hf_model_from
 from flashtree.cli import app
 from flashtree.config import SamplingParams
-from flashtree.convert.synth import draft_config, draft_shape_for
+from flashtree.convert.shapes import gguf_tensors
+from flashtree.convert.synth import draft_shape_for
 from flashtree.defaults import default_draft_path, default_target_path
 from flashtree.generate import Engine
 from flashtree.gguf.reader import GGUFFile
 from flashtree.gguf.tokenizer import Tokenizer
-from flashtree.models.dflash import DraftConfig, load_draft
+from flashtree.models.dflash import load_draft
 from flashtree.models.layers import Linear
 from flashtree.models.loader import load_target
 from flashtree.quant.formats import type_name
@@ -66,9 +67,8 @@ def tiny(tiny_root):
     return _tiny_target(tiny_root, "llama")
 
 
-def _shape(gguf, layers=2, **dflash):
-    shape = draft_shape_for(gguf, layers)
-    return replace(shape, dflash=replace(shape.dflash, block_size=BLOCK, **dflash))
+def _shape(gguf, layers=2, **changes):
+    return replace(draft_shape_for(gguf, layers), block_size=BLOCK, **changes)
 
 
 # --- target features -----------------------------------------------------------------------------------
@@ -260,7 +260,7 @@ def test_checkpoints_leave_a_loadable_snapshot_of_the_draft(tiny, tiny_data, tmp
     draft = new_draft(shape, model, seed=0)
     trainer = Trainer(
         draft, hf_model_from(model), tiny_data, cfg, tmp_path, log=lambda m: None,
-        export=lambda d: save_draft(draft, shape, d),
+        export=lambda d: save_draft(draft, d),
     )  # fmt: skip
     batches = D.iterate_batches(tiny_data, cfg.batch, cfg.seed, 0)
     for step in (1, 3):
@@ -278,7 +278,7 @@ def test_saved_draft_loads_with_load_draft(tiny, tmp_path):
     _, model, gguf = tiny
     shape = _shape(gguf)
     draft = new_draft(shape, model, seed=2)
-    save_draft(draft, shape, tmp_path / "d")
+    save_draft(draft, tmp_path / "d")
     loaded = load_draft(tmp_path / "d", model)
     assert loaded.config.block_size == BLOCK and loaded.config.n_layers == 2
     for a, b in zip(draft.state_dict().values(), loaded.state_dict().values(), strict=True):
@@ -519,7 +519,7 @@ def test_train_draft_goes_on_from_a_draft_given_with_init(tiny, tmp_path):
     path, model, gguf = tiny
     shape = _shape(gguf)
     trained = new_draft(shape, model, seed=3, from_target=False)
-    save_draft(trained, shape, tmp_path / "trained")
+    save_draft(trained, tmp_path / "trained")
     loaded = load_draft(tmp_path / "trained", model)
     again = new_draft(shape, model, seed=4, init=loaded)
     for a, b in zip(trained.state_dict().values(), again.state_dict().values(), strict=True):
@@ -550,10 +550,10 @@ def test_shipped_draft_is_the_default_and_matches_what_train_draft_writes_for_sm
         n_layers = int(draft.get("dflash-draft.block_count"))
         shape = draft_shape_for(target, n_layers)
         assert {name: info.shape for name, info in draft.tensors.items()} == {
-            spec.name: tuple(spec.shape) for spec in shape.gguf_tensors()
+            spec.name: tuple(spec.shape) for spec in gguf_tensors(shape)
         }
         matrices = {type_name(info.qtype) for info in draft.tensors.values() if len(info.shape) == 2}
         assert matrices == {"Q8_0"}
     model, _ = load_target(default_target_path(progress=False), device="cpu")
     loaded = load_draft(path, model)
-    assert loaded.config == DraftConfig.from_json(draft_config(shape), path)
+    assert loaded.config == shape

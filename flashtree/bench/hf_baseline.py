@@ -116,12 +116,12 @@ def hf_config(target: DecoderModel):
         common["rope_parameters"]["partial_rotary_factor"] = c.rope_dim / c.head_dim
         config = tf.Qwen3_5TextConfig(
             **common,
-            layer_types=["full_attention" if t == "attention" else "linear_attention" for t in c.layer_types],
-            linear_num_key_heads=c.ssm_k_heads,
-            linear_num_value_heads=c.ssm_v_heads,
-            linear_key_head_dim=c.ssm_k_dim,
-            linear_value_head_dim=c.ssm_v_dim,
-            linear_conv_kernel_dim=c.ssm_kernel,
+            layer_types=list(c.layer_types),  # Hugging Face's names
+            linear_num_key_heads=c.linear_attn.n_k_heads,
+            linear_num_value_heads=c.linear_attn.n_v_heads,
+            linear_key_head_dim=c.linear_attn.head_k_dim,
+            linear_value_head_dim=c.linear_attn.head_v_dim,
+            linear_conv_kernel_dim=c.linear_attn.conv_kernel,
         )
         return tf.Qwen3_5ForCausalLM, config
     raise FlashtreeError(f"--baseline hf: no transformers model for architecture {c.arch!r}")

@@ -1,7 +1,8 @@
 """`flashtree convert`: Hugging Face checkpoints (config.json + *.safetensors) to GGUF.
 
-Target models are written in the layout llama.cpp's converter produces (names, shapes and metadata come
-from `ModelShape.gguf_tensors` / `gguf_metadata` in shapes.py):
+Target models are written in the layout llama.cpp's converter produces (config.json is read by
+`ModelConfig.from_hf_config`, models/config.py; names and shapes come from `gguf_tensors` in shapes.py,
+metadata from `ModelConfig.gguf_metadata`):
 - `LlamaForCausalLM` -> `llama`: attn_q/attn_k rows permuted for llama.cpp's RoPE (`rope_permute`).
 - `Qwen3ForCausalLM` -> `qwen3`: weights as they are (its RMSNorm weights are plain, not zero-centred).
 - `Qwen3_5ForCausalLM` / `Qwen3_5ForConditionalGeneration` (text part; vision tower and MTP head are
@@ -34,30 +35,16 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from flashtree.convert.shapes import (
-    DFlashShape,
-    LinearAttnShape,
-    ModelShape,
-    TensorSpec,
-    default_target_layer_ids,
-)
+from flashtree.convert.shapes import TensorSpec, gguf_tensors
 from flashtree.errors import FlashtreeError
 from flashtree.gguf.hf_tokenizer import gguf_tokenizer_metadata
 from flashtree.gguf.writer import write_gguf
+from flashtree.models.config import DRAFT_ARCH, LinearAttnConfig, ModelConfig
 from flashtree.quant.recipe import FILE_TYPES, RECIPES, recipe_types
 
 log = logging.getLogger(__name__)
 
 GGML_QUANT_VERSION = 2  # written by llama.cpp into every file as general.quantization_version
-
-HF_ARCHS = {
-    "LlamaForCausalLM": "llama",
-    "Qwen3ForCausalLM": "qwen3",
-    "Qwen3_5ForCausalLM": "qwen35",
-    "Qwen3_5ForConditionalGeneration": "qwen35",
-    "DFlashDraftModel": "dflash-draft",
-}
-MODEL_TYPES = {"llama": "llama", "qwen3": "qwen3", "qwen3_5": "qwen35", "qwen3_5_text": "qwen35"}
 
 # GGUF base name -> Hugging Face name inside the model (after the `model.` / `layers.N.` prefixes)
 HF_NAMES = {
@@ -114,7 +101,7 @@ def hf_shape(spec: TensorSpec) -> tuple[int, ...]:
     return spec.shape
 
 
-# --- config.json -> ModelShape ------------------------------------------------------------------------
+# --- config.json ------------------------------------------------------------------------------------
 
 
 def read_config(src: Path) -> dict:
@@ -130,125 +117,6 @@ def read_config(src: Path) -> dict:
     if not isinstance(config, dict):
         raise FlashtreeError(f"{path}: expected a JSON object")
     return config
-
-
-def detect_arch(config: dict, path: Path) -> str:
-    names = config.get("architectures") or []
-    for name in names:
-        if name in HF_ARCHS:
-            return HF_ARCHS[name]
-    model_type = config.get("model_type")
-    if not names and model_type in MODEL_TYPES:
-        return MODEL_TYPES[model_type]
-    found = ", ".join(names) or f"model_type {model_type!r}"
-    raise FlashtreeError(f"{path}: unsupported architecture {found} (supported: {', '.join(HF_ARCHS)})")
-
-
-class _Fields:
-    """config.json values, with a FlashtreeError naming the file and the key when one is missing."""
-
-    def __init__(self, config: dict, path: Path):
-        # Qwen3_5ForConditionalGeneration nests the language model's settings under text_config
-        self.values = {**config, **(config.get("text_config") or {})}
-        self.path = path
-
-    def __call__(self, key: str, default=None):
-        value = self.values.get(key)
-        if value is None:  # absent or null
-            value = default
-        if value is None:
-            raise FlashtreeError(f"{self.path}: missing {key!r}")
-        return value
-
-    def rope(self) -> dict:
-        """RoPE settings: transformers 5 keeps them in rope_parameters, older configs at the top level."""
-        rope = {k: v for k, v in self.values.items() if k in ("rope_theta", "partial_rotary_factor")}
-        rope |= self.values.get("rope_parameters") or self.values.get("rope_scaling") or {}
-        kind = rope.get("rope_type", rope.get("type", "default"))
-        if kind != "default":
-            raise FlashtreeError(f"{self.path}: unsupported RoPE scaling {kind!r} (only plain RoPE)")
-        return rope
-
-
-def shape_from_config(config: dict, path: Path) -> ModelShape:
-    """The geometry of a checkpoint, from its config.json (`path` is only for error messages)."""
-    arch = detect_arch(config, path)
-    f = _Fields(config, path)
-    if f("attention_bias", False) or f("mlp_bias", False):
-        raise FlashtreeError(f"{path}: attention/MLP biases are not supported")
-    if "quantization_config" in f.values:  # FP8/GPTQ/... weights would need their scales applied
-        raise FlashtreeError(f"{path}: quantized checkpoints are not supported (convert the bf16/f32 one)")
-    n_heads, hidden = f("num_attention_heads"), f("hidden_size")
-    head_dim = f("head_dim", hidden // n_heads)
-    rope = f.rope()
-    common = dict(
-        arch=arch,
-        n_layers=f("num_hidden_layers"),
-        hidden=hidden,
-        ffn=f("intermediate_size"),
-        n_heads=n_heads,
-        n_kv_heads=f("num_key_value_heads", n_heads),
-        head_dim=head_dim,
-        vocab=f("vocab_size"),
-        context=f("max_position_embeddings"),
-        rope_theta=float(rope.get("rope_theta", 10000.0)),
-        rms_eps=float(f("rms_norm_eps")),
-        tied_embeddings=bool(f("tie_word_embeddings", False)),
-    )
-    if arch == "qwen35":
-        common |= _qwen35_fields(f, rope, head_dim, common["n_layers"])
-    if arch == "dflash-draft":
-        common |= dict(tied_embeddings=False, dflash=_dflash_fields(f, common["n_layers"]))
-    return ModelShape(**common)
-
-
-def _qwen35_fields(f: _Fields, rope: dict, head_dim: int, n_layers: int) -> dict:
-    sections = list(rope.get("mrope_section", [11, 11, 10]))  # llama.cpp's default when absent
-    return dict(
-        rope_dim=int(head_dim * rope.get("partial_rotary_factor", 0.25)),
-        rope_sections=tuple(sections + [0] * (4 - len(sections))),
-        full_attention_interval=_full_attention_interval(f, n_layers),
-        linear_attn=LinearAttnShape(
-            n_k_heads=f("linear_num_key_heads"),
-            n_v_heads=f("linear_num_value_heads"),
-            head_k_dim=f("linear_key_head_dim"),
-            head_v_dim=f("linear_value_head_dim"),
-            conv_kernel=f("linear_conv_kernel_dim", 4),
-        ),
-    )
-
-
-def _full_attention_interval(f: _Fields, n_layers: int) -> int:
-    """GGUF stores the layer pattern as one interval: check that layer_types follows it."""
-    layer_types = f.values.get("layer_types")
-    if layer_types is None:
-        return int(f("full_attention_interval", 4))
-    interval = layer_types.index("full_attention") + 1 if "full_attention" in layer_types else 0
-    expected = [
-        "full_attention" if interval and (i + 1) % interval == 0 else "linear_attention"
-        for i in range(n_layers)
-    ]
-    if layer_types != expected:
-        raise FlashtreeError(f"{f.path}: layer_types is not a regular full-attention interval: {layer_types}")
-    return interval
-
-
-def _dflash_fields(f: _Fields, n_layers: int) -> DFlashShape:
-    dflash = f.values.get("dflash_config") or {}
-    n_target_layers = f("num_target_layers")
-    target_layer_ids = dflash.get("target_layer_ids") or default_target_layer_ids(n_target_layers, n_layers)
-    if "mask_token_id" not in dflash:
-        raise FlashtreeError(f"{f.path}: missing 'dflash_config.mask_token_id'")
-    layer_types = f.values.get("layer_types")
-    sliding = layer_types is not None and "sliding_attention" in layer_types
-    return DFlashShape(
-        block_size=f("block_size", 16),
-        mask_token_id=dflash["mask_token_id"],
-        target_layer_ids=tuple(target_layer_ids),
-        n_target_layers=n_target_layers,
-        layer_types=None if layer_types is None else tuple(layer_types),
-        sliding_window=f("sliding_window") if sliding else None,
-    )
 
 
 # --- safetensors ------------------------------------------------------------------------------------
@@ -275,7 +143,7 @@ class Checkpoint:
 
     def prefix(self, arch: str) -> str:
         """Name prefix of the language model: drafts have none, multimodal Qwen3.5 nests it."""
-        if arch == "dflash-draft":
+        if arch == DRAFT_ARCH:
             return ""
         nested = any(name.startswith("model.language_model.") for name in self.file_of)
         return "model.language_model." if nested else "model."
@@ -318,7 +186,7 @@ def tile_v_heads(x: torch.Tensor, dim: int, n_k_heads: int, head_dim: int) -> to
     return grouped.transpose(dim, dim + 1).reshape(x.shape)
 
 
-def _tile_qwen35_v_heads(base: str, x: torch.Tensor, la: LinearAttnShape) -> torch.Tensor:
+def _tile_qwen35_v_heads(base: str, x: torch.Tensor, la: LinearAttnConfig) -> torch.Tensor:
     if base in ("attn_qkv.weight", "ssm_conv1d.weight"):  # only the V rows/channels, after [q | k]
         qk = 2 * la.n_k_heads * la.head_k_dim
         return torch.cat([x[:qk], tile_v_heads(x[qk:], 0, la.n_k_heads, la.head_v_dim)])
@@ -331,7 +199,7 @@ def _tile_qwen35_v_heads(base: str, x: torch.Tensor, la: LinearAttnShape) -> tor
     return x
 
 
-def _qwen35_tensor(base: str, x: torch.Tensor, la: LinearAttnShape) -> torch.Tensor:
+def _qwen35_tensor(base: str, x: torch.Tensor, la: LinearAttnConfig) -> torch.Tensor:
     if base in ZERO_CENTRED_NORMS:
         return x + 1
     if base == "ssm_a":
@@ -343,7 +211,7 @@ def _qwen35_tensor(base: str, x: torch.Tensor, la: LinearAttnShape) -> torch.Ten
     return x
 
 
-def to_gguf(spec: TensorSpec, x: torch.Tensor, shape: ModelShape) -> torch.Tensor:
+def to_gguf(spec: TensorSpec, x: torch.Tensor, shape: ModelConfig) -> torch.Tensor:
     """The GGUF tensor (float32) for checkpoint tensor `x`."""
     x = x.float()  # transforms in f32: +1 on a bf16 norm would round away its low bits
     if shape.arch == "llama" and spec.base == "attn_q.weight":
@@ -384,14 +252,14 @@ def convert_checkpoint(src: Path, out: Path, type: str) -> None:
     """Convert the Hugging Face checkpoint (or DFlash draft) in directory `src` to GGUF file `out`."""
     src, out = Path(src), Path(out)
     check_type(type)
-    shape = shape_from_config(read_config(src), src / "config.json")
+    shape = ModelConfig.from_hf_config(read_config(src), src / "config.json")
     checkpoint = Checkpoint(src)
     prefix = checkpoint.prefix(shape.arch)
-    specs = shape.gguf_tensors()
+    specs = gguf_tensors(shape)
     checkpoint.check(specs, prefix)
     qtypes = recipe_types(type, [(s.name, s.shape) for s in specs], shape.n_layers)
     metadata = general_metadata(src.name, type) | shape.gguf_metadata()
-    if shape.arch != "dflash-draft":
+    if shape.arch != DRAFT_ARCH:
         metadata |= _tokenizer_metadata(src, shape.vocab)
     tensors = (
         (s.name, to_gguf(s, checkpoint.load(hf_name(s, prefix)), shape), qtypes[s.name]) for s in specs

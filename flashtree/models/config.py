@@ -1,20 +1,123 @@
-"""Target model settings, parsed once from GGUF metadata; nothing downstream reads raw metadata."""
+"""The model-shape schema: one frozen config per model, shared by the loader, the draft, `flashtree
+convert`, `synth`, `inspect` and `train-draft`.
+
+`ModelConfig` is a target's geometry (llama, qwen3, qwen35); `DraftConfig` extends it with what a DFlash
+draft adds (arch `dflash-draft`, dflash.md §2.1). Both are read from GGUF metadata (`from_gguf`) or a
+Hugging Face config.json (`from_hf_config`) and written back to GGUF metadata (`gguf_metadata`; a draft
+also to its z-lab config.json, `DraftConfig.hf_config`): nothing else reads or writes these keys.
+`GGUF_KEYS` names the metadata key of every value.
+
+Layer kinds carry Hugging Face's names: FULL (full attention), LINEAR (qwen35's Gated DeltaNet layers)
+and SLIDING (a draft's sliding-window attention). In qwen35, layer i is full attention iff
+(i + 1) % full_attention_interval == 0; GGUF stores only the interval.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 from flashtree.errors import FlashtreeError
 from flashtree.gguf.reader import GGUFFile
 
-ATTENTION, DELTANET = "attention", "deltanet"
+DRAFT_ARCH = "dflash-draft"
+FULL, LINEAR, SLIDING = "full_attention", "linear_attention", "sliding_attention"
+LAYER_KINDS = {"llama": (FULL,), "qwen3": (FULL,), "qwen35": (FULL, LINEAR), DRAFT_ARCH: (FULL, SLIDING)}
+ARCHS = tuple(LAYER_KINDS)
+
+# The `{arch}.*` GGUF metadata key of each config value (a field or property): what every model writes,
+_COMMON_KEYS = {
+    "vocab": "vocab_size",
+    "n_layers": "block_count",
+    "context_length": "context_length",
+    "hidden": "embedding_length",
+    "ffn": "feed_forward_length",
+    "n_heads": "attention.head_count",
+    "n_kv_heads": "attention.head_count_kv",
+    "head_dim": "attention.key_length",
+    "value_dim": "attention.value_length",
+    "rms_eps": "attention.layer_norm_rms_epsilon",
+    "rope_theta": "rope.freq_base",
+    "rope_dim": "rope.dimension_count",
+}
+# what qwen35 adds (the last five: its LinearAttnConfig's),
+_QWEN35_KEYS = {
+    "rope_sections": "rope.dimension_sections",
+    "full_attention_interval": "full_attention_interval",
+}
+_LINEAR_ATTN_KEYS = {
+    "conv_kernel": "ssm.conv_kernel",
+    "head_k_dim": "ssm.state_size",
+    "n_k_heads": "ssm.group_count",
+    "n_v_heads": "ssm.time_step_rank",
+    "inner": "ssm.inner_size",
+}
+# and what a DraftConfig adds.
+_DRAFT_KEYS = {
+    "block_size": "dflash.block_size",
+    "mask_token_id": "dflash.mask_token_id",
+    "target_layer_ids": "dflash.target_layer_ids",
+    "n_target_layers": "dflash.n_target_layers",
+    "layer_types": "layer_types",
+    "sliding_window": "attention.sliding_window",
+}
+GGUF_KEYS = _COMMON_KEYS | _QWEN35_KEYS | _LINEAR_ATTN_KEYS | _DRAFT_KEYS
+
+HF_ARCHS = {  # config.json `architectures` -> arch
+    "LlamaForCausalLM": "llama",
+    "Qwen3ForCausalLM": "qwen3",
+    "Qwen3_5ForCausalLM": "qwen35",
+    "Qwen3_5ForConditionalGeneration": "qwen35",
+    "DFlashDraftModel": DRAFT_ARCH,
+}
+MODEL_TYPES = {"llama": "llama", "qwen3": "qwen3", "qwen3_5": "qwen35", "qwen3_5_text": "qwen35"}
 
 
 @dataclass(frozen=True)
+class LinearAttnConfig:
+    """Gated DeltaNet geometry of the qwen35 linear-attention layers."""
+
+    n_k_heads: int
+    n_v_heads: int
+    head_k_dim: int
+    head_v_dim: int
+    conv_kernel: int = 4
+
+    @property
+    def inner(self) -> int:
+        """Width of the value/gate stream: n_v_heads * head_v_dim."""
+        return self.n_v_heads * self.head_v_dim
+
+    @property
+    def conv_channels(self) -> int:
+        """Channels of the causal conv: [q | k | v] of in_proj_qkv."""
+        return 2 * self.n_k_heads * self.head_k_dim + self.inner
+
+
+def hybrid_layer_types(n_layers: int, interval: int) -> tuple[str, ...]:
+    """qwen35's layer kinds: layer i is FULL iff (i + 1) % interval == 0, else LINEAR (all LINEAR for 0)."""
+    return tuple(FULL if interval and (i + 1) % interval == 0 else LINEAR for i in range(n_layers))
+
+
+def default_target_layer_ids(n_target_layers: int, n_draft_layers: int) -> tuple[int, ...]:
+    """Target layers a DFlash draft reads features from, spread over 1 … L-3 (dflash.md §2.1).
+
+    Clamped to the target's layers, which only matters for toy targets of fewer than 4 layers.
+    """
+    if n_draft_layers == 1:
+        return (n_target_layers // 2,)
+    step = (n_target_layers - 4) / (n_draft_layers - 1)
+    return tuple(min(max(round(1 + i * step), 0), n_target_layers - 1) for i in range(n_draft_layers))
+
+
+@dataclass(frozen=True, kw_only=True)
 class ModelConfig:
+    """A model's geometry. Values left at their defaults are filled in on construction: rope_dim 0 is
+    head_dim, empty layer_types all FULL; sliding_window is None without SLIDING layers."""
+
     arch: str
-    name: str
-    n_layers: int
+    n_layers: int  # the decoder layers run (a GGUF's MTP blocks not counted)
     hidden: int
     ffn: int
     n_heads: int
@@ -22,57 +125,340 @@ class ModelConfig:
     head_dim: int
     vocab: int
     context_length: int
-    rms_eps: float
     rope_theta: float
-    rope_dim: int  # rotary dims per head (partial rotary when < head_dim)
-    tied_embeddings: bool
-    layer_types: tuple[str, ...]  # ATTENTION or DELTANET per layer
-    ssm_kernel: int = 0
-    ssm_k_heads: int = 0
-    ssm_v_heads: int = 0
-    ssm_k_dim: int = 0
-    ssm_v_dim: int = 0
+    rms_eps: float
+    tied_embeddings: bool = False
+    rope_dim: int = 0  # rotated dims per head (partial rotary when < head_dim)
+    rope_sections: tuple[int, ...] = ()  # qwen35 M-RoPE sections, padded to 4
+    layer_types: tuple[str, ...] = ()  # per layer: FULL, LINEAR (qwen35) or SLIDING (drafts)
+    sliding_window: int | None = None  # positions a SLIDING layer sees
+    linear_attn: LinearAttnConfig | None = None  # qwen35 only
+    name: str = field(default="", compare=False)  # for messages: general.name, or the checkpoint's dir
+
+    def __post_init__(self) -> None:
+        for name, value in self._filled_in().items():
+            object.__setattr__(self, name, value)
+        self._check()
+
+    def _filled_in(self) -> dict[str, Any]:
+        layer_types = tuple(self.layer_types) or (FULL,) * self.n_layers
+        return dict(
+            rope_dim=self.rope_dim or self.head_dim,
+            rope_theta=float(self.rope_theta),
+            rms_eps=float(self.rms_eps),
+            rope_sections=tuple(self.rope_sections),
+            layer_types=layer_types,
+            sliding_window=self.sliding_window if SLIDING in layer_types else None,
+        )
+
+    def _check(self) -> None:
+        if self.arch not in ARCHS:
+            raise FlashtreeError(f"unknown architecture {self.arch!r} (supported: {', '.join(ARCHS)})")
+        need = DraftConfig if self.arch == DRAFT_ARCH else ModelConfig
+        if type(self) is not need:
+            raise FlashtreeError(
+                f"a {self.arch} model's config is a {need.__name__}, not a {type(self).__name__}"
+            )
+        if self.n_heads % self.n_kv_heads:
+            raise FlashtreeError(
+                f"{self.n_heads} attention heads do not split into {self.n_kv_heads} KV heads"
+            )
+        kinds = LAYER_KINDS[self.arch]
+        if len(self.layer_types) != self.n_layers or not set(self.layer_types) <= set(kinds):
+            raise FlashtreeError(
+                f"layer_types {list(self.layer_types)}: a {self.arch} model needs {self.n_layers} of "
+                f"{', '.join(kinds)}"
+            )
+        if SLIDING in self.layer_types and not self.sliding_window:
+            raise FlashtreeError("sliding_attention layers need a sliding_window")
+        if (self.arch == "qwen35") != (self.linear_attn is not None):
+            raise FlashtreeError("qwen35 models, and only they, have linear-attention geometry")
+        interval = self.full_attention_interval
+        if self.arch == "qwen35" and not (
+            interval and self.layer_types == hybrid_layer_types(self.n_layers, interval)
+        ):
+            raise FlashtreeError(
+                f"layer_types is not a regular full-attention interval: {list(self.layer_types)}"
+            )
 
     @property
-    def n_attention_layers(self) -> int:
-        return sum(t == ATTENTION for t in self.layer_types)
+    def value_dim(self) -> int:
+        """Width of a V head: head_dim in every model here."""
+        return self.head_dim
+
+    @property
+    def full_attention_interval(self) -> int:
+        """Layer i is full attention iff (i + 1) % interval == 0 in qwen35 (GGUF stores only this); 1 in
+        models of full attention only, 0 in those without."""
+        return self.layer_types.index(FULL) + 1 if FULL in self.layer_types else 0
+
+    def gguf_metadata(self) -> dict[str, Any]:
+        """The `{arch}.*` keys (no general.* or tokenizer.* keys). Ints are counts (UINT32 in GGUF)."""
+        values = self._gguf_values().items()
+        return {f"{self.arch}.{GGUF_KEYS[k]}": list(v) if isinstance(v, tuple) else v for k, v in values}
+
+    def _gguf_values(self) -> dict[str, Any]:
+        values = {name: getattr(self, name) for name in _COMMON_KEYS}
+        if self.linear_attn is not None:
+            values |= {name: getattr(self, name) for name in _QWEN35_KEYS}
+            values |= {name: getattr(self.linear_attn, name) for name in _LINEAR_ATTN_KEYS}
+        return values
 
     @staticmethod
     def from_gguf(g: GGUFFile) -> ModelConfig:
-        n_heads = int(g.arch_get("attention.head_count"))
-        hidden = int(g.arch_get("embedding_length"))
-        head_dim = int(g.arch_get("attention.key_length", hidden // n_heads))
-        n_layers = int(g.arch_get("block_count")) - int(g.arch_get("nextn_predict_layers", 0))
-        vocab = g.tensors["token_embd.weight"].shape[0] if g.has("token_embd.weight") else 0
-        if not vocab:
-            raise FlashtreeError(f"{g.path}: missing tensor 'token_embd.weight'")
-        common = dict(
+        """The config of a GGUF file: a DraftConfig for a dflash-draft one."""
+
+        def get(name: str, *default: Any) -> Any:
+            return g.arch_get(GGUF_KEYS.get(name, name), *default)
+
+        n_heads, hidden = int(get("n_heads")), int(get("hidden"))
+        head_dim = int(get("head_dim", hidden // n_heads))
+        values = dict(
             arch=g.arch,
             name=str(g.get("general.name", g.path.stem)),
-            n_layers=n_layers,
+            n_layers=int(get("n_layers")) - int(get("nextn_predict_layers", 0)),
             hidden=hidden,
-            ffn=int(g.arch_get("feed_forward_length")),
+            ffn=int(get("ffn")),
             n_heads=n_heads,
-            n_kv_heads=int(g.arch_get("attention.head_count_kv", n_heads)),
+            n_kv_heads=int(get("n_kv_heads", n_heads)),
             head_dim=head_dim,
-            vocab=vocab,
-            context_length=int(g.arch_get("context_length", 4096)),
-            rms_eps=float(g.arch_get("attention.layer_norm_rms_epsilon", 1e-6)),
-            rope_theta=float(g.arch_get("rope.freq_base", 10000.0)),
-            rope_dim=int(g.arch_get("rope.dimension_count", head_dim)),
-            tied_embeddings=not g.has("output.weight"),
+            vocab=_gguf_vocab(g),
+            context_length=int(get("context_length", 4096)),
+            rms_eps=float(get("rms_eps", 1e-6)),
+            rope_theta=float(get("rope_theta", 10000.0)),
+            rope_dim=int(get("rope_dim", head_dim)),
+            tied_embeddings=g.arch != DRAFT_ARCH and not g.has("output.weight"),
         )
-        if g.arch != "qwen35":
-            return ModelConfig(**common, layer_types=(ATTENTION,) * n_layers)
-        interval = int(g.arch_get("full_attention_interval", 4))
-        layer_types = tuple(ATTENTION if (i + 1) % interval == 0 else DELTANET for i in range(n_layers))
-        v_heads = int(g.arch_get("ssm.time_step_rank"))
-        return ModelConfig(
-            **common,
-            layer_types=layer_types,
-            ssm_kernel=int(g.arch_get("ssm.conv_kernel")),
-            ssm_k_heads=int(g.arch_get("ssm.group_count")),
-            ssm_v_heads=v_heads,
-            ssm_k_dim=int(g.arch_get("ssm.state_size")),
-            ssm_v_dim=int(g.arch_get("ssm.inner_size")) // v_heads,
-        )
+        if g.arch == DRAFT_ARCH:
+            values |= _draft_from_gguf(get)
+        if g.arch == "qwen35":
+            values |= _qwen35_from_gguf(get, values["n_layers"])
+        return _build(values, g.path)
+
+    @staticmethod
+    def from_hf_config(config: dict, path: Path) -> ModelConfig:
+        """The config of a Hugging Face checkpoint, or a DraftConfig for a z-lab DFlash draft, from its
+        config.json (`path`: for messages)."""
+        try:
+            return _from_hf_config(config, path)
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise FlashtreeError(f"{path}: not a usable model config ({type(e).__name__}: {e})") from None
+
+
+@dataclass(frozen=True, kw_only=True)
+class DraftConfig(ModelConfig):
+    """A DFlash draft: a qwen3-style body without embeddings or LM head (it uses the target's) that reads
+    the target's hidden states after `target_layer_ids` and fills blocks of `block_size` tokens."""
+
+    arch: str = DRAFT_ARCH
+    block_size: int
+    mask_token_id: int
+    target_layer_ids: tuple[int, ...]
+    n_target_layers: int  # layers of the target it was made for
+
+    def _filled_in(self) -> dict[str, Any]:
+        return super()._filled_in() | dict(target_layer_ids=tuple(self.target_layer_ids))
+
+    def _check(self) -> None:
+        super()._check()
+        if self.rope_dim != self.head_dim:
+            raise FlashtreeError(
+                f"a DFlash draft rotates whole heads of {self.head_dim}, not {self.rope_dim}"
+            )
+
+    def _gguf_values(self) -> dict[str, Any]:
+        values = super()._gguf_values() | {name: getattr(self, name) for name in _DRAFT_KEYS}
+        if self.sliding_window is None:
+            del values["sliding_window"]
+        return values
+
+    def hf_config(self) -> dict[str, Any]:
+        """The z-lab config.json: Qwen3 keys plus block_size, num_target_layers, dflash_config."""
+        return {
+            "architectures": ["DFlashDraftModel"],
+            "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
+            "model_type": "qwen3",
+            "hidden_size": self.hidden,
+            "intermediate_size": self.ffn,
+            "num_hidden_layers": self.n_layers,
+            "num_attention_heads": self.n_heads,
+            "num_key_value_heads": self.n_kv_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.rms_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": None,
+            "max_position_embeddings": self.context_length,
+            "vocab_size": self.vocab,
+            "attention_bias": False,
+            "tie_word_embeddings": False,
+            "dtype": "bfloat16",
+            "layer_types": list(self.layer_types),
+            "use_sliding_window": self.sliding_window is not None,
+            "sliding_window": self.sliding_window,
+            "block_size": self.block_size,
+            "num_target_layers": self.n_target_layers,
+            "dflash_config": {
+                "mask_token_id": self.mask_token_id,
+                "target_layer_ids": list(self.target_layer_ids),
+            },
+        }
+
+
+def _build(values: dict[str, Any], source: Path) -> ModelConfig:
+    """The config of `values` (a DraftConfig for a draft's), its errors naming the file they came from."""
+    try:
+        return (DraftConfig if values["arch"] == DRAFT_ARCH else ModelConfig)(**values)
+    except FlashtreeError as e:
+        raise FlashtreeError(f"{source}: {e}") from None
+
+
+# --- GGUF metadata ----------------------------------------------------------------------------------
+
+
+def _gguf_vocab(g: GGUFFile) -> int:
+    """Rows of the token embedding; a draft, which has none, states its vocab."""
+    if g.has("token_embd.weight"):
+        return g.tensors["token_embd.weight"].shape[0]
+    if g.arch == DRAFT_ARCH:
+        return int(g.arch_get(GGUF_KEYS["vocab"]))
+    raise FlashtreeError(f"{g.path}: missing tensor 'token_embd.weight'")
+
+
+def _qwen35_from_gguf(get, n_layers: int) -> dict[str, Any]:
+    v_heads = int(get("n_v_heads"))
+    return dict(
+        rope_sections=tuple(get("rope_sections", ())),
+        layer_types=hybrid_layer_types(n_layers, int(get("full_attention_interval", 4))),
+        linear_attn=LinearAttnConfig(
+            n_k_heads=int(get("n_k_heads")),
+            n_v_heads=v_heads,
+            head_k_dim=int(get("head_k_dim")),
+            head_v_dim=int(get("inner")) // v_heads,
+            conv_kernel=int(get("conv_kernel")),
+        ),
+    )
+
+
+def _draft_from_gguf(get) -> dict[str, Any]:
+    return dict(
+        block_size=int(get("block_size", 16)),
+        mask_token_id=int(get("mask_token_id")),
+        target_layer_ids=tuple(int(i) for i in get("target_layer_ids")),
+        n_target_layers=int(get("n_target_layers")),
+        layer_types=tuple(get("layer_types", ())),
+        sliding_window=get("sliding_window", None),
+    )
+
+
+# --- Hugging Face config.json -----------------------------------------------------------------------
+
+
+def detect_arch(config: dict, path: Path) -> str:
+    names = config.get("architectures") or []
+    for name in names:
+        if name in HF_ARCHS:
+            return HF_ARCHS[name]
+    model_type = config.get("model_type")
+    if not names and model_type in MODEL_TYPES:
+        return MODEL_TYPES[model_type]
+    found = ", ".join(names) or f"model_type {model_type!r}"
+    raise FlashtreeError(f"{path}: unsupported architecture {found} (supported: {', '.join(HF_ARCHS)})")
+
+
+class _Fields:
+    """config.json values, with a FlashtreeError naming the file and the key when one is missing."""
+
+    def __init__(self, config: dict, path: Path):
+        # Qwen3_5ForConditionalGeneration nests the language model's settings under text_config
+        self.values = {**config, **(config.get("text_config") or {})}
+        self.path = path
+
+    def __call__(self, key: str, default=None):
+        value = self.values.get(key)
+        if value is None:  # absent or null
+            value = default
+        if value is None:
+            raise FlashtreeError(f"{self.path}: missing {key!r}")
+        return value
+
+    def rope(self) -> dict:
+        """RoPE settings: transformers 5 keeps them in rope_parameters, older configs at the top level."""
+        rope = {k: v for k, v in self.values.items() if k in ("rope_theta", "partial_rotary_factor")}
+        rope |= self.values.get("rope_parameters") or self.values.get("rope_scaling") or {}
+        kind = rope.get("rope_type", rope.get("type", "default"))
+        if kind != "default":
+            raise FlashtreeError(f"{self.path}: unsupported RoPE scaling {kind!r} (only plain RoPE)")
+        return rope
+
+
+def _from_hf_config(config: dict, path: Path) -> ModelConfig:
+    arch = detect_arch(config, path)
+    f = _Fields(config, path)
+    if f("attention_bias", False) or f("mlp_bias", False):
+        raise FlashtreeError(f"{path}: attention/MLP biases are not supported")
+    if "quantization_config" in f.values:  # FP8/GPTQ/... weights would need their scales applied
+        raise FlashtreeError(f"{path}: quantized checkpoints are not supported (convert the bf16/f32 one)")
+    n_heads, hidden, n_layers = (
+        int(f("num_attention_heads")),
+        int(f("hidden_size")),
+        int(f("num_hidden_layers")),
+    )
+    head_dim = int(f("head_dim", hidden // n_heads))
+    rope = f.rope()
+    values = dict(
+        arch=arch,
+        name=path.parent.name,
+        n_layers=n_layers,
+        hidden=hidden,
+        ffn=int(f("intermediate_size")),
+        n_heads=n_heads,
+        n_kv_heads=int(f("num_key_value_heads", n_heads)),
+        head_dim=head_dim,
+        vocab=int(f("vocab_size")),
+        context_length=int(f("max_position_embeddings")),
+        rope_theta=float(rope.get("rope_theta", 10000.0)),
+        rms_eps=float(f("rms_norm_eps")),
+        tied_embeddings=arch != DRAFT_ARCH and bool(f("tie_word_embeddings", False)),
+    )
+    if arch == "qwen35":
+        values |= _qwen35_from_hf(f, rope, head_dim, n_layers)
+    if arch == DRAFT_ARCH:
+        values |= _draft_from_hf(f, n_layers)
+    return _build(values, path)
+
+
+def _qwen35_from_hf(f: _Fields, rope: dict, head_dim: int, n_layers: int) -> dict[str, Any]:
+    sections = list(rope.get("mrope_section", [11, 11, 10]))  # llama.cpp's default when absent
+    layer_types = f.values.get("layer_types")
+    if layer_types is None:
+        layer_types = hybrid_layer_types(n_layers, int(f("full_attention_interval", 4)))
+    return dict(
+        rope_dim=int(head_dim * rope.get("partial_rotary_factor", 0.25)),
+        rope_sections=tuple(sections + [0] * (4 - len(sections))),
+        layer_types=tuple(layer_types),
+        linear_attn=LinearAttnConfig(
+            n_k_heads=int(f("linear_num_key_heads")),
+            n_v_heads=int(f("linear_num_value_heads")),
+            head_k_dim=int(f("linear_key_head_dim")),
+            head_v_dim=int(f("linear_value_head_dim")),
+            conv_kernel=int(f("linear_conv_kernel_dim", 4)),
+        ),
+    )
+
+
+def _draft_from_hf(f: _Fields, n_layers: int) -> dict[str, Any]:
+    dflash = f.values.get("dflash_config") or {}
+    if "mask_token_id" not in dflash:
+        raise FlashtreeError(f"{f.path}: missing 'dflash_config.mask_token_id'")
+    n_target_layers = int(f("num_target_layers"))
+    target_layer_ids = dflash.get("target_layer_ids") or default_target_layer_ids(n_target_layers, n_layers)
+    layer_types = tuple(f.values.get("layer_types") or ())
+    return dict(
+        block_size=int(f("block_size", 16)),
+        mask_token_id=int(dflash["mask_token_id"]),
+        target_layer_ids=tuple(int(i) for i in target_layer_ids),
+        n_target_layers=n_target_layers,
+        layer_types=layer_types,
+        sliding_window=int(f("sliding_window")) if SLIDING in layer_types else None,
+    )

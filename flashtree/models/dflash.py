@@ -13,7 +13,6 @@ Formats: z-lab dirs (config.json + model.safetensors) and GGUF (arch `dflash-dra
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
@@ -23,6 +22,7 @@ from torch import nn
 from flashtree import kernels
 from flashtree.errors import FlashtreeError
 from flashtree.kernels import fp8
+from flashtree.models.config import SLIDING, DraftConfig, ModelConfig
 from flashtree.models.layers import (
     Fp8Linear,
     Linear,
@@ -38,80 +38,6 @@ from flashtree.models.layers import (
 from flashtree.models.model import DecoderModel
 from flashtree.models.state import KVCache
 
-FULL, SLIDING = "full_attention", "sliding_attention"
-
-
-@dataclass(frozen=True)
-class DraftConfig:
-    hidden: int
-    n_layers: int
-    n_heads: int
-    n_kv_heads: int
-    head_dim: int
-    ffn: int
-    rms_eps: float
-    rope_theta: float
-    block_size: int
-    mask_token_id: int
-    target_layer_ids: tuple[int, ...]
-    num_target_layers: int
-    layer_types: tuple[str, ...]
-    sliding_window: int | None
-    vocab: int | None
-
-    @staticmethod
-    def from_json(cfg: dict, source: Path) -> DraftConfig:
-        try:
-            dflash = cfg.get("dflash_config", {})
-            n_layers = int(cfg["num_hidden_layers"])
-            n_heads = int(cfg["num_attention_heads"])
-            layer_types = tuple(cfg.get("layer_types") or [FULL] * n_layers)
-            return DraftConfig(
-                hidden=int(cfg["hidden_size"]),
-                n_layers=n_layers,
-                n_heads=n_heads,
-                n_kv_heads=int(cfg.get("num_key_value_heads", n_heads)),
-                head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // n_heads),
-                ffn=int(cfg["intermediate_size"]),
-                rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-                rope_theta=float(
-                    cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 1e6))
-                ),
-                block_size=int(cfg.get("block_size", 16)),
-                mask_token_id=int(dflash["mask_token_id"]),
-                target_layer_ids=tuple(int(i) for i in dflash["target_layer_ids"]),
-                num_target_layers=int(cfg.get("num_target_layers", 0)),
-                layer_types=layer_types,
-                sliding_window=cfg.get("sliding_window") if SLIDING in layer_types else None,
-                vocab=cfg.get("vocab_size"),
-            )
-        except (KeyError, TypeError, ValueError) as e:
-            raise FlashtreeError(f"{source}: not a DFlash draft config ({type(e).__name__}: {e})") from None
-
-    @staticmethod
-    def from_gguf(g) -> DraftConfig:
-        a = "dflash-draft"
-        n_layers = int(g.get(f"{a}.block_count"))
-        n_heads = int(g.get(f"{a}.attention.head_count"))
-        layer_types = tuple(g.get(f"{a}.layer_types", [FULL] * n_layers))
-        return DraftConfig(
-            hidden=int(g.get(f"{a}.embedding_length")),
-            n_layers=n_layers,
-            n_heads=n_heads,
-            n_kv_heads=int(g.get(f"{a}.attention.head_count_kv", n_heads)),
-            head_dim=int(g.get(f"{a}.attention.key_length")),
-            ffn=int(g.get(f"{a}.feed_forward_length")),
-            rms_eps=float(g.get(f"{a}.attention.layer_norm_rms_epsilon", 1e-6)),
-            rope_theta=float(g.get(f"{a}.rope.freq_base", 1e6)),
-            block_size=int(g.get(f"{a}.dflash.block_size", 16)),
-            mask_token_id=int(g.get(f"{a}.dflash.mask_token_id")),
-            target_layer_ids=tuple(int(i) for i in g.get(f"{a}.dflash.target_layer_ids")),
-            num_target_layers=int(g.get(f"{a}.dflash.n_target_layers", 0)),
-            layer_types=layer_types,
-            sliding_window=g.get(f"{a}.attention.sliding_window", None) if SLIDING in layer_types else None,
-            vocab=g.get(f"{a}.vocab_size", None),
-        )
-
 
 def check_fits(cfg: DraftConfig, target: DecoderModel, source: Path) -> None:
     """Refuse a draft built for another target, naming the mismatch."""
@@ -119,15 +45,15 @@ def check_fits(cfg: DraftConfig, target: DecoderModel, source: Path) -> None:
     problems = []
     if cfg.hidden != tc.hidden:
         problems.append(f"hidden size {cfg.hidden} != target's {tc.hidden}")
-    if cfg.vocab is not None and int(cfg.vocab) != tc.vocab:
+    if cfg.vocab != tc.vocab:
         problems.append(f"vocab {cfg.vocab} != target's {tc.vocab}")
     if not 0 <= cfg.mask_token_id < tc.vocab:
         problems.append(f"mask_token_id {cfg.mask_token_id} outside the target vocab of {tc.vocab}")
     bad = [i for i in cfg.target_layer_ids if not 0 <= i < tc.n_layers]
     if bad:
         problems.append(f"target_layer_ids {list(bad)} outside the target's {tc.n_layers} layers")
-    if cfg.num_target_layers and cfg.num_target_layers != tc.n_layers:
-        problems.append(f"num_target_layers {cfg.num_target_layers} != target's {tc.n_layers} layers")
+    if cfg.n_target_layers != tc.n_layers:
+        problems.append(f"num_target_layers {cfg.n_target_layers} != target's {tc.n_layers} layers")
     if problems:
         raise FlashtreeError(f"{source}: draft does not fit target {tc.name!r}: " + "; ".join(problems))
 
@@ -346,9 +272,11 @@ def _zlab_tensors(path: Path) -> tuple[DraftConfig, dict[str, torch.Tensor]]:
         if not f.exists():
             raise FlashtreeError(f"{path}: not a DFlash draft directory (missing {f.name})")
     try:
-        cfg = DraftConfig.from_json(json.loads(cfg_path.read_text()), cfg_path)
+        cfg = ModelConfig.from_hf_config(json.loads(cfg_path.read_text()), cfg_path)
     except json.JSONDecodeError as e:
         raise FlashtreeError(f"{cfg_path}: invalid JSON ({e})") from None
+    if not isinstance(cfg, DraftConfig):
+        raise FlashtreeError(f"{cfg_path}: not a DFlash draft config (architecture {cfg.arch!r})")
     try:
         raw = load_file(str(st_path))
     except Exception as e:  # safetensors raises several types for damaged files
@@ -380,7 +308,7 @@ def _gguf_tensors(path: Path) -> tuple[DraftConfig, dict[str, torch.Tensor]]:
     g = open_gguf(path)
     if g.arch != "dflash-draft":
         raise FlashtreeError(f"{path}: architecture {g.arch!r} is not a DFlash draft (dflash-draft)")
-    return DraftConfig.from_gguf(g), {name: g.tensor(name) for name in g.tensors}
+    return ModelConfig.from_gguf(g), {name: g.tensor(name) for name in g.tensors}
 
 
 def load_draft(path: str | Path, target: DecoderModel, fp8_mode: str | None = None) -> DFlashDraft:

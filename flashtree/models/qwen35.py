@@ -4,7 +4,7 @@ Gated DeltaNet elsewhere. GGUF already holds +1 in the zero-centred norms and -e
 from __future__ import annotations
 
 from flashtree.gguf.reader import GGUFFile
-from flashtree.models.config import ATTENTION, ModelConfig
+from flashtree.models.config import FULL, ModelConfig
 from flashtree.models.deltanet import GatedDeltaNet
 from flashtree.models.loader import Weights
 from flashtree.models.model import DecoderModel
@@ -19,10 +19,10 @@ def deltanet(w: Weights, c: ModelConfig, p: str) -> GatedDeltaNet:
         dt_bias=w.vector(f"{p}.ssm_dt.bias"),
         ssm_a=w.vector(f"{p}.ssm_a"),
         norm_weight=w.vector(f"{p}.ssm_norm.weight"),
-        n_k_heads=c.ssm_k_heads,
-        n_v_heads=c.ssm_v_heads,
-        k_dim=c.ssm_k_dim,
-        v_dim=c.ssm_v_dim,
+        n_k_heads=c.linear_attn.n_k_heads,
+        n_v_heads=c.linear_attn.n_v_heads,
+        k_dim=c.linear_attn.head_k_dim,
+        v_dim=c.linear_attn.head_v_dim,
         eps=c.rms_eps,
     )
 
@@ -32,6 +32,6 @@ def build(gguf: GGUFFile, w: Weights) -> DecoderModel:
     layers = []
     for i, kind in enumerate(c.layer_types):
         p = f"blk.{i}"
-        mixer = attention(w, c, p, output_gate=True) if kind == ATTENTION else deltanet(w, c, p)
+        mixer = attention(w, c, p, output_gate=True) if kind == FULL else deltanet(w, c, p)
         layers.append(w.layer(p, mixer, c, mlp_norm="post_attention_norm"))
     return w.decoder(c, layers)

@@ -18,11 +18,11 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from flashtree.convert.hf import hf_name
-from flashtree.convert.shapes import ModelShape
-from flashtree.convert.synth import draft_config
+from flashtree.convert.shapes import gguf_tensors
 from flashtree.errors import FlashtreeError
 from flashtree.models.attention import Attention
-from flashtree.models.dflash import DFlashDraft, DraftConfig, DraftLayer
+from flashtree.models.config import DraftConfig
+from flashtree.models.dflash import DFlashDraft, DraftLayer
 from flashtree.models.layers import apply_rotary, rms_norm
 from flashtree.models.model import DecoderModel
 
@@ -30,7 +30,7 @@ INIT_STD = 0.02  # random init of every matrix, as SpecForge's drafts (dflash.md
 
 
 def new_draft(
-    shape: ModelShape,
+    shape: DraftConfig,
     target: DecoderModel,
     seed: int,
     from_target: bool = True,
@@ -41,21 +41,21 @@ def new_draft(
     tensor whose shape agrees starts as the target's (target_init_tensors); the rest, and all of them
     without either, start random (matrices) or as the identity (norms)."""
     generator = torch.Generator().manual_seed(seed)
-    cfg = DraftConfig.from_json(draft_config(shape), Path("<new draft>"))
     if init is not None:
-        differ = [f"{f.name} {getattr(init.config, f.name)} (want {getattr(cfg, f.name)})"
-                  for f in fields(cfg) if getattr(init.config, f.name) != getattr(cfg, f.name)]  # fmt: skip
+        compared = [f.name for f in fields(shape) if f.compare]  # not its name
+        differ = [f"{n} {getattr(init.config, n)} (want {getattr(shape, n)})"
+                  for n in compared if getattr(init.config, n) != getattr(shape, n)]  # fmt: skip
         if differ:
             raise FlashtreeError(
                 f"the draft to start from does not have the shape asked for: {', '.join(differ)}"
             )
         start = {name: t for name, t in draft_tensors(init).items() if t is not None}
     elif from_target:
-        start = target_init_tensors(target, shape.n_layers, shape.dflash.target_layer_ids)
+        start = target_init_tensors(target, shape.n_layers, shape.target_layer_ids)
     else:
         start = {}
     tensors = {}
-    for spec in shape.gguf_tensors():
+    for spec in gguf_tensors(shape):
         if spec.name in start and tuple(start[spec.name].shape) == tuple(spec.shape):
             tensors[spec.name] = start[spec.name].detach().float().cpu().clone()
         elif len(spec.shape) == 1:
@@ -63,7 +63,7 @@ def new_draft(
         else:
             tensors[spec.name] = INIT_STD * torch.randn(spec.shape, generator=generator)
     tensors = {k: v.to(target.device) for k, v in tensors.items()}
-    return DFlashDraft(cfg, tensors, target).requires_grad_(True)
+    return DFlashDraft(shape, tensors, target).requires_grad_(True)
 
 
 def target_init_tensors(
@@ -116,16 +116,17 @@ def draft_tensors(draft: DFlashDraft) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def save_draft(draft: DFlashDraft, shape: ModelShape, out_dir: Path) -> None:
+def save_draft(draft: DFlashDraft, out_dir: Path) -> None:
     """Write the z-lab format: config.json + model.safetensors (matrices bf16, norms fp32)."""
     tensors = draft_tensors(draft)
     out = {}
-    for spec in shape.gguf_tensors():
+    for spec in gguf_tensors(draft.config):
         t = tensors[spec.name].detach().cpu()
         out[hf_name(spec, "")] = t.float() if t.ndim == 1 else t.to(torch.bfloat16)
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in out.items()}, out_dir / "model.safetensors")
-    (out_dir / "config.json").write_text(json.dumps(draft_config(shape), indent=2) + "\n", encoding="utf-8")
+    config = json.dumps(draft.config.hf_config(), indent=2)
+    (out_dir / "config.json").write_text(config + "\n", encoding="utf-8")
 
 
 def draft_hidden(

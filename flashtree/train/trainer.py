@@ -338,7 +338,7 @@ def train_draft_command(
     model, gguf = load_target(target, device=dev, dtype=torch.bfloat16 if dev.type == "cuda" else None)
     tokenizer = Tokenizer.from_gguf_metadata(gguf.metadata)
     shape = draft_shape_for(gguf, layers)
-    shape = replace(shape, dflash=replace(shape.dflash, block_size=block_size))
+    shape = replace(shape, block_size=block_size)
     # Before generating: a wrong --init fails at once.
     draft = new_draft(shape, model, seed, init=None if init is None else load_draft(init, model))
     extra_dirs = [Path(d) for d in extra_data or []]
@@ -375,9 +375,9 @@ def train_draft_command(
     )  # fmt: skip
     (out / "train_config.json").write_text(json.dumps({"layers": layers, **asdict(cfg)}, indent=2))
     Trainer(
-        draft, hf, seqs, cfg, out, export=lambda d: save_draft(draft, shape, d), val={"val": val, "dev": dev}
+        draft, hf, seqs, cfg, out, export=lambda d: save_draft(draft, d), val={"val": val, "dev": dev}
     ).run()
-    save_draft(draft, shape, out)
+    save_draft(draft, out)
     print(f"draft written to {out}")
 
 
