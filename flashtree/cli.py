@@ -12,6 +12,7 @@ from pathlib import Path
 
 import typer
 
+from flashtree import settings
 from flashtree.bench.datasets import REPORT_N, REPORT_SEED
 from flashtree.errors import FlashtreeError
 
@@ -24,6 +25,7 @@ def user_errors(fn):
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
+            settings.current()  # a malformed FLASHTREE_* stops every command before it starts
             return fn(*args, **kwargs)
         except FlashtreeError as e:
             typer.echo(f"error: {e}", err=True)
@@ -267,6 +269,14 @@ def train_draft(
     from flashtree.train.trainer import train_draft_command
 
     train_draft_command(**options)
+
+
+@app.command("settings")
+@user_errors
+def settings_command():
+    """Every FLASHTREE_* setting: its default, what it sets, and the value this environment gives it."""
+    for name, default, doc, value in settings.table():
+        typer.echo(f"{name:24} {default:28} {doc}" + (f"  [set: {value}]" if value is not None else ""))
 
 
 def main() -> None:  # pragma: no cover - console entry for `python -m flashtree`

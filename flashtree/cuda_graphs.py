@@ -13,7 +13,6 @@ caller applies them from the step's read-back result, the same way on every path
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Hashable
 
 import torch
@@ -24,9 +23,9 @@ MIN_KEYS = 256  # smallest KV-read bucket
 MAX_GRAPHS = 16  # graphs kept (KV buckets x sampling settings); the oldest goes first
 
 
-def graphs_wanted(device: torch.device) -> bool:
-    """CUDA graphs on CUDA devices unless FLASHTREE_CUDA_GRAPHS=0."""
-    return device.type == "cuda" and os.environ.get("FLASHTREE_CUDA_GRAPHS", "1") != "0"
+def graphs_wanted(device: torch.device, enabled: bool = True) -> bool:
+    """CUDA graphs on CUDA devices unless the settings turn them off (FLASHTREE_CUDA_GRAPHS=0)."""
+    return device.type == "cuda" and enabled
 
 
 def kv_bucket(needed: int, capacity: int) -> int:

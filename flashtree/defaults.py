@@ -20,6 +20,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 import flashtree
+from flashtree import settings
 from flashtree.errors import FlashtreeError
 
 DEFAULT_TARGET_NAME = "SmolLM2-135M-Instruct"
@@ -37,7 +38,7 @@ _CHUNK = 1 << 20
 
 def cache_dir() -> Path:
     """Where downloads live: $FLASHTREE_CACHE, else ~/.cache/flashtree."""
-    return Path(os.environ.get("FLASHTREE_CACHE") or Path.home() / ".cache" / "flashtree")
+    return settings.current().cache
 
 
 def default_target_path(progress: bool = True) -> Path:

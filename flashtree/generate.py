@@ -20,6 +20,8 @@ from flashtree.errors import FlashtreeError
 from flashtree.memory import plan_context
 from flashtree.models.model import DecoderModel
 from flashtree.sampling import SEED_MASK, sample
+from flashtree.settings import Settings
+from flashtree.settings import current as current_settings
 from flashtree.spec.accept import Accepted
 
 PREFILL_CHUNK = {"cpu": 256, "cuda": 2048}
@@ -93,8 +95,10 @@ class Engine:
         draft=None,
         spec: SpecConfig | None = None,
         max_ctx: int | None = None,
+        settings: Settings | None = None,
     ):
         self.target, self.tokenizer, self.draft = target, tokenizer, draft
+        self.settings = settings or Settings()
         self.spec = spec or SpecConfig(mode="tree" if draft is not None else "ar")
         if self.spec.mode != "ar" and draft is None:
             raise FlashtreeError(f"mode {self.spec.mode!r} needs a draft (--draft)")
@@ -111,7 +115,8 @@ class Engine:
         self.root = torch.zeros((), dtype=torch.long, device=self.device)
         self.seed = torch.zeros((), dtype=torch.long, device=self.device)
         fixed = self.decoder is None or self.decoder.fixed_shape
-        self.runner = StepRunner(self.state, graphs=fixed and graphs_wanted(self.device))
+        graphs = fixed and graphs_wanted(self.device, self.settings.cuda_graphs)
+        self.runner = StepRunner(self.state, graphs=graphs)
 
     @property
     def device(self) -> torch.device:
@@ -130,34 +135,34 @@ class Engine:
         spec: SpecConfig | None = None,
         max_ctx: int | None = None,
         device: str | None = None,
+        settings: Settings | None = None,
     ) -> Engine:
         """Load a target GGUF and a draft ('none' for plain decoding). With no target: the embedded
-        default, SmolLM2-135M-Instruct, and (unless a draft is given) the draft shipped for it."""
+        default, SmolLM2-135M-Instruct, and (unless a draft is given) the draft shipped for it.
+        settings: the process's (FLASHTREE_*) unless given."""
         from flashtree import defaults
         from flashtree.gguf.tokenizer import Tokenizer
-        from flashtree.kernels import dense_matmul
-        from flashtree.kernels.qlinear import use_arithmetic
-        from flashtree.kernels.qmatmul import choose_arithmetic
-        from flashtree.models.layers import use_dense_kernel
-        from flashtree.models.loader import load_target
+        from flashtree.models.layers import use_kernels
+        from flashtree.models.loader import load_target, resolve_device
 
+        settings = settings or current_settings()
         if target is None:
             target = defaults.default_target_path()
             draft = defaults.default_draft_path() if draft is None else draft
-        model, gguf = load_target(target, device=device)
+        forced = settings.quant_kernels if resolve_device(device).type == "cuda" else None
+        model, gguf = load_target(target, device=device, quantized=forced)
         tokenizer = Tokenizer.from_gguf_metadata(gguf.metadata)
         draft_model = None
         if draft not in (None, "none"):
             from flashtree.models.dflash import load_draft
 
-            draft_model = load_draft(draft, model)
+            draft_model = load_draft(draft, model, settings.draft_fp8)
         spec = spec or SpecConfig()
         mode = mode or ("ar" if draft_model is None else spec.mode)
         spec = SpecConfig(**{**spec.__dict__, "mode": mode})
         speculative = draft_model is not None and mode != "ar"
-        use_arithmetic(model, choose_arithmetic(speculative))
-        use_dense_kernel(model, dense_matmul.choose(speculative))
-        return cls(model, tokenizer, draft_model, spec, max_ctx)
+        use_kernels(model, settings.kernels, speculative)
+        return cls(model, tokenizer, draft_model, spec, max_ctx, settings)
 
     def encode(self, text: str, chat: bool = True, system: str | None = None) -> list[int]:
         """Prompt ids for `text`, through the chat template unless chat=False."""

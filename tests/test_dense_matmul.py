@@ -11,12 +11,14 @@ import torch.nn.functional as F
 from flashtree import kernels
 from flashtree.errors import FlashtreeError
 from flashtree.kernels import dense_matmul
-from flashtree.kernels.dense_matmul import DenseTiles, dense_linear
+from flashtree.kernels.dense_matmul import dense_linear
 from flashtree.kernels.qmatmul import k_splits
+from flashtree.kernels.tiles import DEFAULT_DENSE_TILES, DenseTiles, KernelConfig
 from flashtree.models.layers import Linear
+from flashtree.settings import Settings
 
 TILES = {
-    "default": dense_matmul.DEFAULT_TILES,
+    "default": DEFAULT_DENSE_TILES["default"],
     "splits-fused": DenseTiles(rows=16, k_block=32, warps=4, stages=1, programs=64, fused_sum=1),
     "splits-second-launch": DenseTiles(rows=16, k_block=32, warps=4, stages=1, programs=64, fused_sum=0),
 }
@@ -62,7 +64,7 @@ def test_dense_linear_keeps_leading_dims_and_reads_strided_rows():
 def test_linear_takes_the_kernel_only_for_fp32_decode_rows_outside_autograd(monkeypatch):
     calls = []
     monkeypatch.setattr(kernels, "triton_kernels_for", lambda x: True)
-    monkeypatch.setattr(dense_matmul, "dense_linear", lambda x, w: calls.append(x) or F.linear(x, w))
+    monkeypatch.setattr(dense_matmul, "dense_linear", lambda x, w, tiles: calls.append(x) or F.linear(x, w))
     layer = Linear(torch.randn(8, 16))
     with torch.no_grad():
         layer(torch.randn(1, 23, 16))
@@ -78,7 +80,7 @@ def test_linear_takes_the_kernel_only_for_fp32_decode_rows_outside_autograd(monk
 
 def test_engine_load_takes_the_kernel_for_speculative_decoding_only(monkeypatch, tiny_root, tmp_path):
     """The target's dense matrices (and so the draft's shared LM head) run the batch-invariant kernel
-    when the engine decodes speculatively, cuBLAS when it does not; FLASHTREE_DENSE_KERNEL overrides.
+    when the engine decodes speculatively, cuBLAS when it does not; the settings may say which.
     The draft's own matrices keep the kernel (nothing is verified against them; it is the faster one
     at a draft block's 16 rows)."""
     from spec_util import random_draft_dir
@@ -89,31 +91,24 @@ def test_engine_load_takes_the_kernel_for_speculative_decoding_only(monkeypatch,
     def kernel_flags(model):
         return {m.dense_kernel for m in model.modules() if isinstance(m, Linear)}
 
-    monkeypatch.delenv("FLASHTREE_DENSE_KERNEL", raising=False)
     target = tiny_gguf("llama", 0, tiny_root)
     draft = random_draft_dir(target, tmp_path)
-    engine = Engine.load(target, draft, max_ctx=64, device="cpu")
+    engine = Engine.load(target, draft, max_ctx=64, device="cpu", settings=Settings())
     assert kernel_flags(engine.target) == {True}
     assert kernel_flags(engine.draft) == {True}
     assert kernel_flags(Engine.load(target, draft, mode="ar", max_ctx=64, device="cpu").target) == {False}
     assert kernel_flags(Engine.load(target, "none", max_ctx=64, device="cpu").target) == {False}
-    monkeypatch.setenv("FLASHTREE_DENSE_KERNEL", "1")
-    assert kernel_flags(Engine.load(target, "none", max_ctx=64, device="cpu").target) == {True}
-    monkeypatch.setenv("FLASHTREE_DENSE_KERNEL", "0")
-    assert kernel_flags(Engine.load(target, draft, max_ctx=64, device="cpu").target) == {False}
+    on, off = (Settings(kernels=KernelConfig(dense_kernel=flag)) for flag in (True, False))
+    assert kernel_flags(Engine.load(target, "none", max_ctx=64, device="cpu", settings=on).target) == {True}
+    assert kernel_flags(Engine.load(target, draft, max_ctx=64, device="cpu", settings=off).target) == {False}
 
 
-def test_tiles_are_chosen_per_matrix_shape_and_overridable(monkeypatch):
-    monkeypatch.setattr(dense_matmul, "TILES", {"default": TILES["default"], "40x96": TILES["splits-fused"]})
-    assert dense_matmul.tiles_for(40, 96) == TILES["splits-fused"]
-    assert dense_matmul.tiles_for(96, 40) == TILES["default"]
-    override = '{"default": [16, 32, 4, 1, 64, 0], "8x8": [32, 64, 4, 2, 9]}'
-    monkeypatch.setenv("FLASHTREE_DENSE_TILES", override)
-    parsed = dense_matmul.tiles_from_env()
-    assert parsed["default"] == TILES["splits-second-launch"] and parsed["8x8"] == DenseTiles(32, 64, 4, 2, 9)
-    monkeypatch.setenv("FLASHTREE_DENSE_TILES", "[1, 2]")
-    with pytest.raises(FlashtreeError, match="FLASHTREE_DENSE_TILES"):
-        dense_matmul.tiles_from_env()
+def test_tiles_are_chosen_per_matrix_shape():
+    kernels = KernelConfig(dense_tiles={"default": TILES["default"], "40x96": TILES["splits-fused"]})
+    assert dense_matmul.tiles_for(40, 96, kernels) == TILES["splits-fused"]
+    assert dense_matmul.tiles_for(96, 40, kernels) == TILES["default"]
+    with pytest.raises(FlashtreeError, match='"default"'):
+        KernelConfig(dense_tiles={"40x96": TILES["splits-fused"]})
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])

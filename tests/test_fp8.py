@@ -137,18 +137,15 @@ def test_fp8_draft_keeps_decoding_lossless(fp8_pair, mode, config):
     assert generate(target, drafts[mode], prompt, 16, sampling, **config)[0] == ar
 
 
-def test_fp8_mode_from_the_environment(fp8_pair, monkeypatch):
+def test_fp8_mode_is_checked_against_the_device(fp8_pair, monkeypatch):
     target, draft_dir, _ = fp8_pair
     assert load_draft(draft_dir, target).fp8_mode == "off"
-    monkeypatch.setenv("FLASHTREE_DRAFT_FP8", "all")
-    assert load_draft(draft_dir, target).fp8_mode == "all"
-    monkeypatch.setenv("FLASHTREE_DRAFT_FP8", "1")
-    with pytest.raises(FlashtreeError, match="FLASHTREE_DRAFT_FP8 '1': expected one of off, matrices, all"):
-        load_draft(draft_dir, target)
-    monkeypatch.setenv("FLASHTREE_DRAFT_FP8", "matrices")
+    assert load_draft(draft_dir, target, "all").fp8_mode == "all"
+    with pytest.raises(FlashtreeError, match="fp8 mode '1': expected one of off, matrices, all"):
+        load_draft(draft_dir, target, "1")
     monkeypatch.setattr(fp8, "supported", lambda device: False)
     with pytest.raises(FlashtreeError, match="compute capability 8.9"):
-        load_draft(draft_dir, target)
+        load_draft(draft_dir, target, "matrices")
     with pytest.raises(FlashtreeError, match="compute capability 8.9"):
         load_draft(draft_dir, target, "all")
 

@@ -31,6 +31,7 @@ from flashtree.kernels.qmatmul import (
     repack,
     unpack,
 )
+from flashtree.kernels.tiles import DEFAULT_TILES, KernelConfig, TileConfig
 from flashtree.quant.dequant import dequantize
 from flashtree.quant.formats import QT
 from flashtree.quant.pack import quantize, random_blocks
@@ -166,12 +167,8 @@ def bf16_case(request):
     raw, w = case(qtype, rows, cols)
     fields = repack(raw, qtype, cols)
     x = torch.randn(64, cols, generator=torch.Generator().manual_seed(1))
-    saved, qmatmul.ARITHMETIC = qmatmul.ARITHMETIC, "bf16"
-    try:
-        prefix = {m: quant_matmul(x[:m], fields, qtype, rows, cols) for m in M_VALUES}
-        single = {i: quant_matmul(x[i : i + 1], fields, qtype, rows, cols) for i in (4, 32, 63)}
-    finally:
-        qmatmul.ARITHMETIC = saved
+    prefix = {m: quant_matmul(x[:m], fields, qtype, rows, cols, "bf16") for m in M_VALUES}
+    single = {i: quant_matmul(x[i : i + 1], fields, qtype, rows, cols, "bf16") for i in (4, 32, 63)}
     return qtype, w, x, prefix, single | {0: prefix[1]}
 
 
@@ -193,44 +190,38 @@ def test_bf16_arithmetic_is_batch_invariant(bf16_case):
         assert torch.equal(y[0], prefix[64][i]), i
 
 
-def test_arithmetic_from_env(monkeypatch):
-    monkeypatch.setenv("FLASHTREE_QMM_ARITH", "bf16")
-    assert qmatmul.arithmetic_from_env() == "bf16"
-    monkeypatch.setenv("FLASHTREE_QMM_ARITH", "fp8")
-    with pytest.raises(FlashtreeError, match="FLASHTREE_QMM_ARITH='fp8': expected one of int8, bf16"):
-        qmatmul.arithmetic_from_env()
-
-
-def test_choose_arithmetic(monkeypatch):
-    """bf16 for speculative decoding, int8 for plain decoding, unless FLASHTREE_QMM_ARITH says."""
-    monkeypatch.delenv("FLASHTREE_QMM_ARITH", raising=False)
-    assert qmatmul.choose_arithmetic(speculative=True) == "bf16"
-    assert qmatmul.choose_arithmetic(speculative=False) == "int8"
-    monkeypatch.setenv("FLASHTREE_QMM_ARITH", "int8")
-    assert qmatmul.choose_arithmetic(speculative=True) == "int8"
-    monkeypatch.setenv("FLASHTREE_QMM_ARITH", "bf16")
-    assert qmatmul.choose_arithmetic(speculative=False) == "bf16"
+def test_choose_arithmetic():
+    """bf16 for speculative decoding, int8 for plain decoding, unless the settings say."""
+    assert KernelConfig().arithmetic_for(speculative=True) == "bf16"
+    assert KernelConfig().arithmetic_for(speculative=False) == "int8"
+    assert KernelConfig(arithmetic="int8").arithmetic_for(speculative=True) == "int8"
+    assert KernelConfig(arithmetic="bf16").arithmetic_for(speculative=False) == "bf16"
+    with pytest.raises(FlashtreeError, match="arithmetic 'fp8'"):
+        KernelConfig(arithmetic="fp8")
 
 
 def test_engine_load_sets_the_arithmetic_on_the_packed_weights(monkeypatch, tmp_path):
     """Engine.load runs the target's packed matrices (and so the draft's shared LM head) in bf16 when it
-    decodes speculatively, int8 when it does not; the module default stays as it was."""
+    decodes speculatively, int8 when it does not, unless its settings name one."""
     from spec_util import random_draft_dir
 
     from flashtree.convert.synth import synth_model
     from flashtree.generate import Engine
     from flashtree.kernels.qlinear import arithmetic_of, use_arithmetic
     from flashtree.models import loader
+    from flashtree.settings import Settings
 
-    monkeypatch.delenv("FLASHTREE_QMM_ARITH", raising=False)
     monkeypatch.setattr(loader, "default_quantized", lambda device, gguf: True)  # packed on CPU too
     target = tmp_path / "tiny.gguf"
     synth_model("tiny-qwen35", "q4_k_m", target, seed=3)
     draft = random_draft_dir(target, tmp_path)
-    engine = Engine.load(target, draft, max_ctx=64, device="cpu")
-    assert arithmetic_of(engine.target) == "bf16" and qmatmul.ARITHMETIC == "int8"
+    engine = Engine.load(target, draft, max_ctx=64, device="cpu", settings=Settings())
+    assert arithmetic_of(engine.target) == "bf16"
     assert arithmetic_of(Engine.load(target, draft, mode="ar", max_ctx=64, device="cpu").target) == "int8"
     assert arithmetic_of(Engine.load(target, "none", max_ctx=64, device="cpu").target) == "int8"
+    forced = Settings(kernels=KernelConfig(arithmetic="bf16"))
+    plain = Engine.load(target, "none", max_ctx=64, device="cpu", settings=forced)
+    assert arithmetic_of(plain.target) == "bf16"
     assert use_arithmetic(engine.target, "int8") >= 4 * engine.target.config.n_layers
     with pytest.raises(FlashtreeError, match="unknown arithmetic 'fp8'"):
         use_arithmetic(engine.target, "fp8")
@@ -249,30 +240,28 @@ def test_uneven_k_splits_and_unrolled_units(monkeypatch, units, splits, per_spli
     rows, cols = 21, 64 * units  # Q8_0: units of 2 blocks
     monkeypatch.setattr(qmatmul, "SPLIT_TARGET", splits * rows)
     assert k_splits(rows, units) == (splits, per_split)
-    for key in ("m1", "m16"):
-        monkeypatch.setitem(qmatmul.TILES, key, qmatmul.TileConfig(32, 1, 1, 3, fused_sum))
+    tile = TileConfig(32, 1, 1, 3, fused_sum)
+    kernels = KernelConfig(tiles={**DEFAULT_TILES, "m1": tile, "m16": tile})
     raw, _ = case(QT.Q8_0, rows, cols)
     x = torch.randn(3, cols, generator=torch.Generator().manual_seed(3))
     fields = repack(raw, QT.Q8_0, cols)
-    y = quant_matmul(x, fields, QT.Q8_0, rows, cols)
+    y = quant_matmul(x, fields, QT.Q8_0, rows, cols, kernels=kernels)
     assert rel_err(y, reference_matmul(x, raw, QT.Q8_0, rows, cols)) < EXACT_TOL
-    assert torch.equal(quant_matmul(x[1:2], fields, QT.Q8_0, rows, cols)[0], y[1])
+    assert torch.equal(quant_matmul(x[1:2], fields, QT.Q8_0, rows, cols, kernels=kernels)[0], y[1])
     assert not qmatmul.tile_counters(x.device, 1).any()
 
 
 @pytest.mark.parametrize("block,warps", [(128, 2), (1024, 4), (256, 8)])
-def test_the_summing_launch_adds_splits_in_order_whatever_its_block(monkeypatch, block, warps):
+def test_the_summing_launch_adds_splits_in_order_whatever_its_block(block, warps):
     """sum_splits: y = split 0 + split 1 + ... in fp32, in that order (as the last program of a tile adds
     them), for any block and warps the launch takes (bench/gpu_sum_splits.py sweeps them): 20 splits
     (rounds of 8, a ragged last one) over 3 x 300 sums, a last block only partly inside."""
-    monkeypatch.setattr(qmatmul, "SUM_BLOCK", block)
-    monkeypatch.setattr(qmatmul, "SUM_WARPS", warps)
     parts = torch.randn(20, 3, 300, generator=torch.Generator().manual_seed(5))
     want = parts[0].clone()
     for split in parts[1:]:
         want += split
     y = torch.empty(3, 300)
-    qmatmul.sum_splits(y, parts)
+    qmatmul.sum_splits(y, parts, block, warps)
     assert torch.equal(y, want)
 
 
@@ -286,23 +275,14 @@ def test_a_matrix_may_have_its_own_split_target(monkeypatch):
     launched = []
     real_k_splits = qmatmul.k_splits
     monkeypatch.setattr(qmatmul, "k_splits", lambda *a: launched.append(real_k_splits(*a)) or launched[-1])
-    monkeypatch.setitem(qmatmul.SHAPE_SPLITS, qmatmul.split_key("int8", QT.Q8_0, rows, cols), 2 * rows)
-    y = quant_matmul(x, fields, QT.Q8_0, rows, cols, "int8")
-    one = quant_matmul(x[1:2], fields, QT.Q8_0, rows, cols, "int8")
+    kernels = KernelConfig(splits={qmatmul.split_key("int8", QT.Q8_0, rows, cols): 2 * rows})
+    y = quant_matmul(x, fields, QT.Q8_0, rows, cols, "int8", kernels=kernels)
+    one = quant_matmul(x[1:2], fields, QT.Q8_0, rows, cols, "int8", kernels=kernels)
     assert launched == [(2, 5), (2, 5)]
     assert rel_err(y, reference_matmul(x, raw, QT.Q8_0, rows, cols)) < EXACT_TOL
     assert torch.equal(one[0], y[1])
-    quant_matmul(x[:1], fields, QT.Q8_0, rows, cols, "bf16")  # another arithmetic: its own (default) target
+    quant_matmul(x[:1], fields, QT.Q8_0, rows, cols, "bf16", kernels=kernels)  # another arithmetic: default
     assert launched[-1] == (9, 1)
-
-
-def test_split_targets_from_the_environment(monkeypatch):
-    monkeypatch.setenv("FLASHTREE_QMM_SPLITS", '{"int8:Q4_K:5120x6144": 32768}')
-    assert qmatmul.splits_from_env() == {"int8:Q4_K:5120x6144": 32768}
-    for bad in ('{"int8:Q4_K:5120x6144": 0}', '{"fp8:Q4_K:5120x6144": 4096}', "[1, 2]", "{"):
-        monkeypatch.setenv("FLASHTREE_QMM_SPLITS", bad)
-        with pytest.raises(FlashtreeError, match="FLASHTREE_QMM_SPLITS"):
-            qmatmul.splits_from_env()
 
 
 def test_k_splits_depend_on_the_shape_only():
@@ -359,21 +339,6 @@ def test_layout_units_and_fields():
         layout(QT.Q5_0, 256)
 
 
-def test_tiles_from_env(monkeypatch):
-    monkeypatch.setenv("FLASHTREE_QMM_TILES", '{"m1": [128, 4, 1, 2]}')
-    tiles = qmatmul.tiles_from_env()
-    assert tiles["m1"] == qmatmul.TileConfig(128, 4, 1, 2) and tiles["m16"] == qmatmul.DEFAULT_TILES["m16"]
-    monkeypatch.setenv("FLASHTREE_QMM_TILES", '{"b32:Q6_K": [64, 4, 1, 1, 0]}')
-    tiles = qmatmul.tiles_from_env()
-    assert tiles["b32:Q6_K"] == qmatmul.TileConfig(64, 4, 1, 1, 0)
-    assert tiles["b32"] == qmatmul.DEFAULT_TILES["b32"]
-    assert all(qmatmul._known_tile_key(key) for key in qmatmul.DEFAULT_TILES)  # the defaults' own keys too
-    for bad in ('{"gemv": [8, 2, 2]}', '{"b32:Q9_K": [64, 4, 1]}', '{"b48:Q6_K": [64, 4, 1]}'):
-        monkeypatch.setenv("FLASHTREE_QMM_TILES", bad)
-        with pytest.raises(FlashtreeError, match="unknown keys"):
-            qmatmul.tiles_from_env()
-
-
 def test_a_type_may_have_its_own_tile_in_a_bucket(monkeypatch):
     """A "BUCKET:TYPE" tile is launched for that type's products in that bucket only; the values are those
     of the default tiles, bit for bit, and rows stay batch-invariant across buckets."""
@@ -382,14 +347,15 @@ def test_a_type_may_have_its_own_tile_in_a_bucket(monkeypatch):
     fields = repack(raw, QT.Q6_K, cols)
     x = torch.randn(23, cols, generator=torch.Generator().manual_seed(5))
     before = quant_matmul(x, fields, QT.Q6_K, rows, cols, "bf16")
-    own = qmatmul.TileConfig(16, 4, 1, 1, 0)
-    monkeypatch.setitem(qmatmul.TILES, "b32:Q6_K", own)
-    assert qmatmul.tile_for(23, "bf16", QT.Q6_K) == own
-    assert qmatmul.tile_for(23, "bf16", QT.Q4_K) == qmatmul.TILES["b32"]
-    assert qmatmul.tile_for(16, "bf16", QT.Q6_K) == qmatmul.TILES["b16"]
-    after = quant_matmul(x, fields, QT.Q6_K, rows, cols, "bf16")
+    own = TileConfig(16, 4, 1, 1, 0)
+    kernels = KernelConfig(tiles={**DEFAULT_TILES, "b32:Q6_K": own})
+    assert qmatmul.tile_for(23, "bf16", QT.Q6_K, kernels) == own
+    assert qmatmul.tile_for(23, "bf16", QT.Q4_K, kernels) == DEFAULT_TILES["b32"]
+    assert qmatmul.tile_for(16, "bf16", QT.Q6_K, kernels) == DEFAULT_TILES["b16"]
+    after = quant_matmul(x, fields, QT.Q6_K, rows, cols, "bf16", kernels=kernels)
     assert torch.equal(after, before)
-    assert torch.equal(quant_matmul(x[7:8], fields, QT.Q6_K, rows, cols, "bf16")[0], after[7])
+    one = quant_matmul(x[7:8], fields, QT.Q6_K, rows, cols, "bf16", kernels=kernels)
+    assert torch.equal(one[0], after[7])
 
 
 def test_loader_switch_builds_quant_linears_with_the_same_logits(tmp_path):

@@ -22,6 +22,7 @@ from flashtree.kernels import (
     tree_conv,
     tree_deltanet,
 )
+from flashtree.settings import Settings
 
 # every module whose kernels run in decode steps (cross_entropy's run in draft training only)
 DECODE_MODULES = [accept, attention, ddtree, dense_matmul, fused, qmatmul, rotary, tree_conv, tree_deltanet]
@@ -67,21 +68,15 @@ def test_every_decode_kernel_waits_for_its_inputs_first(module):
         assert any(u.startswith("pdl_options(") for u in unpacked), ast.unparse(call.func)
 
 
-def test_pdl_only_on_cuda_when_enabled(monkeypatch):
-    x = torch.zeros(4)
-    monkeypatch.setattr(launch, "ENABLED", True)
-    assert launch.pdl_options(x) == {"GDC": False}  # no PDL off CUDA, whatever the setting
-    monkeypatch.setattr(launch, "ENABLED", False)
-    assert launch.pdl_options(x) == {"GDC": False}
+@pytest.mark.parametrize("pdl", ["0", "1"])
+def test_pdl_only_on_cuda_when_enabled(monkeypatch, pdl):
+    monkeypatch.setenv("FLASHTREE_PDL", pdl)
+    assert launch.pdl_options(torch.zeros(4)) == {"GDC": False}  # no PDL off CUDA, whatever the setting
 
 
-def test_pdl_is_on_unless_turned_off(monkeypatch):
-    monkeypatch.delenv("FLASHTREE_PDL", raising=False)
-    assert launch.enabled_from_env()
-    monkeypatch.setenv("FLASHTREE_PDL", "1")
-    assert launch.enabled_from_env()
-    monkeypatch.setenv("FLASHTREE_PDL", "0")
-    assert not launch.enabled_from_env()
+def test_pdl_is_on_unless_turned_off():
+    assert Settings.from_env({}).pdl and Settings.from_env({"FLASHTREE_PDL": "1"}).pdl
+    assert not Settings.from_env({"FLASHTREE_PDL": "0"}).pdl
 
 
 def test_kernels_run_with_pdl_options_off_cuda():

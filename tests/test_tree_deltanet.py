@@ -67,18 +67,6 @@ def test_tree_kernel_token_does_not_depend_on_the_launch():
         state = s_i[0]
 
 
-def test_tile_from_environment(monkeypatch):
-    from flashtree.errors import FlashtreeError
-    from flashtree.kernels import tree_deltanet
-
-    monkeypatch.setenv("FLASHTREE_DELTA_TILE", "16,2")
-    assert tree_deltanet.tile_from_env() == (16, 2)
-    for bad in ("16", "12,4", "16,3", "a,b"):
-        monkeypatch.setenv("FLASHTREE_DELTA_TILE", bad)
-        with pytest.raises(FlashtreeError, match="FLASHTREE_DELTA_TILE"):
-            tree_deltanet.tile_from_env()
-
-
 def test_qwen35_decode_and_verify_with_the_kernels_match_the_torch_path(tiny_root, monkeypatch):
     """The kernels inside the model (as on the GPU; the rotary kernel of its attention layers too): AR
     steps and a tree verify after a prefill give the torch path's logits, and the verify's chain rows
@@ -179,7 +167,7 @@ def test_commit_replay_rebuilds_every_node_state_bit_for_bit(monkeypatch, replay
         path = ancestry(parents, node)
         padded = torch.tensor(path + [i for i in range(t) if i not in path])  # fixed shape, as a step passes
         state = committed.clone()
-        replay_accepted(conv_out, gates, padded, torch.tensor([len(path)]), state, nk)
+        replay_accepted(conv_out, gates, padded, torch.tensor([len(path)]), state, nk, (16, 1))
         for layer in range(layers):
             assert torch.equal(state[layer], node_states[layer][node]), (node, layer)
 

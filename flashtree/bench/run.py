@@ -13,7 +13,6 @@ from __future__ import annotations
 import importlib.metadata
 import itertools
 import json
-import os
 import platform
 import shlex
 import subprocess
@@ -33,6 +32,7 @@ from flashtree.commands import engine_from_options
 from flashtree.config import MODES, SamplingParams
 from flashtree.errors import FlashtreeError
 from flashtree.generate import Engine, GenerationStats
+from flashtree.settings import current as current_settings
 
 SCHEMA = "flashtree-bench/1"
 BASELINES = ("hf", "plain")
@@ -72,20 +72,18 @@ def plain_runner(engine: Engine) -> Runner:
     arithmetic for packed ones), set for each call and put back after it. Its CUDA graphs are its own,
     captured under those kernels. The speculative engines' AR (mode `ar`) is what chain/tree must
     reproduce; this is the fastest AR a user gets, the honest denominator of a speedup."""
-    from flashtree.kernels import dense_matmul
     from flashtree.kernels.qlinear import arithmetic_of, use_arithmetic
-    from flashtree.kernels.qmatmul import choose_arithmetic
     from flashtree.models.layers import Linear, use_dense_kernel
 
     run_ar = engine_runner(engine)
-    target = engine.target
+    target, kernels = engine.target, engine.settings.kernels
     linears = [m for m in target.modules() if isinstance(m, Linear)]
 
     def run(prompt_ids: list[int], max_tokens: int) -> tuple[list[int], GenerationStats]:
         dense, arithmetic = [m.dense_kernel for m in linears], arithmetic_of(target)
-        use_dense_kernel(target, dense_matmul.choose(speculative=False))
+        use_dense_kernel(target, kernels.dense_kernel_for(speculative=False))
         if arithmetic:
-            use_arithmetic(target, choose_arithmetic(speculative=False))
+            use_arithmetic(target, kernels.arithmetic_for(speculative=False))
         try:
             return run_ar(prompt_ids, max_tokens)
         finally:  # the speculative engines' kernels back
@@ -104,11 +102,12 @@ def make_runners(base: Engine, modes: list[str], baselines: list[str], max_ctx: 
     runners = {}
     for mode in modes:
         draft = base.draft if mode != "ar" else None
-        engine = Engine(base.target, base.tokenizer, draft, replace(base.spec, mode=mode), max_ctx)
+        spec = replace(base.spec, mode=mode)
+        engine = Engine(base.target, base.tokenizer, draft, spec, max_ctx, base.settings)
         runners[mode] = engine_runner(engine)
     if "plain" in baselines:
         runners["plain"] = plain_runner(
-            Engine(base.target, base.tokenizer, None, replace(base.spec, mode="ar"), max_ctx)
+            Engine(base.target, base.tokenizer, None, replace(base.spec, mode="ar"), max_ctx, base.settings)
         )
     if "hf" in baselines:
         from flashtree.bench.hf_baseline import HFBaseline
@@ -248,8 +247,7 @@ def command_line(options: dict) -> str:
 def settings() -> dict:
     """This run's FLASHTREE_* environment settings that pick kernels, tiles or arithmetic (the cache path
     and the commit left out), so that results measured under other settings can be told apart."""
-    skip = {"FLASHTREE_CACHE", "FLASHTREE_GIT_COMMIT"}
-    return {k: v for k, v in sorted(os.environ.items()) if k.startswith("FLASHTREE_") and k not in skip}
+    return current_settings().explicit()
 
 
 def provenance() -> dict:
@@ -261,7 +259,7 @@ def provenance() -> dict:
 def git_info() -> dict:
     """The checkout's commit and whether tracked files differ from it. FLASHTREE_GIT_COMMIT overrides
     both: the device machine's copy of the tree may carry a stale .git, or none."""
-    if commit := os.environ.get("FLASHTREE_GIT_COMMIT"):
+    if commit := current_settings().git_commit:
         return {"commit": commit, "dirty": False}
     root = Path(flashtree.__file__).resolve().parent.parent
 

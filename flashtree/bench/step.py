@@ -31,7 +31,9 @@ from flashtree.errors import FlashtreeError
 from flashtree.generate import PREFILL_CHUNK, Engine
 from flashtree.kernels import fp8
 from flashtree.models.dflash import load_draft
+from flashtree.models.layers import use_dense_kernel, use_kernels
 from flashtree.models.loader import default_device, load_target
+from flashtree.settings import current as current_settings
 from flashtree.spec.tree import build_tree
 
 SCHEMA = "flashtree-bench-step/1"
@@ -148,6 +150,10 @@ class StepBench:
     ):  # fmt: skip
         self.device = default_device()
         self.model, self.gguf = load_target(target, device=self.device, quantized=quantized)
+        # the settings' kernels; the arithmetic theirs or int8, decode rows of fp32 matrices in our kernel
+        self.kernels = current_settings().kernels
+        use_kernels(self.model, self.kernels, speculative=False)
+        use_dense_kernel(self.model, self.kernels.dense_kernel_for(speculative=True))
         self.draft = load_draft(draft, self.model, fp8_mode="off")
         # the same draft in each fp8 mode (kernels/fp8.py), timed next to it where the device has fp8
         modes = fp8.MODES[1:] if fp8.supported(self.device) else ()
@@ -234,7 +240,8 @@ class StepBench:
             spec = SpecConfig(mode=mode, budget=self.budget, block_size=self.block_size)
             steps = 2 + self.repeats
             max_ctx = self.context + (steps + 2) * (self.budget + 1)
-            engine = Engine(self.model, None, self.draft if mode == "tree" else None, spec, max_ctx=max_ctx)
+            draft = self.draft if mode == "tree" else None
+            engine = Engine(self.model, None, draft, spec, max_ctx=max_ctx, settings=current_settings())
             tokens = engine.generate(prompt, max_tokens=steps * (self.budget + 1), stop_ids=())
             next(tokens)  # prefill
             found[f"{mode}_ms"] = _try(lambda: self.time(lambda: next(tokens)))  # noqa: B023
@@ -325,10 +332,8 @@ def run_bench_step(
             _best(results[f"draft_step_fp8_{mode}"], "total_ms") / best_ar
         )
     if bench.n_quant_linears:
-        from flashtree.kernels.qmatmul import ARITHMETIC, TILES
-
-        results["tiles"] = {key: list(astuple(tile)) for key, tile in TILES.items()}
-        results["arithmetic"] = ARITHMETIC
+        results["tiles"] = {key: list(astuple(tile)) for key, tile in bench.kernels.tiles.items()}
+        results["arithmetic"] = bench.kernels.arithmetic_for(speculative=False)
     return {
         "schema": SCHEMA,
         **made_by,  # git, settings

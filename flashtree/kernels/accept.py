@@ -11,9 +11,8 @@ puts them) and the bonus token, its sample. Integers only: the result is exact.
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
+from flashtree.kernels import tl, triton
 from flashtree.kernels.launch import pdl_options, wait_for_inputs
 
 

@@ -29,9 +29,8 @@ variants of the kernel, and whether a multiply and an add become one fma depends
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
+from flashtree.kernels import tl, triton
 from flashtree.kernels.launch import pdl_options, wait_for_inputs
 from flashtree.kernels.qmatmul import tile_counters
 

@@ -13,10 +13,9 @@ by the head. Same math as the torch path: fp32 exponentials and sums, one roundi
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
 from flashtree import kernels
+from flashtree.kernels import tl, triton
 
 STATS_BLOCK = 2048
 GRAD_BLOCK = 4096

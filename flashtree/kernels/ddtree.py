@@ -1,9 +1,7 @@
 """spec/tree.py's DDTree build in one Triton program, where the torch path takes ~120 launches (a top-k,
 adds and gathers per depth, two sorts, the ancestor matrix by repeated squaring): launches bound a
-small model's tree step (bench/results/h200-step-2026-12-03/pair-b241d29: 15 top-k, 15 sorts and 15
-elementwise launches per step for the depth loop alone). Its input, the draft's per-depth top-k
-log-probs, comes from `draft_topk` in two launches (torch's division, log-softmax and multi-block
-top-k took 15 of the default pair's tree step, bench/results/h200-draft-run8-2026-12-04/profile_steps).
+small model's tree step (bench/results/h200-step-2026-12-03/pair-b241d29). Its input, the draft's
+per-depth top-k log-probs, comes from `draft_topk` in two launches.
 
 The same selection as the torch path: per depth the `width` best (parent slot x rank) candidates by
 score (the chain's bonus on slot 0 included), then the `n` best over all depths in a stable order,
@@ -17,9 +15,8 @@ sorted vectors between threads of the program (a barrier after each store).
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
+from flashtree.kernels import tl, triton
 from flashtree.kernels.launch import pdl_options, wait_for_inputs
 
 LOW = 0x7FFFFFFF  # index complement base: keys' low 32 bits

@@ -19,13 +19,10 @@ ties to even), encoded in integer ops: Triton's interpreter mis-rounds its own f
 
 from __future__ import annotations
 
-import os
-
 import torch
-import triton
-import triton.language as tl
 
 from flashtree.errors import FlashtreeError
+from flashtree.kernels import tl, triton
 from flashtree.kernels.launch import pdl_options, wait_for_inputs
 
 E4M3_MAX = 448.0
@@ -57,13 +54,6 @@ def check_mode(mode: str, device: torch.device, source: str = "fp8 mode") -> str
             f"{source} {mode}: fp8 matrices need a GPU of compute capability 8.9+, not {device}"
         )
     return mode
-
-
-def mode_from_env(device: torch.device) -> str:
-    """FLASHTREE_DRAFT_FP8 (off, matrices or all). Off by default: on the 27B (H100) the draft step
-    went 2.35 -> 2.13 / 2.03 ms, 1.0 / 1.5 % of the tree step, for 1.5 / 2.0 % of the default pair's
-    accept length (bench/results/h100-step-2026-12-05, cpu-draft-fp8-2026-12-05)."""
-    return check_mode(os.environ.get("FLASHTREE_DRAFT_FP8", "off"), device, "FLASHTREE_DRAFT_FP8")
 
 
 def fits(out_features: int, in_features: int) -> bool:

@@ -14,9 +14,8 @@ bound it); the math is the same: fp32 norm, products in fp32, one rounding to th
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
+from flashtree.kernels import tl, triton
 from flashtree.kernels.launch import pdl_options, wait_for_inputs
 from flashtree.kernels.qmatmul import new_activations, quantize_blocks, with_int8
 from flashtree.kernels.rotary import rounded

@@ -8,15 +8,15 @@ from torch import nn
 
 from flashtree import kernels
 from flashtree.errors import FlashtreeError
-from flashtree.kernels import qmatmul
-from flashtree.kernels.qmatmul import ARITHMETICS, int8_of, quant_matmul, repack, unpack
+from flashtree.kernels.qmatmul import int8_of, quant_matmul, repack, unpack
+from flashtree.kernels.tiles import ARITHMETICS, DEFAULT_KERNELS
 from flashtree.quant.dequant import dequantize
 from flashtree.quant.formats import type_name
 
 
 class QuantLinear(nn.Module):
     """y = x @ W^T with W kept as quantized blocks, same interface as `Linear`. CUDA runs the Triton
-    kernels in `arithmetic` (None: qmatmul.ARITHMETIC; int8: x quantized to int8 per 32 values, bf16:
+    kernels in `arithmetic` (int8: x quantized to int8 per 32 values, bf16:
     the weights decoded to bf16; for up to 64 rows each row's result is bit-identical whatever the
     batch; a one-row input may carry its int8 quantization, qmatmul.int8_of); any other device
     dequantizes with the reference decoder on every call."""
@@ -29,7 +29,8 @@ class QuantLinear(nn.Module):
         for i, field in enumerate(fields):
             self.register_buffer(f"field{i}", field, persistent=False)
         self.n_fields = len(fields)
-        self.arithmetic: str | None = None  # see use_arithmetic
+        self.arithmetic = "int8"  # see use_arithmetic
+        self.kernels = DEFAULT_KERNELS  # tiles and K-splits: models.layers.use_kernels
 
     @property
     def fields(self) -> list[torch.Tensor]:
@@ -45,7 +46,7 @@ class QuantLinear(nn.Module):
         x2 = x.reshape(-1, self.in_features)  # (M, in)
         if kernels.triton_kernels_for(x):
             shape = (self.out_features, self.in_features)
-            y = quant_matmul(x2, self.fields, self.qtype, *shape, self.arithmetic, int8_of(x))
+            y = quant_matmul(x2, self.fields, self.qtype, *shape, self.arithmetic, int8_of(x), self.kernels)
         else:
             y = F.linear(x2, self.dense_weight(x.dtype))
         return y.reshape(*x.shape[:-1], self.out_features)
@@ -55,7 +56,7 @@ class QuantLinear(nn.Module):
 
 
 def use_arithmetic(model: nn.Module, arithmetic: str) -> int:
-    """Run every packed matrix of `model` in `arithmetic` (qmatmul.ARITHMETICS), before any CUDA graph
+    """Run every packed matrix of `model` in `arithmetic` (tiles.ARITHMETICS), before any CUDA graph
     captures them: one arithmetic for all keeps a verify row equal to the AR step's row. Returns how
     many matrices are packed."""
     if arithmetic not in ARITHMETICS:
@@ -71,12 +72,12 @@ def takes_int8(linear: nn.Module) -> bool:
     all in the int8 arithmetic: their one-row product quantizes its input first, which the kernel that
     makes the input can do instead (kernels/fused.py)."""
     matrices = [m for m in linear.modules() if not list(m.children())]
-    int8 = [isinstance(m, QuantLinear) and (m.arithmetic or qmatmul.ARITHMETIC) == "int8" for m in matrices]
+    int8 = [isinstance(m, QuantLinear) and m.arithmetic == "int8" for m in matrices]
     return all(int8)
 
 
 def arithmetic_of(model: nn.Module) -> str | None:
     """The arithmetic `model`'s packed matrices run in, None when it has none."""
-    found = {m.arithmetic or qmatmul.ARITHMETIC for m in model.modules() if isinstance(m, QuantLinear)}
+    found = {m.arithmetic for m in model.modules() if isinstance(m, QuantLinear)}
     assert len(found) <= 1, found
     return found.pop() if found else None

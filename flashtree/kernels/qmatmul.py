@@ -1,84 +1,46 @@
 """y = x @ W^T straight from GGUF-packed weights (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K), in Triton.
 
-Weights. `repack` (once, at load) splits every GGUF block into its byte ranges ("fields", `_FIELDS`: the
-4-bit codes of Q4_K, its header of d, dmin and 6-bit scales, and so on) and interleaves the rows: a field
-is stored in 16-byte chunks, chunk c of block b of every row side by side, (n_blocks, chunks, n_rows, 4)
-int32 words (fp16 fields: (n_blocks, n_rows)), bytes in their GGUF order. The kernels give each thread
-its own rows, so a warp's 32 threads read one contiguous 512-byte run per load. Lossless and not a byte
-more: `unpack` puts the rows back together. One word holds 4 consecutive values of a 32-value group:
-`w & 0x0F0F0F0F` (or `(w >> 4) & ...`) gives their codes as 4 bytes, ready for an integer dot product
-with 4 int8 activations.
+Weights. `repack` (once, at load) splits every GGUF block into its byte ranges ("fields", `_FIELDS`) and
+interleaves the rows in 16-byte chunks, so a warp's 32 threads (one row each) read one contiguous
+512-byte run per load. Lossless: `unpack` puts the rows back together. One word holds 4 consecutive
+values of a 32-value group: `w & 0x0F0F0F0F` gives their codes as 4 bytes, ready for an integer dot.
 
-Activations. Like llama.cpp's MMVQ, each call first quantizes x per 32-value block to int8 (one small
-kernel): xq = round(x * 127 / amax) (ties to even; llama.cpp rounds ties away), dx = amax / 127, and the
-codes' sums per 16 values. The kernels then compute exactly x_int8 @ W^T, x_int8 = xq * dx (to fp32
-rounding; `reference_matmul` is that math in fp64). Against dequantize-then-matmul this is a numerical
-change: the activation rounding (at most dx / 2 per value) gives y a relative error of ~5e-3 for
-Gaussian x, ~1e-2 when a few channels are 20x larger (tests/test_kernels.py bounds it at 1e-2). The min
-terms of Q4_K/Q5_K/Q4_1 use x_int8's own block sums, dx * sum(xq): the float sums of x would leave
-their error uncancelled and double it (measured: 9.9e-3 instead of 5.4e-3 on Q4_K-quantized Gaussian W).
-
-Products. Per 32-value group (Q6_K: per 16-value sub-block) the kernels form the exact integer sums
-z = sum(code * xq) - (Q4_0: 8, Q6_K: 32) * sum(xq) and S = sum(xq), then add them in fp32 by one shared
-function (`_accumulate`): acc = fma(w_scale * float(z) - w_off * float(S), dx, acc), the min term
-(w_off * S) only for Q4_K/Q5_K/Q4_1.
-- M = 1 (`_matvec_kernel`): z by `dp4a` (4 int8 products per instruction) on code words, one thread per
-  (row, K-split), no cross-thread traffic: ~1.7 instructions per Q4_K value in sm_90 SASS (the budget
-  at HBM speed is ~3.8).
-- 2 <= M <= 64 (`_matmul_kernel`): z by an int8 tensor-core dot per group, (BN, 32) codes x (32, BM) xq,
-  M padded to BM = 16, 32 or 64. The codes are built 4 bytes per 32-bit op; the fp32 terms above, ~5
-  operations per (row, column, group), bound it: ~BM / 6 instructions per weight value.
-- M > 64: the weight is dequantized to x's dtype by `_dequant_kernel` and multiplied by cuBLAS.
-Off CUDA an exact integer emulation replaces every inline PTX op (Triton's interpreter cannot run PTX),
-so the CPU tests execute the kernels' real structure; bench/gpu_kernels.py checks PTX == emulation (the
-bf16 arithmetic's emulated dots run in fp32: equal to 1e-5).
-
-The bf16 arithmetic (FLASHTREE_QMM_ARITH=bf16, or per model: `choose_arithmetic` picks it for speculative
-decoding) instead rounds x to bf16 (fp32 models too) and decodes each 32-value group's weights to bf16 in
-registers, (code - offset) * scale + shift with scale and shift rounded to bf16 first, one rounding
-(`_bf16_weights`: a byte permute makes the bf16 128 + code, two bf16x2 FMAs per pair of values), then one
-bf16 tensor-core dot per group into the fp32 accumulator (`_matmul_kernel` with BF16) for every M <= 64,
-M = 1 padded to 16 columns. No fp32 terms per group: 16-64 rows cost little more than one (H200, 27B Q4_K
-FFN matrices: 0.29-0.34 of copy bandwidth at M = 1-23, 0.18 at 64; int8 0.14-0.21 at 16-23, but its dp4a
-M = 1 0.56-0.66). Error vs x_bf16 @ W^T: ~5.7e-3 on Q4_K (the bf16 shift of its min term), ~2.8e-3 on
-Q6_K. Q8_0 (signed 8-bit codes: no exact bf16 trick) decodes in fp32.
+Arithmetic, one per model (`qlinear.use_arithmetic`; `KernelConfig.arithmetic_for` picks it):
+- int8 (plain decoding): x is quantized per 32 values to int8 (xq = round(x * 127 / amax), ties to even),
+  and the kernels compute exactly x_int8 @ W^T: integer sums z = sum(code * xq) per group (dp4a at
+  M = 1, an int8 tensor-core dot for 2-64 rows), then fp32 terms by one shared function (`_accumulate`).
+  The min terms of Q4_K/Q5_K/Q4_1 use x_int8's own block sums, so their rounding cancels.
+- bf16 (speculative decoding): x rounded to bf16, each group's weights decoded to bf16 in registers (one
+  rounding of scale and shift, then two bf16x2 FMAs per pair of values), one bf16 tensor-core dot per
+  group into an fp32 accumulator for every M <= 64 (M = 1 padded to 16 columns).
+- M > 64: `_dequant_kernel` decodes the weight to x's dtype and cuBLAS multiplies.
+Off CUDA an exact integer emulation replaces every inline PTX op, so the CPU tests run the kernels'
+real structure.
 
 Batch invariance: integer sums are exact and every path adds the same fp32 terms in the same order (units
-in K order inside a K-split, then splits in order), and the split count depends on
-the matrix shape only (`k_splits`). So for M <= 64, row m of an M-row call equals a 1-row call on x[m]
-bit for bit, whatever M is (speculative verify vs AR decode agree). The bf16 arithmetic's dots run the
-same tensor-core instructions over the same K order for every M (checked bit for bit on the H200 by
-bench/gpu_kernels.py); a model's weights all use one arithmetic (qlinear.use_arithmetic). Kernels
-compile with fp fusion off (explicit fma only), which also makes `dequantize_packed` bit-exact against
-flashtree.quant.dequant.
+in K order inside a K-split, then splits in order), and the split count depends on the matrix shape only
+(`k_splits`, or a per-matrix target in `KernelConfig.splits`). So for M <= 64 row m of an M-row call
+equals a 1-row call on x[m] bit for bit (a verify row equals the AR step's). Kernels compile with fp
+fusion off (explicit fma only), which also makes `dequantize_packed` bit-exact against quant.dequant.
 
-Why K-splits: one thread per output row alone leaves too few threads for the short matrices of a decode
-step (5120 rows = 5120 threads for a whole H200), so each row's units are cut into splits sized from the
-shape (`SPLIT_TARGET` (row, split) pairs). At M = 1 the program that finishes a row tile last adds the
-tile's partial sums (`_finish`: an arrival counter per tile, no second launch); for more rows that tail
-is slower than a second kernel (`_sum_splits_kernel`), so `TileConfig.fused_sum` picks per M bucket.
-A matrix may have a target of its own (`SHAPE_SPLITS`, FLASHTREE_QMM_SPLITS, per arithmetic, type and
-shape, chosen by bench/gpu_splits.py on the model's own matrices): still from the shape only, so every M
-of that matrix splits alike.
-
-Before this design (bench/results/issue6-2026-12-02) the kernels decoded weights to fp32 and FMA'd them:
-~9 instructions per value, 0.14-0.19 of copy bandwidth at M = 1.
+K-splits: one thread per output row leaves too few threads for a decode step's short matrices, so each
+row's units are cut into splits sized from the shape (`SPLIT_TARGET` (row, split) pairs). A tile's
+partial sums are added by its last program (`_finish`, an arrival counter) or by a second launch
+(`sum_splits`), as `TileConfig.fused_sum` says per bucket.
 """
 
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import dataclass
 from functools import cache
 from typing import NamedTuple
 
 import torch
-import triton
-import triton.language as tl
 
 from flashtree.errors import FlashtreeError
+from flashtree.kernels import tl, triton
 from flashtree.kernels.launch import pdl_options, wait_for_inputs
+from flashtree.kernels.tiles import DEFAULT_KERNELS, KernelConfig, TileConfig
 from flashtree.quant.dequant import dequantize
 from flashtree.quant.formats import QT, block_bytes, block_size, row_bytes, type_name
 
@@ -396,13 +358,13 @@ SUM_WARPS = 2
 # 512 x 8 were as fast. The 27B's bf16 verify 23 went 17.15 -> 16.04 ms side by side.
 
 
-def sum_splits(y: torch.Tensor, parts: torch.Tensor) -> None:
+def sum_splits(y: torch.Tensor, parts: torch.Tensor, block: int = SUM_BLOCK, warps: int = SUM_WARPS) -> None:
     """y (M, N) = parts (n_splits, M, N), the K-splits' partial sums, added in split order (the order
     every path adds them in, `_sum_of_splits`): the second launch of a product whose tile does not add
     its own splits (`TileConfig.fused_sum`)."""
     n = y.numel()
-    _sum_splits_kernel[(triton.cdiv(n, SUM_BLOCK),)](
-        y, parts, n, parts.shape[0], BLOCK=SUM_BLOCK, num_warps=SUM_WARPS, **pdl_options(y)
+    _sum_splits_kernel[(triton.cdiv(n, block),)](
+        y, parts, n, parts.shape[0], BLOCK=block, num_warps=warps, **pdl_options(y)
     )
 
 
@@ -816,95 +778,6 @@ def _quantize_kernel(
 # --- launchers -----------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class TileConfig:
-    rows: int  # BN: output rows per program (M = 1: one thread per row, so 32 * warps)
-    warps: int
-    stages: int  # Triton pipelining stages of the unit loop (the tensor-core kernel's loads)
-    unroll: int = 1  # M = 1: units per loop step, their loads in flight together (M > 1: 1)
-    fused_sum: int = 1  # K-splits added by the tile's last program (1) or by a second kernel (0)
-
-
-# Keys: "m1" (M = 1, dp4a) and "m16"/"m32"/"m64" (M padded to that many tensor-core columns); "b16" /
-# "b32" / "b64": the bf16 arithmetic's buckets (M = 1 included). Chosen by bench/gpu_kernels.py's sweep
-# on an H200 (bench/results/h200-graphs-2026-12-02/kernels.log): two pipelining stages cut the int8
-# tensor-core path's time by a third at 16-32 rows; M = 1 tiles all tie.
-# The K-splits' sum in the kernel saved 0.35 ms of a 27B AR step but cost 3.2 ms in a 23-token verify
-# (a serial tail: one program per tile read 23 splits of 64 x 23 sums), bench/results/h200-step-2026-12-03.
-# bf16 (bench/results/h200-bf16mma-2026-12-03): 128 rows x 4 warps x 2 stages was the fastest of 10
-# tiles and groupings in a first sweep on the 27B Q4_K matrices at M = 1, 23, 64 (decoding 64 or 256
-# values per dot, or one dynamic loop over groups, was slower); the sweep of gpu_kernels.py then took
-# 64 x 4 x 1 for M <= 16 (318 vs 342 us over its shapes; 128 x 8 x 2 tied at 64 rows).
-DEFAULT_TILES = {
-    "m1": TileConfig(64, 2, 1, 2, 1),
-    "m16": TileConfig(128, 4, 2, 1, 0),
-    "m32": TileConfig(64, 4, 2, 1, 0),
-    "m64": TileConfig(64, 4, 1, 1, 0),
-    "b16": TileConfig(64, 4, 1, 1, 0),
-    "b32": TileConfig(128, 4, 2, 1, 0),
-    "b64": TileConfig(128, 4, 2, 1, 0),
-    # Q6_K at 23-32 rows: one stage, not two (gpu_kernels.py --stages types --own-tiles b32:Q6_K on an
-    # H100, bench/results/h100-q6k-tiles-2026-12-05: its 27B matrices 1683 -> 1519 us at M = 23 + 32;
-    # the 27B's bf16 verify 23 18.30 -> 17.86 ms)
-    "b32:Q6_K": TileConfig(128, 4, 1, 1, 0),
-}
-
-
-def tiles_from_env() -> dict[str, TileConfig]:
-    """DEFAULT_TILES, with overrides from FLASHTREE_QMM_TILES (JSON {"m1": [rows, warps, stages, unroll
-    (, fused_sum)], ...}), the way a tuning sweep hands its choice to a benchmark run. A key may name one
-    GGUF type's tile in a bucket ("b32:Q6_K"): that type's matrices take it instead of the bucket's."""
-    text = os.environ.get("FLASHTREE_QMM_TILES")
-    if not text:
-        return dict(DEFAULT_TILES)
-    try:
-        chosen = {key: TileConfig(*map(int, value)) for key, value in json.loads(text).items()}
-    except (ValueError, TypeError) as e:
-        raise FlashtreeError(
-            f"FLASHTREE_QMM_TILES: expected JSON {{key: [rows, warps, stages, unroll(, fused_sum)]}} ({e})"
-        ) from None
-    unknown = [key for key in chosen if not _known_tile_key(key)]
-    if unknown:
-        raise FlashtreeError(
-            f"FLASHTREE_QMM_TILES: unknown keys {sorted(unknown)} (use {sorted(DEFAULT_TILES)}, or"
-            " BUCKET:TYPE, e.g. b32:Q6_K)"
-        )
-    return DEFAULT_TILES | chosen
-
-
-def _known_tile_key(key: str) -> bool:
-    bucket, _, type_ = key.partition(":")
-    return bucket in DEFAULT_TILES and (not type_ or type_ in QT.__members__)
-
-
-TILES = tiles_from_env()
-
-ARITHMETICS = ("int8", "bf16")
-
-
-def arithmetic_from_env() -> str:
-    """FLASHTREE_QMM_ARITH: int8 (default) or bf16, the arithmetic of every M <= 64 product (see the
-    module doc: one arithmetic for all M keeps the rows batch-invariant)."""
-    name = os.environ.get("FLASHTREE_QMM_ARITH", "int8")
-    if name not in ARITHMETICS:
-        raise FlashtreeError(f"FLASHTREE_QMM_ARITH={name!r}: expected one of {', '.join(ARITHMETICS)}")
-    return name
-
-
-ARITHMETIC = arithmetic_from_env()
-
-
-def choose_arithmetic(speculative: bool) -> str:
-    """The arithmetic for an engine's packed weights (qlinear.use_arithmetic sets it on them): the
-    FLASHTREE_QMM_ARITH setting if there is one; else bf16 for speculative decoding, int8 for plain
-    decoding. On the 27B (bench/results/h200-bf16mma-2026-12-03) the bf16 arithmetic's tree step is
-    1.56x faster (21.9 vs 34.2 ms: its 23-token verify 18.4 vs 30.9 ms), the int8 arithmetic's AR step
-    1.64x faster (8.3 vs 13.7 ms)."""
-    if "FLASHTREE_QMM_ARITH" in os.environ:
-        return arithmetic_from_env()
-    return "bf16" if speculative else "int8"
-
-
 def tile_key(m: int, arithmetic: str = "int8") -> str:
     columns = max(16, triton.next_power_of_2(m))
     if arithmetic == "bf16":
@@ -912,32 +785,10 @@ def tile_key(m: int, arithmetic: str = "int8") -> str:
     return "m1" if m == 1 else f"m{columns}"
 
 
-def tile_for(m: int, arithmetic: str, qtype: int) -> TileConfig:
+def tile_for(m: int, arithmetic: str, qtype: int, kernels: KernelConfig = DEFAULT_KERNELS) -> TileConfig:
     """The tile of an M-row product on a `qtype` matrix: the type's own in the bucket if one is set
     ("b32:Q6_K"), else the bucket's."""
-    key = tile_key(m, arithmetic)
-    return TILES.get(f"{key}:{type_name(qtype)}", TILES[key])
-
-
-def splits_from_env() -> dict[str, int]:
-    """Per-matrix K-split targets from FLASHTREE_QMM_SPLITS (JSON {"ARITH:TYPE:NxK": target}, e.g.
-    {"int8:Q4_K:5120x6144": 32768}, as bench/gpu_splits.py writes them); other matrices take
-    SPLIT_TARGET. A target holds for every M of that matrix in that arithmetic (batch invariance)."""
-    text = os.environ.get("FLASHTREE_QMM_SPLITS")
-    if not text:
-        return {}
-    try:
-        chosen = {str(key): int(value) for key, value in json.loads(text).items()}
-    except (ValueError, TypeError, AttributeError) as e:
-        expected = 'JSON {"ARITH:TYPE:NxK": target}'
-        raise FlashtreeError(f"FLASHTREE_QMM_SPLITS: expected {expected} ({e})") from None
-    bad = [key for key, value in chosen.items() if value < 1 or key.split(":")[0] not in ARITHMETICS]
-    if bad:
-        raise FlashtreeError(f"FLASHTREE_QMM_SPLITS: bad entries {bad} (keys ARITH:TYPE:NxK, targets >= 1)")
-    return chosen
-
-
-SHAPE_SPLITS = splits_from_env()
+    return kernels.tile_for(tile_key(m, arithmetic), type_name(qtype))
 
 
 def split_key(arithmetic: str, qtype: int, n_rows: int, n_cols: int) -> str:
@@ -1026,11 +877,12 @@ def _static_args(lay: Layout, device: torch.device) -> dict:
 
 def quant_matmul(
     x: torch.Tensor, fields: list[torch.Tensor], qtype: int, n_rows: int, n_cols: int,
-    arithmetic: str | None = None, act: QuantizedActivations | None = None,
+    arithmetic: str = "int8", act: QuantizedActivations | None = None,
+    kernels: KernelConfig = DEFAULT_KERNELS,
 ) -> torch.Tensor:  # fmt: skip
     """x (M, n_cols) @ W^T for a repacked W (n_rows, n_cols) -> (M, n_rows) in x's dtype.
 
-    M <= 64: in `arithmetic` (default ARITHMETIC: int8 activations x the codes, or bf16 x x weights
+    M <= 64: in `arithmetic` (int8 activations x the codes, or bf16 x x weights
     decoded to bf16), batch-invariant (see the module doc); above: dequantize + matmul. `act`: x's int8
     quantization when a producer made it (`int8_of`), used by the one-row int8 product instead of
     quantizing x again. Works on CUDA tensors, and on CPU tensors under TRITON_INTERPRET=1."""
@@ -1038,15 +890,14 @@ def quant_matmul(
     m = x.shape[0]
     if m > MAX_FUSED_M:
         return x @ dequantize_packed(fields, qtype, n_rows, n_cols, x.dtype).t()
-    arithmetic = arithmetic or ARITHMETIC
     bf16 = arithmetic == "bf16"
     bm = 1 if m == 1 and not bf16 else max(16, triton.next_power_of_2(m))  # tensor-core columns
     n_blocks = n_cols // block_size(qtype)
-    target = SHAPE_SPLITS.get(split_key(arithmetic, qtype, n_rows, n_cols)) if SHAPE_SPLITS else None
+    target = kernels.splits.get(split_key(arithmetic, qtype, n_rows, n_cols))
     n_splits, per_split = k_splits(n_rows, n_blocks // lay.group, target)
     y = torch.empty(m, n_rows, dtype=x.dtype, device=x.device)
     parts = y if n_splits == 1 else torch.empty(n_splits, m, n_rows, dtype=torch.float32, device=x.device)
-    tile = tile_for(m, arithmetic, qtype)
+    tile = tile_for(m, arithmetic, qtype, kernels)
     grid = (triton.cdiv(n_rows, tile.rows), n_splits)
     counters = tile_counters(x.device, grid[0])
     launch = _static_args(lay, x.device) | {"BN": tile.rows, "num_warps": tile.warps}

@@ -12,9 +12,8 @@ under TRITON_INTERPRET=1; bench/gpu_small_kernels.py on the device.
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
+from flashtree.kernels import tl, triton
 from flashtree.kernels.launch import pdl_options, wait_for_inputs
 
 

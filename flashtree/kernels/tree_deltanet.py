@@ -28,33 +28,12 @@ bench/results/h100-branches-2026-12-05).
 
 from __future__ import annotations
 
-import os
-
 import torch
-import triton
-import triton.language as tl
 
-from flashtree.errors import FlashtreeError
+from flashtree.kernels import tl, triton
 from flashtree.kernels.launch import pdl_options, wait_for_inputs
+from flashtree.kernels.tiles import DEFAULT_KERNELS
 
-
-def tile_from_env() -> tuple[int, int]:
-    """(BV, warps): a program's slice of value columns and its warps, FLASHTREE_DELTA_TILE="BV,WARPS". One
-    tile for every token count, so the AR step and the verify rows keep agreeing bit for bit (the
-    reductions' order follows the tile). Default 16,1: the fastest of 11 at the 27B's heads in both the AR
-    step (3.7 vs 4.7 us a layer at 32,4) and the 23-token verify (43 vs 52 us), bench/gpu_deltanet.py
-    on an H100 (bench/results/h100-checks-2026-12-05)."""
-    text = os.environ.get("FLASHTREE_DELTA_TILE", "16,1")
-    try:
-        bv, warps = (int(v) for v in text.split(","))
-    except ValueError:
-        raise FlashtreeError(f"FLASHTREE_DELTA_TILE={text!r}: expected BV,WARPS (two integers)") from None
-    if bv < 1 or bv & (bv - 1) or warps not in (1, 2, 4, 8):
-        raise FlashtreeError(f"FLASHTREE_DELTA_TILE={text!r}: BV a power of two, WARPS 1, 2, 4 or 8")
-    return bv, warps
-
-
-TILE = tile_from_env()
 EPS = 1e-6  # of the L2 norms of q and k (deltanet.l2_normalize)
 
 
@@ -207,7 +186,8 @@ def tree_gated_delta_rule(
     """Every token from its parent's state, gates and norms included. Returns o (T, nv, vd) fp32 and
     the state after every token (T, nv, kd, vd), written to `states` if given (contiguous fp32; for a
     single token it may be `state` itself: each program reads its slice before writing it). tile:
-    (BV, warps), default TILE. gates (T, 2, nv) fp32, if given, receives each token's decay and beta
+    (BV, warps), default KernelConfig.delta_tile. gates (T, 2, nv) fp32, if given, receives each
+    token's decay and beta
     (for `replay_path`). keep (T,) int8, if given: only the states of tokens with keep[t] != 0 are
     written, the others' rows of `states` left as they were: the verify keeps the ones its sibling
     branches restart from (BlockLayout.restart_points), a commit replays the accepted path's."""
@@ -222,7 +202,7 @@ def tree_gated_delta_rule(
         raise ValueError("states may alias state for a single token only")
     if gates is not None and (gates.shape != (t, 2, h) or gates.dtype != torch.float32):
         raise ValueError(f"gates: expected a {(t, 2, h)} fp32 tensor, got {tuple(gates.shape)} {gates.dtype}")
-    block_v, warps = tile or TILE
+    block_v, warps = tile or DEFAULT_KERNELS.delta_tile
     bv = min(block_v, triton.next_power_of_2(vd))
     _tree_gated_delta_rule_kernel[(h, triton.cdiv(vd, bv))](
         conv_out.contiguous(), alpha, beta, alpha.stride(0), dt_bias.float().contiguous(),
@@ -249,7 +229,7 @@ def replay_path(
     layers, h, kd, vd = state.shape
     if not state.is_contiguous() or not conv_out.is_contiguous() or not gates.is_contiguous():
         raise ValueError("replay_path: state, conv_out and gates must be contiguous")
-    block_v, warps = tile or TILE
+    block_v, warps = tile or DEFAULT_KERNELS.delta_tile
     bv = min(block_v, triton.next_power_of_2(vd))
     _replay_path_kernel[(h, triton.cdiv(vd, bv), layers)](
         conv_out, gates, path, n, state, conv_out.shape[1], eps, kd**-0.5, H=h, NK=n_k_heads, K=kd, V=vd,

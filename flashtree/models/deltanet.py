@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from flashtree import kernels
+from flashtree.kernels.tiles import DEFAULT_KERNELS
 from flashtree.models.layers import Linear, MergedLinear, gated_rms_norm
 from flashtree.models.pass_ import ForwardPass
 
@@ -83,13 +84,14 @@ def replay_accepted(
     n: torch.Tensor,  # (1,) how many of path were accepted
     state: torch.Tensor,  # (layers, heads, k, v) fp32: the committed state, replaced in place
     n_k_heads: int,
+    tile: tuple[int, int],  # the tree kernel's (BV, warps): the verify's, for its bits
 ) -> None:
     """Every layer's state after the verify's tokens path[:n], from `state`: the verify's own operations
     on its own inputs, so its node state bit for bit (one Triton launch on the GPU for all layers)."""
     if kernels.triton_kernels_for(state):
         from flashtree.kernels.tree_deltanet import replay_path
 
-        replay_path(conv_out, gates, path.to(torch.int32), n.to(torch.int32), state, n_k_heads)
+        replay_path(conv_out, gates, path.to(torch.int32), n.to(torch.int32), state, n_k_heads, tile=tile)
         return
     count = int(n)  # the torch reference runs on the host's schedule anyway
     rows = path[:count]
@@ -167,6 +169,7 @@ class GatedDeltaNet(nn.Module):
             v_dim,
             eps,
         )
+        self.kernels = DEFAULT_KERNELS  # the tree kernel's tile: models.layers.use_kernels
 
     @property
     def kernel(self) -> int:
@@ -205,7 +208,8 @@ class GatedDeltaNet(nn.Module):
 
             return tree_gated_delta_rule(
                 conv_out, alpha, beta, self.dt_bias, self.ssm_a, state, fp.parents_int32, self.n_k_heads,
-                states=states_out, gates=gates_out, keep=None if fp.commit else fp.restart_points,
+                states=states_out, tile=self.kernels.delta_tile, gates=gates_out,
+                keep=None if fp.commit else fp.restart_points,
             )[0]  # fmt: skip
         q, k, v, g, beta = delta_rule_inputs(conv_out, alpha, beta, *self._head_args)
         decay = g.exp()

@@ -311,9 +311,9 @@ def _gguf_tensors(path: Path) -> tuple[DraftConfig, dict[str, torch.Tensor]]:
     return ModelConfig.from_gguf(g), {name: g.tensor(name) for name in g.tensors}
 
 
-def load_draft(path: str | Path, target: DecoderModel, fp8_mode: str | None = None) -> DFlashDraft:
+def load_draft(path: str | Path, target: DecoderModel, fp8_mode: str = "off") -> DFlashDraft:
     """Load a z-lab draft dir or a draft GGUF, check it fits `target`, and build it next to it, in fp8 as
-    fp8_mode says (fp8.MODES; None: FLASHTREE_DRAFT_FP8)."""
+    fp8_mode says (fp8.MODES; Settings.draft_fp8)."""
     path = Path(path)
     if not path.exists():
         raise FlashtreeError(f"{path}: draft not found")
@@ -331,11 +331,10 @@ def load_draft(path: str | Path, target: DecoderModel, fp8_mode: str | None = No
 
 
 def _fp8_mode(
-    mode: str | None, cfg: DraftConfig, tensors: dict[str, torch.Tensor], target: DecoderModel, path: Path
+    mode: str, cfg: DraftConfig, tensors: dict[str, torch.Tensor], target: DecoderModel, path: Path
 ) -> str:
-    """The draft's fp8 mode (None: FLASHTREE_DRAFT_FP8), checked against the device and the shapes of the
-    matrices it puts in fp8."""
-    mode = fp8.mode_from_env(target.device) if mode is None else fp8.check_mode(mode, target.device)
+    """The draft's fp8 mode, checked against the device and the shapes of the matrices it puts in fp8."""
+    mode = fp8.check_mode(mode, target.device)
     shapes = {k: tuple(t.shape) for k, t in tensors.items() if t.dim() == 2 and mode != "off"}
     if mode == "all":
         shapes["the target's LM head"] = (target.config.vocab, cfg.hidden)

@@ -11,8 +11,9 @@ from torch import nn
 
 from flashtree import kernels
 from flashtree.kernels import dense_matmul, fp8, fused
-from flashtree.kernels.qlinear import takes_int8
+from flashtree.kernels.qlinear import takes_int8, use_arithmetic
 from flashtree.kernels.qmatmul import reshape_int8
+from flashtree.kernels.tiles import DEFAULT_KERNELS, KernelConfig
 
 
 class Linear(nn.Module):
@@ -23,6 +24,7 @@ class Linear(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.dense_kernel = True  # decode rows of fp32 weights on the GPU: see use_dense_kernel
+        self.kernels = DEFAULT_KERNELS  # its tiles: use_kernels
 
     @property
     def out_features(self) -> int:
@@ -37,14 +39,23 @@ class Linear(nn.Module):
         # decode/verify/draft rows of an fp32 model on the GPU: our batch-invariant kernel (a verify
         # row equals the AR step's bit for bit; kernels/dense_matmul.py)
         if self.dense_kernel and _fused_kernels(x) and dense_matmul.fits(x, self.weight):
-            return dense_matmul.dense_linear(x, self.weight)
+            return dense_matmul.dense_linear(x, self.weight, self.kernels.dense_tiles_for(*self.weight.shape))
         return F.linear(x, self.weight)
+
+
+def use_kernels(model: nn.Module, config: KernelConfig, speculative: bool) -> None:
+    """Give every kernel-launching module of `model` (the model itself included) `config`, and pick the
+    arithmetic and the dense kernel for this kind of engine, before any CUDA graph captures them."""
+    for m in model.modules():
+        if hasattr(m, "kernels"):
+            m.kernels = config
+    use_arithmetic(model, config.arithmetic_for(speculative))
+    use_dense_kernel(model, config.dense_kernel_for(speculative))
 
 
 def use_dense_kernel(model: nn.Module, on: bool) -> int:
     """Compute the decode rows of `model`'s dense fp32 matrices on the GPU with our batch-invariant kernel
-    (on) or with cuBLAS (dense_matmul.choose decides per engine), before any CUDA graph captures them.
-    Returns how many matrices are dense."""
+    (on) or with cuBLAS, before any CUDA graph captures them. Returns how many matrices are dense."""
     dense = [m for m in model.modules() if isinstance(m, Linear)]
     for m in dense:
         m.dense_kernel = on

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import importlib
 import math
-import os
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
+from flashtree import kernels
 from flashtree.errors import FlashtreeError
 from flashtree.gguf.reader import GGUFFile, open_gguf
 from flashtree.models.config import ModelConfig
@@ -134,12 +134,9 @@ def default_quantized(device: torch.device, gguf: GGUFFile) -> bool:
     step is 1.85x faster (8.4 vs 15.5 ms, int8 arithmetic), the packed tree step 1.1x faster (21.6 vs
     23.9 ms, bf16 arithmetic; bench/results/h200-bf16mma-2026-12-03). Small fp32 models stay dense
     (launch-bound either way; their outputs matched AR 60/60 on the H200). FLASHTREE_QUANT_KERNELS=1/0
-    forces either path."""
+    forces either path on CUDA (Engine.load)."""
     if device.type != "cuda":
         return False
-    forced = os.environ.get("FLASHTREE_QUANT_KERNELS")
-    if forced is not None:
-        return forced != "0"
     if sum(math.prod(t.shape) for t in gguf.tensors.values()) >= FP32_MAX_PARAMS:
         return True
     dense_bytes = 2 * sum(math.prod(t.shape) for t in gguf.tensors.values() if len(t.shape) == 2)
@@ -175,6 +172,8 @@ def load_target(
             f"{gguf.path}: unsupported architecture {gguf.arch!r} (supported: {', '.join(ARCHITECTURES)})"
         )
     device = resolve_device(device)
+    if device.type == "cuda":
+        kernels.require_triton()  # the GPU path runs Triton kernels: say so before reading any weight
     module = importlib.import_module(f"flashtree.models.{family}")
     n_params = sum(math.prod(t.shape) for t in gguf.tensors.values())
     weights = Weights(gguf, device, dtype or default_dtype(device, n_params), quantized)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from flashtree.kernels.tiles import DEFAULT_KERNELS
 from flashtree.models.attention import Attention
 from flashtree.models.block import BlockLayout
 from flashtree.models.config import ModelConfig
@@ -58,6 +59,7 @@ class DecoderModel(nn.Module):
         self.embedding = nn.Parameter(embedding, requires_grad=False)
         self.layers = nn.ModuleList(layers)
         self.norm, self.lm_head, self.rotary = norm, lm_head, rotary
+        self.kernels = DEFAULT_KERNELS  # models.layers.use_kernels
 
     @property
     def device(self) -> torch.device:
@@ -78,7 +80,7 @@ class DecoderModel(nn.Module):
             if shape[0] == "kv":
                 stores[shape] = KVStore(n_layers, shape[1], max_ctx, shape[2], dt, dev)
             else:
-                stores[shape] = DeltaNetStore(n_layers, *shape[1:], dt, dev)
+                stores[shape] = DeltaNetStore(n_layers, *shape[1:], dt, dev, self.kernels.delta_tile)
         taken: Counter = Counter()
         states: list[KVCache | DeltaNetState] = []
         for shape in shapes:

@@ -125,8 +125,9 @@ class DeltaNetStore:
 
     def __init__(
         self, n_layers: int, heads: int, k_dim: int, v_dim: int, channels: int, kernel: int, n_k_heads: int,
-        dtype, device,
+        dtype, device, tile: tuple[int, int],
     ):  # fmt: skip
+        self.tile = tile  # the tree DeltaNet kernel's (BV, warps): its commit replays with the verify's
         self.recurrent = torch.zeros(n_layers, heads, k_dim, v_dim, dtype=torch.float32, device=device)
         self.conv = torch.zeros(n_layers, kernel - 1, channels, dtype=dtype, device=device)
         self.n_k_heads = n_k_heads
@@ -160,7 +161,7 @@ class DeltaNetStore:
         the device), and the conv window after the deepest accepted node (index_select: indexing with a
         device scalar would read it back to the host)."""
         p = self.pending
-        replay_accepted(p.conv_out, p.gates, plan.path, plan.n, self.recurrent, self.n_k_heads)
+        replay_accepted(p.conv_out, p.gates, plan.path, plan.n, self.recurrent, self.n_k_heads, self.tile)
         self.conv.copy_(p.windows.index_select(1, plan.last)[:, 0])
         self.pending = None
 
