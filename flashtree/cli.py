@@ -265,10 +265,10 @@ def train_draft(
     device: str | None = DeviceOpt,
 ):
     """Train a DFlash draft for a llama target on responses the target writes itself."""
-    options = dict(locals())
-    from flashtree.train.trainer import train_draft_command
+    job = dict(locals())  # every option is a DraftJob field
+    from flashtree.train.trainer import DraftJob, train_draft_command
 
-    train_draft_command(**options)
+    train_draft_command(DraftJob(**job))
 
 
 @app.command("settings")

@@ -179,6 +179,7 @@ class StepBench:
         for s in range(0, self.context, chunk):
             end = min(s + chunk, self.context)
             out = self.model(self.prompt[s:end], state, logits="none", capture=self.capture)
+            state.advance(end - s)
             if end > self.context - DRAFT_RING:
                 features.append(out.features)
         return state, torch.cat(features)[-DRAFT_RING:]
@@ -213,7 +214,6 @@ class StepBench:
         found = {"eager_ms": self.time(step, max(3, self.repeats // 4))}
         if self.device.type == "cuda":
             found["graph_ms"] = _try(lambda: self.graph_ms(step))
-        state.pending = 0  # nothing of the verify is kept
         return step, found
 
     def draft_step(self, features: torch.Tensor, state, draft) -> tuple[Callable[[], object], dict]:
@@ -293,44 +293,9 @@ def run_bench_step(
     device = default_device()
     ceilings = measure_ceilings(device)
     bench = StepBench(target, draft, quantized, budget, block_size, repeats, context)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    state, features = bench.decode_state()
-    ar_fn, ar_ms = bench.ar_step(state)
-    ar_graph_ms = _try(lambda: bench.graph_ms(ar_fn)) if device.type == "cuda" else None
-    verify = {n: bench.verify(state, n) for n in verify_sizes}
-    drafts = {"draft_step": bench.draft} | {f"draft_step_fp8_{m}": d for m, d in bench.fp8_drafts.items()}
-    draft_steps = {name: bench.draft_step(features, state, d) for name, d in drafts.items()}
-    results = {
-        "ar": {"eager_ms": ar_ms, "graph_ms": ar_graph_ms},
-        "verify_ms": {str(n): _best(found) for n, (_, found) in verify.items()},
-        "verify": {str(n): found for n, (_, found) in verify.items()},
-        **{name: found for name, (_, found) in draft_steps.items()},
-        "engine_step_ms": bench.engine_steps(),
-        "prefill": [bench.prefill(n) for n in prefill_sizes],
-        "profile": {
-            "ar_step": _try(lambda: profile_kernels(ar_fn, device)),
-            f"verify_{verify_sizes[1]}": _try(lambda: profile_kernels(verify[verify_sizes[1]][0], device)),
-            **{
-                name: _try(lambda fn=fn: profile_kernels(fn, device)) for name, (fn, _) in draft_steps.items()
-            },
-        },
-        "peak_memory_gb": torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None,
-    }
+    results = _measure(bench, device, verify_sizes, prefill_sizes)
     info = describe(bench.gguf)
-    best_ar = ar_graph_ms if isinstance(ar_graph_ms, float) else ar_ms
-    roofline_ms = info["bytes_per_token"] / (ceilings.copy_gb_s * 1e9) * 1e3
-    results["ratios"] = {
-        "ar_roofline_ms": roofline_ms,
-        "ar_roofline_ratio": roofline_ms / best_ar,
-        "ar_roofline_ratio_eager": roofline_ms / ar_ms,
-        "verify_23_over_ar": results["verify_ms"].get("23", float("nan")) / best_ar,
-        "draft_over_ar": _best(results["draft_step"], "total_ms") / best_ar,
-    }
-    for mode in bench.fp8_drafts:
-        results["ratios"][f"draft_fp8_{mode}_over_ar"] = (
-            _best(results[f"draft_step_fp8_{mode}"], "total_ms") / best_ar
-        )
+    results["ratios"] = _ratios(results, bench, info["bytes_per_token"] / (ceilings.copy_gb_s * 1e9) * 1e3)
     if bench.n_quant_linears:
         results["tiles"] = {key: list(astuple(tile)) for key, tile in bench.kernels.tiles.items()}
         results["arithmetic"] = bench.kernels.arithmetic_for(speculative=False)
@@ -353,6 +318,46 @@ def run_bench_step(
         "context_tokens": context,
         **results,
     }
+
+
+def _measure(bench: StepBench, device: torch.device, verify_sizes, prefill_sizes) -> dict:
+    """The step timings (eager and graphed), the engine's steps, prefill, kernel profiles, peak memory."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    state, features = bench.decode_state()
+    ar_fn, ar_ms = bench.ar_step(state)
+    ar_graph_ms = _try(lambda: bench.graph_ms(ar_fn)) if device.type == "cuda" else None
+    verify = {n: bench.verify(state, n) for n in verify_sizes}
+    drafts = {"draft_step": bench.draft} | {f"draft_step_fp8_{m}": d for m, d in bench.fp8_drafts.items()}
+    draft_steps = {name: bench.draft_step(features, state, d) for name, d in drafts.items()}
+    profiled = {"ar_step": ar_fn, f"verify_{verify_sizes[1]}": verify[verify_sizes[1]][0]}
+    profiled |= {name: fn for name, (fn, _) in draft_steps.items()}
+    return {
+        "ar": {"eager_ms": ar_ms, "graph_ms": ar_graph_ms},
+        "verify_ms": {str(n): _best(found) for n, (_, found) in verify.items()},
+        "verify": {str(n): found for n, (_, found) in verify.items()},
+        **{name: found for name, (_, found) in draft_steps.items()},
+        "engine_step_ms": bench.engine_steps(),
+        "prefill": [bench.prefill(n) for n in prefill_sizes],
+        "profile": {name: _try(lambda fn=fn: profile_kernels(fn, device)) for name, fn in profiled.items()},
+        "peak_memory_gb": torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None,
+    }
+
+
+def _ratios(results: dict, bench: StepBench, roofline_ms: float) -> dict:
+    """The AR step against the roofline; verify and draft steps against the AR step."""
+    ar_ms, ar_graph_ms = results["ar"]["eager_ms"], results["ar"]["graph_ms"]
+    best_ar = ar_graph_ms if isinstance(ar_graph_ms, float) else ar_ms
+    ratios = {
+        "ar_roofline_ms": roofline_ms,
+        "ar_roofline_ratio": roofline_ms / best_ar,
+        "ar_roofline_ratio_eager": roofline_ms / ar_ms,
+        "verify_23_over_ar": results["verify_ms"].get("23", float("nan")) / best_ar,
+        "draft_over_ar": _best(results["draft_step"], "total_ms") / best_ar,
+    }
+    for mode in bench.fp8_drafts:
+        ratios[f"draft_fp8_{mode}_over_ar"] = _best(results[f"draft_step_fp8_{mode}"], "total_ms") / best_ar
+    return ratios
 
 
 def _ms(value) -> str:

@@ -294,91 +294,111 @@ def dev_sequences(hf, tokenizer, n_per_set: int, max_new_tokens: int, stop_ids: 
     )
 
 
-def train_draft_command(
-    target: Path | None,
-    out: Path,
-    layers: int,
-    block_size: int,
-    init: Path | None,
-    prompts: list[Path] | None,
-    extra_data: list[Path] | None,
-    max_prompts: int | None,
-    max_prompt_tokens: int,
-    max_new_tokens: int,
-    gen_batch: int,
-    gen_minutes: float | None,
-    sampled_every: int,
-    passes: int,
-    temperature: float,
-    steps: int | None,
-    train_minutes: float | None,
-    batch: int,
-    anchors: int,
-    lr: float,
-    gamma: float | None,
-    val_sequences: int,
-    dev_prompts: int,
-    seed: int,
-    device: str | None,
-) -> None:
-    from flashtree.gguf.tokenizer import Tokenizer
-    from flashtree.models.loader import load_target, resolve_device
+@dataclass(frozen=True)
+class DraftJob:
+    """What `flashtree train-draft` was asked for: its options, one field each."""
 
-    if target is None:
-        from flashtree.defaults import default_target_path
+    target: Path | None
+    out: Path
+    layers: int
+    block_size: int
+    init: Path | None
+    prompts: list[Path] | None
+    extra_data: list[Path] | None
+    max_prompts: int | None
+    max_prompt_tokens: int
+    max_new_tokens: int
+    gen_batch: int
+    gen_minutes: float | None
+    sampled_every: int
+    passes: int
+    temperature: float
+    steps: int | None
+    train_minutes: float | None
+    batch: int
+    anchors: int
+    lr: float
+    gamma: float | None
+    val_sequences: int
+    dev_prompts: int
+    seed: int
+    device: str | None
 
-        target = default_target_path()
-    if (steps is None) == (train_minutes is None):
-        raise FlashtreeError("give one of --steps and --train-minutes")
-    out = Path(out)
+    def __post_init__(self) -> None:
+        if (self.steps is None) == (self.train_minutes is None):
+            raise FlashtreeError("give one of --steps and --train-minutes")
+        for d in self.extra_data or []:
+            if not any(Path(d).glob("shard-*.pt")):
+                raise FlashtreeError(f"--extra-data {d}: no shard-*.pt files (a train-draft run's data/)")
+
+    def train_config(self) -> TrainConfig:
+        minutes = self.train_minutes
+        return TrainConfig(
+            block_size=self.block_size, anchors=self.anchors, batch=self.batch, lr=self.lr, gamma=self.gamma,
+            steps=self.steps, time_limit=None if minutes is None else minutes * 60, seed=self.seed,
+        )  # fmt: skip
+
+
+def train_draft_command(job: DraftJob) -> None:
+    """Generate the target's responses, train a draft on them, write it to job.out."""
+    out = Path(job.out)
     out.mkdir(parents=True, exist_ok=True)
-    dev = resolve_device(device)
-    # bf16 target on the GPU (generation and features at bf16 speed; the draft trains under bf16
-    # autocast anyway), fp32 on the CPU.
-    model, gguf = load_target(target, device=dev, dtype=torch.bfloat16 if dev.type == "cuda" else None)
-    tokenizer = Tokenizer.from_gguf_metadata(gguf.metadata)
-    shape = draft_shape_for(gguf, layers)
-    shape = replace(shape, block_size=block_size)
-    # Before generating: a wrong --init fails at once.
-    draft = new_draft(shape, model, seed, init=None if init is None else load_draft(init, model))
-    extra_dirs = [Path(d) for d in extra_data or []]
-    for d in extra_dirs:
-        if not any(d.glob("shard-*.pt")):
-            raise FlashtreeError(f"--extra-data {d}: no shard-*.pt files (a train-draft run's data/)")
+    model, tokenizer, draft = _target_and_draft(job)
     hf = hf_model_from(model).requires_grad_(False)
-
-    records = _prompt_records(out / "prompts.jsonl.gz", prompts, seed)[:max_prompts]
-    prompt_ids = [
-        ids
-        for ids in (D.chat_prompt_ids(tokenizer, r["text"]) for r in records)
-        if len(ids) <= max_prompt_tokens
-    ]
-    stop_ids = [tokenizer.eos_id] + sorted(tokenizer.stop_ids - {tokenizer.eos_id})
-    jobs = D.generation_jobs(prompt_ids, gen_batch, sampled_every, seed, passes)
-    D.generate_dataset(
-        hf, jobs, out / "data", max_new_tokens, stop_ids, temperature, 0.95, seed,
-        None if gen_minutes is None else gen_minutes * 60,
-    )  # fmt: skip
-    seqs = D.load_sequences([out / "data", *extra_dirs], min_response=2 * block_size)
-    if not len(seqs):
-        raise FlashtreeError(f"{out / 'data'}: no sequence with a response of {2 * block_size}+ tokens")
-    print(f"data: {len(seqs)} sequences, {seqs.n_response_tokens} response tokens")
-    seqs, val = D.hold_out(seqs, val_sequences, seed)
-    print(f"validation: {len(val)} greedy sequences held out of training")
-    dev = dev_sequences(hf, tokenizer, dev_prompts, max_new_tokens, stop_ids)
-    if dev_prompts:
-        print(f"validation: {len(dev)} greedy responses to benchmark development prompts")
-
-    cfg = TrainConfig(
-        block_size=block_size, anchors=anchors, batch=batch, lr=lr, gamma=gamma, steps=steps,
-        time_limit=None if train_minutes is None else train_minutes * 60, seed=seed,
-    )  # fmt: skip
-    (out / "train_config.json").write_text(json.dumps({"layers": layers, **asdict(cfg)}, indent=2))
+    seqs, val, dev = _training_data(job, hf, tokenizer)
+    cfg = job.train_config()
+    (out / "train_config.json").write_text(json.dumps({"layers": job.layers, **asdict(cfg)}, indent=2))
     Trainer(
         draft, hf, seqs, cfg, out, export=lambda d: save_draft(draft, d), val={"val": val, "dev": dev}
     ).run()
     save_draft(draft, out)
     print(f"draft written to {out}")
+
+
+def _target_and_draft(job: DraftJob):
+    """The target (bf16 on the GPU: generation and features at bf16 speed, the draft trains under bf16
+    autocast anyway; fp32 on the CPU), its tokenizer, and the new draft (a wrong --init fails here,
+    before any generation)."""
+    from flashtree.gguf.tokenizer import Tokenizer
+    from flashtree.models.loader import load_target, resolve_device
+
+    if job.target is None:
+        from flashtree.defaults import default_target_path
+
+        target = default_target_path()
+    else:
+        target = job.target
+    dev = resolve_device(job.device)
+    model, gguf = load_target(target, device=dev, dtype=torch.bfloat16 if dev.type == "cuda" else None)
+    shape = replace(draft_shape_for(gguf, job.layers), block_size=job.block_size)
+    init = None if job.init is None else load_draft(job.init, model)
+    return model, Tokenizer.from_gguf_metadata(gguf.metadata), new_draft(shape, model, job.seed, init=init)
+
+
+def _training_data(job: DraftJob, hf, tokenizer):
+    """(training sequences, held-out greedy sequences, development-prompt sequences): the target's
+    responses to the prompts, generated into job.out/data and joined with --extra-data's."""
+    out = Path(job.out)
+    records = _prompt_records(out / "prompts.jsonl.gz", job.prompts, job.seed)[: job.max_prompts]
+    chats = (D.chat_prompt_ids(tokenizer, r["text"]) for r in records)
+    prompt_ids = [ids for ids in chats if len(ids) <= job.max_prompt_tokens]
+    stop_ids = [tokenizer.eos_id] + sorted(tokenizer.stop_ids - {tokenizer.eos_id})
+    jobs = D.generation_jobs(prompt_ids, job.gen_batch, job.sampled_every, job.seed, job.passes)
+    D.generate_dataset(
+        hf, jobs, out / "data", job.max_new_tokens, stop_ids, job.temperature, 0.95, job.seed,
+        None if job.gen_minutes is None else job.gen_minutes * 60,
+    )  # fmt: skip
+    dirs = [out / "data", *(Path(d) for d in job.extra_data or [])]
+    seqs = D.load_sequences(dirs, min_response=2 * job.block_size)
+    if not len(seqs):
+        raise FlashtreeError(f"{out / 'data'}: no sequence with a response of {2 * job.block_size}+ tokens")
+    print(f"data: {len(seqs)} sequences, {seqs.n_response_tokens} response tokens")
+    seqs, val = D.hold_out(seqs, job.val_sequences, job.seed)
+    print(f"validation: {len(val)} greedy sequences held out of training")
+    dev = dev_sequences(hf, tokenizer, job.dev_prompts, job.max_new_tokens, stop_ids)
+    if job.dev_prompts:
+        print(f"validation: {len(dev)} greedy responses to benchmark development prompts")
+    return seqs, val, dev
 
 
 def _prompt_records(cache: Path, files: list[Path] | None, seed: int) -> list[dict]:
