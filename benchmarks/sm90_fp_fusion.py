@@ -1,6 +1,6 @@
 """What compiling without fp fusion costs the kernels whose variants must agree bit for bit (no GPU needed).
 
-    python bench/sm90_fp_fusion.py OUT.json
+    python -m benchmarks.sm90_fp_fusion OUT.json
 
 The AR step, the verify and the commit's replay run different compiled variants of the tree DeltaNet,
 tree conv and attention kernels (constexpr switches, a token count of 1 specialized). With fp fusion on,

@@ -1,6 +1,6 @@
 """The tree Gated DeltaNet kernel's tile (value columns per program, warps) swept at the 27B's heads (H200).
 
-    python bench/gpu_deltanet.py OUT_DIR     -> OUT_DIR/deltanet.json; exit 1 when a tile fails its check
+    python -m benchmarks.gpu_deltanet OUT_DIR     -> OUT_DIR/deltanet.json; exit 1 when a tile fails its check
 
 Why: the 27B's bf16 verify of 23 tokens spent 1.99 ms in this kernel's 48 launches, ~1.8 us a token of a
 dependent chain (norms, the state's decay, two reductions over K, the update), the AR step 0.19 ms
@@ -8,12 +8,13 @@ dependent chain (norms, the state's decay, two reductions over K, the update), t
 slice of the state spreads over its threads, so how far each reduction travels (inside one warp: shuffles
 only; across warps: shared memory and barriers), and how many programs share the GPU.
 
-Per tile: gpu_small_kernels.check_tree_deltanet (the torch reference within 1e-5, each token alone equal
-to its row of the launch bit for bit, the AR step's in-place write), then the time per call from CUDA
+Per tile: benchmarks/checks.py's check_tree_deltanet (the torch reference within 1e-5, each token alone
+equal to its row of the launch bit for bit, the AR step's in-place write, the verify and the commit's
+replay; tests/gpu/test_tree_deltanet_gpu.py at the default tile), then the time per call from CUDA
 graphs of 48 calls on 48 layers' own states (151 MB, more than L2 holds, as in a step): the AR step (one
 token, its state written in place) and a 23-token tree (a 16-token chain and 7 siblings), the tree also
 as the model's verify runs it (`keep`: only the states its siblings restart from written). Apply a choice
-with FLASHTREE_DELTA_TILE=BV,WARPS (kernels/tree_deltanet.py); off the GPU a dry run checks one tile.
+with FLASHTREE_DELTA_TILE=BV,WARPS (kernels/tree_deltanet.py).
 """
 
 from __future__ import annotations
@@ -23,11 +24,12 @@ import sys
 from pathlib import Path
 
 import torch
-from gpu_kernels import graph_time_us  # bench/ is on sys.path as the script's dir
-from gpu_small_kernels import DEVICE, check_tree_deltanet
 
+from benchmarks import knobs
+from benchmarks.checks import DEVICE, check_tree_deltanet
+from benchmarks.timing import graph_time_us
 from flashtree.bench.run import provenance
-from flashtree.kernels.tree_deltanet import TILE, tree_gated_delta_rule
+from flashtree.kernels.tree_deltanet import tree_gated_delta_rule
 from flashtree.models.block import BlockLayout
 
 TILES = [(32, 4), (32, 2), (32, 1), (16, 4), (16, 2), (16, 1), (8, 1), (8, 2), (64, 4), (64, 8), (128, 8)]
@@ -69,18 +71,13 @@ def timings(tile: tuple[int, int]) -> dict:
 
 def main(out_dir: Path) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
-    tiles = TILES if DEVICE.type == "cuda" else [TILE]
     rows = []
-    for tile in tiles:
-        row = {"tile": list(tile), **check_tree_deltanet(tile)}
-        if DEVICE.type == "cuda":
-            row |= timings(tile)
+    for tile in TILES:
+        row = {"tile": list(tile), **check_tree_deltanet(tile), **timings(tile)}
         rows.append(row)
         times = (
             f"AR {row['ar_us']:7.1f} us  verify 23 {row['verify_23_us']:7.1f} us (restart states only "
             f"{row['verify_23_restart_states_us']:7.1f})"
-            if "ar_us" in row
-            else ""
         )
         print(f"tile BV {tile[0]:>3} warps {tile[1]}: err {row['max_abs_err']:.1e} ok {row['ok']} "
               f"rows bitwise {row['rows_bitwise']}  {times}", flush=True)  # fmt: skip
@@ -89,7 +86,7 @@ def main(out_dir: Path) -> int:
     result = {
         **provenance(),
         "device": str(DEVICE),
-        "default_tile": list(TILE),
+        "default_tile": list(knobs.delta_tile()),
         "layers": LAYERS,
         "rows": rows,
     }

@@ -3,7 +3,7 @@ trainer used through session 8) vs flashtree.train.batch_decode, on a random mod
 shape in bf16, the trainer's batch size, greedy, token 0 the only stop (a random model seldom emits it,
 so nearly every row runs max_new_tokens).
 
-    python3 bench/gpu_batch_decode.py [--batch 2048] [--prompt 96,160] [--new 128] [--out F.json]
+    python3 -m benchmarks.gpu_batch_decode [--batch 2048] [--prompt 96,160] [--new 128] [--out F.json]
 
 Prints tokens/s of each and how many rows the two produce identically (bf16: kernels differ, so
 greedy paths may part where two logits tie within rounding).

@@ -4,7 +4,7 @@ the SmolLM2 runs' shapes (32,768 block tokens x 576, vocabulary 49,152, bf16):
 - `chunked torch`: FrozenHeadCrossEntropy's torch path (fp32 chunks, gradient in the forward);
 - `chunked kernel`: the same with kernels/cross_entropy.py (what CUDA runs).
 
-    python3 bench/gpu_train_loss.py [--tokens 32768] [--out F.json]
+    python3 -m benchmarks.gpu_train_loss [--tokens 32768] [--out F.json]
 
 Prints the median ms of each and the kernel path's largest differences from the torch path.
 """
@@ -18,7 +18,7 @@ from dataclasses import asdict
 import torch
 import torch.nn.functional as F
 
-from flashtree import kernels
+from benchmarks import knobs
 from flashtree.bench.roofline import measure_ceilings
 from flashtree.train.loss import FrozenHeadCrossEntropy
 
@@ -54,9 +54,9 @@ def main() -> None:
         ((F.cross_entropy(logits.float(), labels, reduction="none") * w).sum()).backward()
 
     def chunked(use_kernel: bool):
-        kernels.triton_kernels_for = lambda x: use_kernel
-        loss, _ = FrozenHeadCrossEntropy.apply(h, weight, labels, w)
-        loss.backward()
+        with knobs.triton_kernels(use_kernel):
+            loss, _ = FrozenHeadCrossEntropy.apply(h, weight, labels, w)
+            loss.backward()
         return loss
 
     results = {"tokens": n, "hidden": hidden, "vocab": vocab, "ceilings": asdict(measure_ceilings("cuda"))}

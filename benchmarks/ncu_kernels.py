@@ -1,7 +1,7 @@
 """The decode step's three heaviest kernels, launched a few times each for Nsight Compute (H200/H100).
 
     ncu --set full -k regex:'_matvec_kernel|_matmul_kernel|_tree_gated' --launch-skip 2 --launch-count 3 \
-        python bench/ncu_kernels.py          (bench/gpu_step.sh ncu: this, with its report as text)
+        python -m benchmarks.ncu_kernels     (`python -m benchmarks ncu`: this, with its report as text)
 
 Why: the 27B's two missed targets are bound by these kernels (bench/results/h100-step-2026-12-05): the
 int8 one-row matvec (7.26 of the AR step's 8.62 ms of kernels, 0.74 of copy bandwidth), the bf16
@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from gpu_deltanet import KD, NK, NV, TREE, VD  # bench/ is on sys.path as the script's dir
 
+from benchmarks.gpu_deltanet import KD, NK, NV, TREE, VD
 from flashtree.kernels.qmatmul import quant_matmul, repack
 from flashtree.kernels.tree_deltanet import tree_gated_delta_rule
 from flashtree.quant.formats import QT

@@ -1,6 +1,6 @@
 """Where the packed matmul kernels' instructions go, from their sm_90 SASS (no GPU needed).
 
-    python bench/sm90_opcodes.py OUT.json
+    python -m benchmarks.sm90_opcodes OUT.json
 
 The bf16 verify matmul is issue-bound (session 23's Nsight Compute: 5.6 instructions a weight), so what
 its loop issues per weight is the number to cut. Each kernel is recorded under Triton's interpreter at a

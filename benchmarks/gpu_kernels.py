@@ -1,30 +1,25 @@
-"""Quantized-matmul kernels on a real GPU: checks, a small tile sweep, the 27B layer shapes timed.
+"""Quantized-matmul kernels on a real GPU: a tile sweep, per-type tiles, the 27B layer shapes timed.
 
-    python bench/gpu_kernels.py OUT_DIR [--stages checks,sweep,shapes] [--name kernels]
-                                [--types Q4_K,Q6_K,...] [--tiles-out FILE] [--own-tiles b32:Q6_K,...]
+    python -m benchmarks.gpu_kernels OUT_DIR [--stages sweep,shapes] [--name kernels] [--tiles-out FILE]
+                                     [--own-tiles b32:Q6_K,...]
 
-1. checks: every type at M in {1, 5, 16, 23, 33, 64, 100} (dp4a; the m16, m32, m64 tensor-core buckets;
-   dequantize + cuBLAS), with relative errors against
-   - the kernels' own math in fp64 (qmatmul.reference_matmul), x and y in fp32: rounding only (< 1e-5);
-   - the plain product x @ W^T, x and y in bf16: the int8 activation error (~5e-3; < 1e-2);
-   and, bit for bit: the kernels' dequantizer vs the reference dequantizer; batch invariance (every M's
-   rows vs the 64-row call, fp32 and bf16; single rows, which take the dp4a path); the inline PTX vs
-   its integer emulation (qmatmul.EMULATE_PTX) at M = 1, 23 and in the dequantizer.
-2. sweep: a few tiles per bucket on the 27B shapes, then the K-split target (qmatmul.SPLIT_TARGET); the
+Their correctness (every type against the reference math and x @ W^T, batch invariance, the dequantizer,
+the inline PTX against its emulation) is tests/gpu/test_quant_matmul_gpu.py; `python -m benchmarks
+kernels` runs it first (KERNEL_STAGES with "checks").
+1. sweep: a few tiles per bucket on the 27B shapes, then the K-split target (qmatmul.SPLIT_TARGET); the
    fastest tiles are kept (and written as FLASHTREE_QMM_TILES JSON to --tiles-out).
-3. types: per GGUF type of the 27B shapes and per bucket, tiles timed on that type's matrices alone; a
+2. types: per GGUF type of the 27B shapes and per bucket, tiles timed on that type's matrices alone; a
    type's winner becomes its own tile ("b32:Q6_K") where it beats the type's current tile by 2 %.
-4. shapes: every 27B layer shape at M in {1, 16, 23, 32, 64} next to dense bf16 cuBLAS, as achieved
+3. shapes: every 27B layer shape at M in {1, 16, 23, 32, 64} next to dense bf16 cuBLAS, as achieved
    bandwidth against the copy ceiling measured in the same run.
 Timings replay a CUDA graph of back-to-back calls that cycle over enough weight copies to leave L2.
-Run from the repository root with it on PYTHONPATH; needs torch, triton, numpy and gguf.
+Tiles and targets are set through benchmarks/knobs.py. Needs torch, triton, numpy and gguf.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 from dataclasses import astuple
 from pathlib import Path
@@ -33,29 +28,15 @@ import numpy as np
 import torch
 import triton
 
+from benchmarks import knobs
+from benchmarks.timing import graph_time_us
 from flashtree.bench.roofline import measure_ceilings
 from flashtree.kernels import qmatmul
-from flashtree.kernels.qmatmul import (
-    TileConfig,
-    dequantize_packed,
-    packed_bytes,
-    quant_matmul,
-    reference_matmul,
-    repack,
-)
-from flashtree.quant.dequant import dequantize
+from flashtree.kernels.qmatmul import TileConfig, packed_bytes, quant_matmul, repack
 from flashtree.quant.formats import QT, row_bytes
 from flashtree.quant.pack import random_blocks
 
-CHECK_M = (1, 5, 16, 23, 33, 64, 100)  # dp4a, m16 (5, 16), m32 (23), m64 (33, 64), dequantize + cuBLAS
-SINGLE_ROWS = (0, 7, 22, 63)  # rows also computed alone (dp4a) for the invariance check
 TIME_M = (1, 16, 23, 32, 64)
-EXACT_TOL, INT8_TOL = 1e-5, 1e-2
-BF16_TOL = 1e-2  # FLASHTREE_QMM_ARITH=bf16 vs x_bf16 @ W^T: the weights' bf16 decoding
-CHECK_SHAPES = {  # (rows, cols): rows not a multiple of any tile; legacy widths of 18 and 48 blocks
-    QT.Q4_K: (1000, 4096), QT.Q5_K: (1000, 4096), QT.Q6_K: (1000, 4096),
-    QT.Q8_0: (1000, 576), QT.Q4_0: (1000, 576), QT.Q4_1: (1000, 1536),
-}  # fmt: skip
 SHAPES_27B = [  # (name, type, rows, cols): every matrix one Qwen3.6-27B Q4_K_M decode step multiplies
     ("ffn_gate/up", QT.Q4_K, 17408, 5120),
     ("ffn_down", QT.Q4_K, 5120, 17408),
@@ -72,8 +53,8 @@ SWEEP_SHAPES = [SHAPES_27B[i] for i in (0, 1, 2, 4)]
 SWEEP = {  # bucket -> (the M timed, candidate tiles (rows, warps, stages, unroll, fused_sum)): few, each
     # compiles; fused_sum 1 / 0: the K-splits added in the matmul kernel / by a second kernel
     "m1": ((1,), [TileConfig(*c) for c in ((64, 2, 1, 2, 1), (64, 2, 1, 2, 0), (128, 4, 1, 2, 1))]),
-    # 16 x 4 x 1 and 64 x 8 x 1: the tiles that compile without spilling (bench/sm90_registers.py; not yet
-    # timed in this arithmetic; in bf16 they ran 1.7-2.5x slower than the defaults:
+    # 16 x 4 x 1 and 64 x 8 x 1: the tiles that compile without spilling (benchmarks/sm90_registers.py; not
+    # yet timed in this arithmetic; in bf16 they ran 1.7-2.5x slower than the defaults:
     # bench/results/h100-checks-2026-12-05)
     "m16": ((16,), [TileConfig(*c) for c in (
         (128, 4, 2, 1, 0), (128, 4, 2, 1, 1), (64, 4, 1, 1, 0), (16, 4, 1, 1, 0), (64, 8, 1, 1, 0))]),
@@ -109,108 +90,6 @@ L2_BYTES = 60 << 20
 DEVICE = torch.device("cuda")
 
 
-# --- checks --------------------------------------------------------------------------------------------
-
-
-def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((y.double() - ref).norm() / ref.norm()).item()
-
-
-def check_all(types: list[str]) -> dict:
-    rows, failed = [], []
-    for qtype, (n, k) in CHECK_SHAPES.items():
-        if qtype.name not in types:
-            continue
-        try:
-            result = check_type(qtype, n, k)
-        except Exception as e:  # noqa: BLE001 - report it, check the other types
-            result = {"type": qtype.name, "error": f"{type(e).__name__}: {e}"[:2000], "ok": False}
-            print(f"check {qtype.name} FAILED: {type(e).__name__}: {e}", flush=True)
-        rows.append(result)
-        if not result["ok"]:
-            failed.append(qtype.name)
-    print(f"checks: {'all ok' if not failed else 'FAILED for ' + ', '.join(failed)}", flush=True)
-    return {"types": rows, "ok": not failed}
-
-
-def check_type(qtype, n: int, k: int) -> dict:
-    raw = torch.from_numpy(random_blocks(qtype, n, k, np.random.default_rng(int(qtype)))).to(DEVICE)
-    fields = repack(raw, qtype, k)
-    w = dequantize(raw, qtype, (n, k))  # (n, k) fp32, the reference decoder
-    x = torch.randn(max(CHECK_M), k, generator=torch.Generator().manual_seed(0)).to(DEVICE)
-    xb = x.bfloat16()
-    plain = xb.double() @ w.double().t()  # (100, n): the product the kernels approximate
-    bf16 = qmatmul.ARITHMETIC == "bf16"  # the kernels' own math: x_bf16 @ W^T up to the weights' decoding
-    exact, exact_tol = (plain, BF16_TOL) if bf16 else (reference_matmul(x, raw, qtype, n, k), EXACT_TOL)
-
-    def mm(a):
-        return quant_matmul(a, fields, qtype, n, k)
-
-    full, full_b = mm(x[:64]), mm(xb[:64])
-    per_m = []
-    for m in CHECK_M:
-        y, yb = mm(x[:m]), mm(xb[:m])
-        fused = m <= qmatmul.MAX_FUSED_M
-        row = {
-            "m": m,
-            "rel_err_exact": rel_err(y, exact[:m]) if fused else rel_err(y, x[:m].double() @ w.double().t()),
-            "rel_err_bf16": rel_err(yb, plain[:m]),
-            "invariant": bool(torch.equal(y, full[:m]) and torch.equal(yb, full_b[:m])) if fused else None,
-            "finite": bool(torch.isfinite(y).all() and torch.isfinite(yb).all()),
-        }
-        row["ok"] = (
-            row["rel_err_exact"] < exact_tol and row["rel_err_bf16"] < max(INT8_TOL, BF16_TOL)
-            and row["invariant"] is not False and row["finite"]
-        )  # fmt: skip
-        per_m.append(row)
-        verdict = "ok" if row["ok"] else "FAILED"
-        print(
-            f"check {qtype.name:5} M={m:<3} vs own math {row['rel_err_exact']:.1e}  vs x@W^T (bf16) "
-            f"{row['rel_err_bf16']:.1e}  invariant {_yes(row['invariant'])}  {verdict}",
-            flush=True,
-        )
-    single = all(
-        torch.equal(mm(x[i : i + 1])[0], full[i]) and torch.equal(mm(xb[i : i + 1])[0], full_b[i])
-        for i in SINGLE_ROWS
-    )
-    dequant_exact = bool(torch.equal(dequantize_packed(fields, qtype, n, k, torch.float32), w))
-    ptx_exact = ptx_matches_emulation(x, fields, qtype, n, k)
-    print(
-        f"check {qtype.name:5} single rows == rows of M=64 {_yes(single)}; dequantizer == reference "
-        f"{_yes(dequant_exact)}; inline PTX == emulation {_yes(ptx_exact)}",
-        flush=True,
-    )
-    ok = all(r["ok"] for r in per_m) and single and dequant_exact and ptx_exact
-    return {"type": qtype.name, "rows": n, "cols": k, "per_m": per_m, "single_rows_invariant": single,
-            "dequant_exact": dequant_exact, "ptx_equals_emulation": ptx_exact, "ok": ok}  # fmt: skip
-
-
-def ptx_matches_emulation(x, fields, qtype, n, k) -> bool:
-    """Bit for bit; in the bf16 arithmetic the emulation's dots run in fp32 (the interpreter's bf16 dots
-    are wrong), so its products agree to fp32 accumulation rounding (1e-5) and its dequantizer exactly."""
-
-    def outputs():
-        return [quant_matmul(x[:m], fields, qtype, n, k) for m in (1, 23)] + [
-            dequantize_packed(fields, qtype, n, k, torch.float32)
-        ]
-
-    with_ptx = outputs()
-    qmatmul.EMULATE_PTX = True
-    try:
-        emulated = outputs()
-    finally:
-        qmatmul.EMULATE_PTX = False
-    if qmatmul.ARITHMETIC == "bf16":
-        pairs = zip(with_ptx[:2], emulated[:2], strict=True)
-        close = all(rel_err(a, b.double()) < EXACT_TOL for a, b in pairs)
-        return close and torch.equal(with_ptx[2], emulated[2])
-    return all(torch.equal(a, b) for a, b in zip(with_ptx, emulated, strict=True))
-
-
-def _yes(flag) -> str:
-    return "-" if flag is None else ("yes" if flag else "NO")
-
-
 # --- timing --------------------------------------------------------------------------------------------
 
 
@@ -221,27 +100,6 @@ def weight_copies(qtype: int, rows: int, cols: int, seed: int = 0) -> list[list[
     n = max(2, -(-3 * L2_BYTES // (rows * row_bytes(qtype, cols))))
     reps = -(-rows // 256)
     return [repack(base.roll(i, 0).repeat(reps, 1)[:rows].contiguous(), qtype, cols) for i in range(n)]
-
-
-def graph_time_us(calls: list, reps: int = 20) -> float:
-    """Median time per call (us) of a CUDA graph that runs `calls` back to back."""
-    for c in calls:
-        c()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for c in calls:
-            c()
-    graph.replay()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / len(calls))
-    return statistics.median(times)
 
 
 def quant_time_us(copies, qtype, rows, cols, m) -> float:
@@ -270,9 +128,9 @@ def sweep() -> dict:
         return sum(quant_time_us(copies[(qt, r, c)], qt, r, c, m) for _, qt, r, c in SWEEP_SHAPES for m in ms)
 
     table, best = [], {}
-    for key, (ms, candidates) in (SWEEP_BF16 if qmatmul.ARITHMETIC == "bf16" else SWEEP).items():
+    for key, (ms, candidates) in (SWEEP_BF16 if knobs.qmm_arithmetic() == "bf16" else SWEEP).items():
         for tile in candidates:
-            qmatmul.TILES[key] = tile
+            knobs.set_qmm_tile(key, tile)
             try:
                 us = total_us(ms)
             except Exception as e:  # noqa: BLE001 - a config that does not compile is skipped
@@ -282,31 +140,31 @@ def sweep() -> dict:
             print(f"sweep {key:4} {astuple(tile)} M={ms}: {us:9.1f} us over the sweep shapes", flush=True)
             if key not in best or us < best[key][1]:
                 best[key] = (tile, us)
-        qmatmul.TILES[key] = best[key][0] if key in best else qmatmul.DEFAULT_TILES[key]
-    if qmatmul.ARITHMETIC == "bf16":
+        knobs.set_qmm_tile(key, best[key][0] if key in best else knobs.qmm_default_tile(key))
+    if knobs.qmm_arithmetic() == "bf16":
         table += sweep_uniform_bf16(total_us)
     splits = []
     for target in SPLIT_TARGETS:
-        qmatmul.SPLIT_TARGET = target
+        knobs.set_split_target(target)
         us = {m: total_us((m,)) for m in (1, 23)}
         splits.append({"split_target": target, "us_m1": us[1], "us_m23": us[23]})
         print(f"sweep SPLIT_TARGET {target:7}: M=1 {us[1]:8.1f} us  M=23 {us[23]:8.1f} us", flush=True)
     chosen = min(splits, key=lambda s: s["us_m1"] + s["us_m23"])
-    qmatmul.SPLIT_TARGET = chosen["split_target"]
-    print(f"sweep chose tiles {_tiles()} and SPLIT_TARGET {qmatmul.SPLIT_TARGET}", flush=True)
-    return {"tiles": table, "splits": splits, "best": _tiles(), "split_target": qmatmul.SPLIT_TARGET}
+    knobs.set_split_target(chosen["split_target"])
+    print(f"sweep chose tiles {_tiles()} and SPLIT_TARGET {knobs.split_target()}", flush=True)
+    return {"tiles": table, "splits": splits, "best": _tiles(), "split_target": knobs.split_target()}
 
 
 def sweep_uniform_bf16(total_us) -> list[dict]:
     """UNIFORM_BF16's tiles, each for all bf16 buckets at once, against the per-bucket winners now in
-    qmatmul.TILES, summed over UNIFORM_M; the fastest is kept if it beats them."""
+    force, summed over UNIFORM_M; the fastest is kept if it beats them."""
     buckets = ("b16", "b32", "b64")
-    winners = {key: qmatmul.TILES[key] for key in buckets}
+    winners = {key: knobs.qmm_tiles()[key] for key in buckets}
     best, best_us = winners, total_us(UNIFORM_M)
     print(f"sweep bf16 per-bucket winners M={UNIFORM_M}: {best_us:9.1f} us over the sweep shapes", flush=True)
     table = []
     for tile in UNIFORM_BF16:
-        qmatmul.TILES.update(dict.fromkeys(buckets, tile))
+        knobs.set_qmm_tiles(dict.fromkeys(buckets, tile))
         try:
             us = total_us(UNIFORM_M)
         except Exception as e:  # noqa: BLE001 - a config that does not compile is skipped
@@ -316,16 +174,17 @@ def sweep_uniform_bf16(total_us) -> list[dict]:
         print(f"sweep bf16 uniform {astuple(tile)} M={UNIFORM_M}: {us:9.1f} us over the sweep shapes")
         if us < best_us:
             best, best_us = dict.fromkeys(buckets, tile), us
-    qmatmul.TILES.update(best)
+    knobs.set_qmm_tiles(best)
     return table
 
 
 def sweep_types(keys: list[str] | None = None) -> dict:
     """Per type of SHAPES_27B and per bucket (or the "BUCKET:TYPE" keys given): each candidate tile on
     that type's matrices alone (every shape of the type, at the bucket's M), against the type's current
-    tile (its own or the bucket's); a clear winner becomes the type's own tile in qmatmul.TILES
+    tile (its own or the bucket's); a clear winner becomes the type's own tile in the tiles in force
     ("BUCKET:TYPE"), and a type whose tile is the bucket's has no key of its own."""
-    buckets = SWEEP_BF16 if qmatmul.ARITHMETIC == "bf16" else SWEEP
+    arithmetic = knobs.qmm_arithmetic()
+    buckets = SWEEP_BF16 if arithmetic == "bf16" else SWEEP
     table, chosen = [], {}
     for qtype in sorted({qt for _, qt, _, _ in SHAPES_27B}):
         wanted = [key for key in buckets if keys is None or f"{key}:{qtype.name}" in keys]
@@ -336,11 +195,11 @@ def sweep_types(keys: list[str] | None = None) -> dict:
         for key in wanted:
             ms, candidates = buckets[key]
             own = f"{key}:{qtype.name}"
-            current = qmatmul.tile_for(ms[0], qmatmul.ARITHMETIC, qtype)  # its own tile if it has one
-            tiles = TYPE_SWEEP_BF16 if qmatmul.ARITHMETIC == "bf16" else candidates
+            current = knobs.qmm_tile_for(ms[0], arithmetic, qtype)  # its own tile if it has one
+            tiles = TYPE_SWEEP_BF16 if arithmetic == "bf16" else candidates
             timed = {}
             for tile in [current, *(t for t in tiles if t != current)]:
-                qmatmul.TILES[own] = tile
+                knobs.set_qmm_tile(own, tile)
                 try:
                     timed[tile] = sum(quant_time_us(copies[s], qtype, *s, m) for s in shapes for m in ms)
                 except Exception as e:  # noqa: BLE001 - a config that does not compile is skipped
@@ -350,10 +209,11 @@ def sweep_types(keys: list[str] | None = None) -> dict:
                 print(f"types {own:10} {astuple(tile)} M={ms}: {timed[tile]:9.1f} us", flush=True)
             best = min(timed, key=timed.get)
             keep = best if timed[best] <= TYPE_GAIN * timed[current] else current
-            if keep == qmatmul.TILES[key]:
-                del qmatmul.TILES[own]
+            if keep == knobs.qmm_tiles()[key]:
+                knobs.set_qmm_tile(own, None)
             else:
-                qmatmul.TILES[own] = chosen[own] = keep
+                knobs.set_qmm_tile(own, keep)
+                chosen[own] = keep
             print(f"types {own}: {astuple(keep)} ({timed[keep]:.1f} us; the current tile "
                   f"{timed[current]:.1f})", flush=True)  # fmt: skip
         del copies
@@ -361,7 +221,7 @@ def sweep_types(keys: list[str] | None = None) -> dict:
 
 
 def _tiles() -> dict:
-    return {k: list(astuple(t)) for k, t in qmatmul.TILES.items()}
+    return {k: list(astuple(t)) for k, t in knobs.qmm_tiles().items()}
 
 
 # --- shapes --------------------------------------------------------------------------------------------
@@ -419,24 +279,25 @@ def print_shape_table(rows: list[dict]) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    stages = ("sweep", "types", "shapes")
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path)
     parser.add_argument("--tiles-out", type=Path)
-    parser.add_argument("--stages", default="checks,sweep,shapes")
+    parser.add_argument("--stages", default="sweep,shapes", help=f"some of {', '.join(stages)}, in order")
     parser.add_argument("--name", default="kernels", help="results go to OUT_DIR/NAME.json")
-    parser.add_argument("--types", default=",".join(t.name for t in CHECK_SHAPES), help="types to check")
     parser.add_argument("--own-tiles", help="the types stage's BUCKET:TYPE keys (default: all)")
     args = parser.parse_args()
+    if unknown := sorted(set(args.stages.split(",")) - set(stages)):
+        parser.error(f"--stages: unknown {unknown} (the checks are tests/gpu/test_quant_matmul_gpu.py)")
     args.out.mkdir(parents=True, exist_ok=True)
     result = {"device": torch.cuda.get_device_name(DEVICE), "torch": torch.__version__}
     result["triton"] = triton.__version__
     t0 = time.time()
     ceilings = measure_ceilings(DEVICE)
     result["ceilings"] = ceilings.as_dict()
-    result["arithmetic"] = qmatmul.ARITHMETIC
+    result["arithmetic"] = knobs.qmm_arithmetic()
     print(f"ceilings: {ceilings}", flush=True)
-    stages = {
-        "checks": lambda: check_all(args.types.split(",")),
+    run = {
         "sweep": sweep,
         "types": lambda: sweep_types(args.own_tiles.split(",") if args.own_tiles else None),
         "shapes": lambda: time_shapes(ceilings.copy_gb_s),
@@ -444,17 +305,17 @@ def main() -> None:
     for name in args.stages.split(","):
         started = time.time()
         try:
-            result[name] = stages[name]()
+            result[name] = run[name]()
         except Exception as e:  # noqa: BLE001 - keep what the other stages found
             result[name] = f"failed: {type(e).__name__}: {e}"
             print(f"{name} failed: {type(e).__name__}: {e}", flush=True)
         result[f"{name}_s"] = time.time() - started
         print(f"--- stage {name}: {result[f'{name}_s']:.0f} s", flush=True)
-        result["tiles"], result["split_target"] = _tiles(), qmatmul.SPLIT_TARGET
+        result["tiles"], result["split_target"] = _tiles(), knobs.split_target()
         (args.out / f"{args.name}.json").write_text(json.dumps(result, indent=2) + "\n")
         if name in ("sweep", "types") and args.tiles_out:  # a next run may start before the shapes are timed
             args.tiles_out.write_text(json.dumps(result["tiles"]))
-    print(f"tiles {result['tiles']}  SPLIT_TARGET {qmatmul.SPLIT_TARGET}  total {time.time() - t0:.0f} s")
+    print(f"tiles {result['tiles']}  SPLIT_TARGET {knobs.split_target()}  total {time.time() - t0:.0f} s")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Per-matrix K-split targets for the quantized matmuls, swept on a model's own matrices (H200).
 
-    python bench/gpu_splits.py OUT_DIR TARGET_GGUF [--arith int8] [--rows 1] [--splits-out FILE]
+    python -m benchmarks.gpu_splits OUT_DIR TARGET_GGUF [--arith int8] [--rows 1] [--splits-out FILE]
         [--tiles-out FILE]
 
 Why: one SPLIT_TARGET ((row, split) pairs per matrix) serves every matrix, and the 27B's small ones run
@@ -20,7 +20,7 @@ the matvec's target (sized for one thread per row) cuts a 5120-row matrix into o
 program, whose fp32 partial sums (23 x 5120 x 4 bytes per split) then cost about what the weights do.
 There both ways of adding the splits are swept (the tile's `fused_sum`: fewer splits make the summing
 tail short): the way whose chosen targets sum lower over the step's matrices is kept, and --tiles-out
-gets its FLASHTREE_QMM_TILES JSON.
+gets its FLASHTREE_QMM_TILES JSON. Targets and tiles are set through benchmarks/knobs.py.
 """
 
 from __future__ import annotations
@@ -32,8 +32,9 @@ from dataclasses import astuple, replace
 from pathlib import Path
 
 import torch
-from gpu_kernels import graph_time_us  # bench/ is on sys.path as the script's dir
 
+from benchmarks import knobs
+from benchmarks.timing import graph_time_us
 from flashtree.bench.roofline import measure_ceilings
 from flashtree.bench.run import provenance
 from flashtree.kernels import qmatmul
@@ -52,15 +53,12 @@ def group_time_us(modules: list[QuantLinear], target: int, rows: int) -> float:
     first = modules[0]
     key = split_key(first.arithmetic, first.qtype, first.out_features, first.in_features)
     x = torch.randn(rows, first.in_features, device="cuda", dtype=torch.bfloat16)
-    qmatmul.SHAPE_SPLITS[key] = target
     calls = [
         lambda m=m: quant_matmul(x, m.fields, m.qtype, m.out_features, m.in_features, m.arithmetic)
         for m in modules
     ]
-    try:
+    with knobs.shape_split_set(key, target):
         return graph_time_us(calls * max(1, 8 // len(modules)))
-    finally:
-        qmatmul.SHAPE_SPLITS.pop(key, None)
 
 
 def sweep(groups: dict[str, list[QuantLinear]], rows: int, copy_gb_s: float) -> dict:
@@ -76,12 +74,13 @@ def sweep(groups: dict[str, list[QuantLinear]], rows: int, copy_gb_s: float) -> 
             return nbytes / us / 1e3 / copy_gb_s
 
         by_target = {t: group_time_us(modules, t, rows) for t in TARGETS}
-        default = by_target[qmatmul.SPLIT_TARGET]  # among TARGETS: the default is timed like the others
+        shared = knobs.split_target()
+        default = by_target[shared]  # among TARGETS: the default is timed like the others
         best = min(by_target, key=by_target.get)
-        if best != qmatmul.SPLIT_TARGET and by_target[best] < default * (1 - MIN_GAIN):
+        if best != shared and by_target[best] < default * (1 - MIN_GAIN):
             chosen[key] = best
         total_default += default * len(modules)
-        total_chosen += by_target[chosen.get(key, qmatmul.SPLIT_TARGET)] * len(modules)  # what the step gets
+        total_chosen += by_target[chosen.get(key, shared)] * len(modules)  # what the step gets
         records.append({
             "key": key, "matrices": len(modules), "bytes": nbytes, "default_us": default,
             "default_bw_frac": frac(default), "by_target_us": by_target, "best_target": best,
@@ -112,7 +111,7 @@ def main() -> None:
     ceilings = measure_ceilings(torch.device("cuda"))
     model, _ = load_target(args.target, device="cuda")
     use_arithmetic(model, args.arith)
-    qmatmul.SHAPE_SPLITS.clear()  # the sweep sets one group's target at a time
+    knobs.clear_shape_splits()  # the sweep sets one group's target at a time
     groups: dict[str, list[QuantLinear]] = defaultdict(list)
     for m in model.modules():
         if isinstance(m, QuantLinear):
@@ -120,14 +119,14 @@ def main() -> None:
     n_matrices = sum(map(len, groups.values()))
     print(f"ceilings: {ceilings}; {n_matrices} matrices in {len(groups)} groups, M = {args.rows}", flush=True)
     bucket = tile_key(args.rows, args.arith)
-    tile = qmatmul.TILES[bucket]
-    saved = {k: t for k, t in qmatmul.TILES.items() if k.partition(":")[0] == bucket}  # types' own tiles too
+    tile = knobs.qmm_tiles()[bucket]
+    saved = {k: t for k, t in knobs.qmm_tiles().items() if k.partition(":")[0] == bucket}  # types' own too
     by_fused = {}
     for fused in (tile.fused_sum, 1 - tile.fused_sum):  # the default way first: its sums are the baseline
         print(f"{bucket} tile {tile}, fused_sum {fused}:", flush=True)
-        qmatmul.TILES.update({k: replace(t, fused_sum=fused) for k, t in saved.items()})
+        knobs.set_qmm_tiles({k: replace(t, fused_sum=fused) for k, t in saved.items()})
         by_fused[fused] = sweep(groups, args.rows, ceilings.copy_gb_s)
-    qmatmul.TILES.update(saved)
+    knobs.set_qmm_tiles(saved)
     fused = min(by_fused, key=lambda f: by_fused[f]["total_chosen_ms"])
     best = by_fused[fused]
     print(
@@ -136,7 +135,7 @@ def main() -> None:
     )
     result = provenance() | {
         "ceilings": ceilings.as_dict(), "arithmetic": args.arith, "rows": args.rows, "tile_key": bucket,
-        "split_target": qmatmul.SPLIT_TARGET, "default_fused_sum": tile.fused_sum, "chosen_fused_sum": fused,
+        "split_target": knobs.split_target(), "default_fused_sum": tile.fused_sum, "chosen_fused_sum": fused,
         "by_fused_sum": by_fused, "chosen": best["chosen"],
         "total_default_ms": by_fused[tile.fused_sum]["total_default_ms"],
         "total_chosen_ms": best["total_chosen_ms"],

@@ -1,6 +1,6 @@
 """The K-splits' summing launch (qmatmul.sum_splits) swept at the 27B's verify shapes (SUM_BLOCK, SUM_WARPS).
 
-    python bench/gpu_sum_splits.py OUT_DIR [--rows 23]   -> OUT_DIR/sum_splits.json; exit 1 if a sum differs
+    python -m benchmarks.gpu_sum_splits OUT_DIR [--rows 23]  -> OUT_DIR/sum_splits.json; exit 1: a sum differs
 
 Why: a product whose tile leaves its K-splits to a second launch (every M > 1 bucket) writes fp32
 partial sums (n_splits, M, N) that `_sum_splits_kernel` adds. In the 27B's bf16 verify 23 on an H100
@@ -10,7 +10,8 @@ waiting on its rounds of eight L2 loads. Smaller blocks give more programs; warp
 
 For each 27B matrix shape (gpu_kernels.SHAPES_27B; its split count from qmatmul.k_splits, as the matmul
 cuts it in the bf16 arithmetic) and each (block, warps): the sums must equal the default's bit for bit
-(the order of the adds does not depend on the block), then the time per launch from a CUDA graph of 16
+(the order of the adds does not depend on the block; tests/gpu/test_sum_splits_gpu.py checks every
+(block, warps) of the sweep at 23 rows), then the time per launch from a CUDA graph of 16
 launches over 16 partial-sum buffers (written before, as the matmul leaves them; L2-warm), and the
 bandwidth of the partial sums read. The totals are over the shapes, each once (the step's counts differ).
 """
@@ -24,8 +25,10 @@ import sys
 from pathlib import Path
 
 import torch
-from gpu_kernels import SHAPES_27B, graph_time_us  # bench/ is on sys.path as the script's dir
 
+from benchmarks import knobs
+from benchmarks.gpu_kernels import SHAPES_27B
+from benchmarks.timing import graph_time_us
 from flashtree.bench.run import provenance
 from flashtree.kernels import qmatmul
 from flashtree.quant.formats import block_size
@@ -35,14 +38,26 @@ WARPS = (1, 2, 4, 8)
 BUFFERS = 16
 
 
+def launches() -> list[tuple[int, int]]:
+    """The (block, warps) swept: every pair with at least as many sums a program as threads."""
+    return [(block, warps) for block, warps in itertools.product(BLOCKS, WARPS) if block >= 32 * warps]
+
+
+def sums(parts: torch.Tensor) -> torch.Tensor:
+    """qmatmul.sum_splits of `parts` (splits, rows, n) under the launch now in force: (rows, n) bf16."""
+    y = torch.empty(parts.shape[1:], device=parts.device, dtype=torch.bfloat16)
+    qmatmul.sum_splits(y, parts)
+    return y
+
+
 def shapes(rows: int) -> list[dict]:
     """Each 27B matrix shape that a verify of `rows` rows sums in a second launch: its partial sums."""
     seen, out = set(), []
     for name, qtype, n, k in SHAPES_27B:
         lay = qmatmul.layout(qtype, k)
-        target = qmatmul.SHAPE_SPLITS.get(qmatmul.split_key("bf16", qtype, n, k))  # FLASHTREE_QMM_SPLITS
+        target = knobs.shape_split(qmatmul.split_key("bf16", qtype, n, k))  # FLASHTREE_QMM_SPLITS
         n_splits, _ = qmatmul.k_splits(n, k // block_size(qtype) // lay.group, target)
-        tile = qmatmul.tile_for(rows, "bf16", qtype)
+        tile = knobs.qmm_tile_for(rows, "bf16", qtype)
         if n_splits == 1 or tile.fused_sum or (n, k) in seen:
             continue
         seen.add((n, k))
@@ -57,17 +72,13 @@ def sweep(rows: int) -> tuple[list[dict], bool]:
         n, s = shape["rows"], shape["splits"]
         parts = [torch.randn(s, rows, n, device="cuda", generator=gen) for _ in range(BUFFERS)]
         ys = [torch.empty(rows, n, device="cuda", dtype=torch.bfloat16) for _ in range(BUFFERS)]
-        qmatmul.sum_splits(ys[0], parts[0])
-        want = ys[0].clone()
-        for block, warps in itertools.product(BLOCKS, WARPS):
-            if block < 32 * warps:  # fewer sums than threads
-                continue
-            qmatmul.SUM_BLOCK, qmatmul.SUM_WARPS = block, warps
-            qmatmul.sum_splits(ys[0], parts[0])
-            ok = torch.equal(ys[0], want)
+        want = sums(parts[0])  # the default launch's
+        for block, warps in launches():
+            with knobs.sum_launch_set(block, warps):
+                ok = torch.equal(sums(parts[0]), want)
+                calls = [lambda y=y, p=p: qmatmul.sum_splits(y, p) for y, p in zip(ys, parts, strict=True)]
+                us = graph_time_us(calls)
             same &= ok
-            launches = [lambda y=y, p=p: qmatmul.sum_splits(y, p) for y, p in zip(ys, parts, strict=True)]
-            us = graph_time_us(launches)
             gb_s = s * rows * n * 4 / us / 1e3
             results.append({**shape, "block": block, "warps": warps, "us": us, "read_gb_s": gb_s, "same": ok})
             print(f"{shape['name']:>16} {n:>6} x {s:>2} splits  block {block:>4} warps {warps}: "
@@ -81,9 +92,8 @@ def main() -> int:
     parser.add_argument("--rows", type=int, default=23, help="the verify's rows (M)")
     args = parser.parse_args()
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    default = qmatmul.SUM_BLOCK, qmatmul.SUM_WARPS
+    default = knobs.sum_launch()
     results, same = sweep(args.rows)
-    qmatmul.SUM_BLOCK, qmatmul.SUM_WARPS = default
     totals = {}
     for r in results:
         key = f"{r['block']}x{r['warps']}"

@@ -1,11 +1,11 @@
-"""The fp32 dense kernel of decode steps (flashtree/kernels/dense_matmul.py) on a real GPU: checks, a tile
-sweep, and the default pair's matrices timed against cuBLAS.
+"""The fp32 dense kernel of decode steps (flashtree/kernels/dense_matmul.py) on a real GPU: a tile sweep,
+and the default pair's matrices timed against cuBLAS.
 
-    python bench/gpu_dense_matmul.py OUT_DIR [--sweep]  -> OUT_DIR/dense_matmul.json; exit 1 on a failure
+    python -m benchmarks.gpu_dense_matmul OUT_DIR [--sweep]  -> OUT_DIR/dense_matmul.json
 
-- checks: at every shape below and M = 1, 15, 16, 23, 64, within 2e-6 (relative to the largest output)
-  of the fp64 product, and every row of an M-row call equal to the 1-row call on that row bit for bit
-  (cuBLAS's own fp32 rows are reported for comparison, not required);
+Its correctness at these shapes (within 2e-6 of the fp64 product, every row of an M-row call equal to the
+1-row call on that row bit for bit) is tests/gpu/test_dense_matmul_gpu.py (`python -m benchmarks dense`
+runs it first).
 - timing: each shape at M = 1 (AR), 16 (draft block) and 23 (tree verify), 30 distinct copies of the
   weight called in a row inside one CUDA graph (as a step's layers: the copies total more than L2, so
   weights come from memory), us per call, for cuBLAS (F.linear) and for our kernel at DEFAULT_TILES
@@ -27,8 +27,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from benchmarks import knobs
 from flashtree.bench.roofline import measure_ceilings
-from flashtree.kernels.dense_matmul import DEFAULT_TILES, DenseTiles, dense_linear
+from flashtree.kernels.dense_matmul import DenseTiles, dense_linear
 
 DEVICE = torch.device("cuda")
 # (name, N, K, calls in an AR step, in a draft step, in a verify) for SmolLM2-135M + its 5-layer draft
@@ -41,7 +42,6 @@ SHAPES = [
     ("lm_head", 49152, 576, 1, 1, 1),
 ]
 ROWS = {"ar": 1, "draft": 16, "verify": 23}  # the phases, in SHAPES' order of call counts
-TOL = 2e-6
 SWEEP = [
     DenseTiles(rows, k_block, warps, stages, programs, fused)
     for rows, k_block, warps, stages, programs, fused in itertools.product(
@@ -57,25 +57,6 @@ SWEEP += [
     )
 ]
 COPIES_BYTES = 256 << 20  # a graph's weight copies: more than the H200's 50 MB L2
-
-
-def check(name: str, n: int, k: int) -> list[dict]:
-    rows = []
-    gen = torch.Generator().manual_seed(n + k)
-    w = torch.randn(n, k, generator=gen).to(DEVICE) / k**0.5
-    for m in (1, 15, 16, 23, 64):
-        x = torch.randn(m, k, generator=gen).to(DEVICE)
-        got = dense_linear(x, w)
-        want = x.double() @ w.double().t()
-        alone = torch.cat([dense_linear(x[i : i + 1], w) for i in range(m)])
-        cublas_alone = torch.cat([F.linear(x[i : i + 1], w) for i in range(m)])
-        err = ((got.double() - want).abs().max() / want.abs().max()).item()
-        bitwise, cublas_bitwise = torch.equal(alone, got), torch.equal(cublas_alone, F.linear(x, w))
-        rows.append({
-            "shape": name, "n": n, "k": k, "m": m, "rel_err": err, "ok": err < TOL and bitwise,
-            "rows_bitwise": bitwise, "cublas_rows_bitwise": cublas_bitwise,
-        })  # fmt: skip
-    return rows
 
 
 def time_us(fn, weights: list[torch.Tensor], x: torch.Tensor) -> float:
@@ -141,15 +122,12 @@ def tiles_by_shape(timings: list[dict], keys: list[str]) -> dict[str, list[int]]
     return chosen
 
 
-def main(out_dir: str, sweep: bool) -> int:
+def main(out_dir: str, sweep: bool) -> None:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     ceilings = measure_ceilings(DEVICE)
-    checks = [row for name, n, k, *_ in SHAPES for row in check(name, n, k)]
-    failed = [r for r in checks if not r["ok"]]
-    for r in checks:
-        print("check", r)
-    tiles_list = [DEFAULT_TILES] + ([t for t in SWEEP if t != DEFAULT_TILES] if sweep else [])
+    default = knobs.dense_default_tiles()
+    tiles_list = [default] + ([t for t in SWEEP if t != default] if sweep else [])
     timings = time_shapes(tiles_list)
     keys = ["cublas_us"] + [json.dumps(list(t.__dict__.values())) for t in tiles_list]
     totals = step_totals(timings, keys)
@@ -163,14 +141,12 @@ def main(out_dir: str, sweep: bool) -> int:
     totals["by_shape_us"] = step_totals(timings, ["by_shape_us"])["by_shape_us"]
     print("tiles by shape", json.dumps(by_shape), totals["by_shape_us"])
     result = {
-        "ceilings": dataclasses.asdict(ceilings), "checks": checks, "timings": timings,
-        "step_totals_us": totals, "best_tiles": best, "default_tiles": keys[1], "tiles_by_shape": by_shape,
+        "ceilings": dataclasses.asdict(ceilings), "timings": timings, "step_totals_us": totals,
+        "best_tiles": best, "default_tiles": keys[1], "tiles_by_shape": by_shape,
         "device": torch.cuda.get_device_name(),
     }  # fmt: skip
     (out / "dense_matmul.json").write_text(json.dumps(result, indent=1))
-    print(f"{len(checks) - len(failed)}/{len(checks)} checks ok")
-    return 1 if failed else 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1], "--sweep" in sys.argv[2:]))
+    main(sys.argv[1], "--sweep" in sys.argv[2:])

@@ -1,6 +1,6 @@
 """Registers and spills of the packed matmul kernels per tile, compiled for sm_90 on the CPU (no GPU needed).
 
-    python bench/sm90_registers.py OUT.json
+    python -m benchmarks.sm90_registers OUT.json
 
 Why: the registers a tile takes decide how many programs an SM holds. Since session 23 the compile
 mirrors the JIT's alignment specializations (flashtree/kernels/sm90.py) and agrees with Nsight Compute on
@@ -24,6 +24,7 @@ os.environ["TRITON_INTERPRET"] = "1"  # record the launches on the CPU; sm90.py 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from benchmarks import knobs  # noqa: E402
 from flashtree.bench.run import provenance  # noqa: E402
 from flashtree.kernels import qmatmul  # noqa: E402
 from flashtree.kernels.sm90 import compile_for_sm90, recording  # noqa: E402
@@ -37,10 +38,11 @@ COLS = 256 * 4  # 4 super-blocks a row: the kernels' code is the same for any wi
 
 def records_for(tile: tuple[int, int, int]) -> list[dict]:
     rows, warps, stages = tile
-    for key in [k for k in qmatmul.TILES if ":" in k]:  # a type's own tile: this tile for every type here
-        del qmatmul.TILES[key]
-    for key in ("m16", "m32", "b16", "b32"):
-        qmatmul.TILES[key] = qmatmul.TileConfig(rows, warps, stages, 1, 0)
+    for key in [k for k in knobs.qmm_tiles() if ":" in k]:  # a type's own tile: this tile for every type
+        knobs.set_qmm_tile(key, None)
+    knobs.set_qmm_tiles(
+        dict.fromkeys(("m16", "m32", "b16", "b32"), qmatmul.TileConfig(rows, warps, stages, 1, 0))
+    )
     with recording() as found:
         for qtype in (QT.Q4_K, QT.Q6_K):
             raw = torch.from_numpy(random_blocks(qtype, 128, COLS, np.random.default_rng(0)))

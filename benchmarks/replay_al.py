@@ -3,7 +3,7 @@
 draft pass per prompt, equal step for step to what `flashtree bench` measures, minutes on the CPU where a
 decode of every mode takes most of an hour. For tuning tree settings and comparing drafts without a GPU.
 
-    python bench/replay_al.py OUT.json [--set draft_temperature=1.0,0.8] [--draft D ...] [--n 10]
+    python -m benchmarks.replay_al OUT.json [--set draft_temperature=1.0,0.8] [--draft D ...] [--n 10]
         [--max-tokens 256] [--seed 1] [--outputs RESULTS.json] [--target T.gguf] [--fp8]
 
 Prompts: --n per set (HumanEval, GSM8K, MATH-500) chosen by --seed; the default seed 1 keeps them apart

@@ -1,10 +1,10 @@
 #!/bin/bash
 # The files BRANCH adds or changes since it left the checkout's history, written under DIR (default .ab) at
-# their paths: the "b" side of gpu_step.sh's `ab` stage (AB_DIR=DIR; carry DIR). A file the checkout also
+# their paths: the "b" side of `python -m benchmarks ab` (AB_DIR=DIR; carry DIR). A file the checkout also
 # changed since then is refused (the copy would undo that change: rebase the branch first).
-# Usage: bash bench/ab_files.sh BRANCH [DIR]
+# Usage: bash benchmarks/ab_files.sh BRANCH [DIR]
 set -eu
-branch=${1:?usage: bash bench/ab_files.sh BRANCH [DIR]}
+branch=${1:?usage: bash benchmarks/ab_files.sh BRANCH [DIR]}
 dir=${2:-.ab}
 base=$(git merge-base HEAD "$branch")
 both=$(comm -12 <(git diff --name-only "$base" HEAD | sort) <(git diff --name-only "$base" "$branch" | sort))
