@@ -6,9 +6,8 @@ step took 106 ms for 23 ms of kernels). Every step function is written with fixe
 key and no host reads (positions and lengths are device tensors, the KV read length is a bucket), so
 the first run of a key is captured into a CUDA graph and every later run is one replay.
 
-The step's Python code also keeps host-side books (ModelState.seq_len / pending). They would be
-updated once at capture and never at replay, so the runner rolls them back after every run and the
-caller applies them from the step's read-back result, the same way on every path.
+Step code keeps no host-side books: the caller advances ModelState.seq_len from the step's read-back
+result, the same way whether the step ran eagerly, was captured or was replayed.
 """
 
 from __future__ import annotations
@@ -51,22 +50,17 @@ class StepRunner:
     def run(self, key: Hashable, step: Callable[[], torch.Tensor]) -> torch.Tensor:
         """step()'s result: eagerly, or from the graph captured for `key` (captured right after the
         first, real, eager run, which also compiles every kernel the capture will record)."""
-        books = (self.state.seq_len, self.state.pending)
-        try:
-            if not self.enabled:
-                return step()
-            if key in self.graphs:
-                graph, out = self.graphs[key]
-                graph.replay()
-                return out
-            result = step()
-            self.state.seq_len, self.state.pending = books
-            if len(self.graphs) >= MAX_GRAPHS:
-                del self.graphs[next(iter(self.graphs))]
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                out = step()  # recorded, not run
-            self.graphs[key] = (graph, out)
-            return result
-        finally:
-            self.state.seq_len, self.state.pending = books
+        if not self.enabled:
+            return step()
+        if key in self.graphs:
+            graph, out = self.graphs[key]
+            graph.replay()
+            return out
+        result = step()
+        if len(self.graphs) >= MAX_GRAPHS:
+            del self.graphs[next(iter(self.graphs))]
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = step()  # recorded, not run
+        self.graphs[key] = (graph, out)
+        return result

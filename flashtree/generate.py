@@ -244,6 +244,7 @@ class Engine:
             out = self.target(
                 ids[s : s + chunk], self.state, logits="last" if last else "none", capture=capture
             )
+            self.state.advance(len(ids[s : s + chunk]))
             if self.decoder:
                 self.decoder.observe(out.features)
         pos = torch.full((1,), len(prompt_ids), device=self.device)
@@ -263,10 +264,10 @@ class Engine:
         if self.decoder:
             step = lambda: self.decoder.step(self.root, self.state, sampling, self.seed, n_keys)  # noqa: E731
             packed = self.runner.run(key, step).tolist()  # the step's one host sync
-            self.state.advance_host(packed[0])
+            self.state.advance(packed[0])
             return Accepted.emitted(packed)
         token = int(self.runner.run(key, lambda: self._ar_step(sampling, n_keys)))  # the one sync
-        self.state.advance_host(1)
+        self.state.advance(1)
         return [token]
 
     def _ar_step(self, sampling: SamplingParams, n_keys: int | None) -> torch.Tensor:

@@ -103,10 +103,17 @@ def verify_and_ar_logits(model, ids: torch.Tensor, parents: list[int], prefix: i
     committed), and of AR steps over the first chain_len of them (the tree's nodes 0, 1, ... must be a
     chain from the root), for comparing a verify's rows with the AR steps."""
     state = model.new_state(64)
-    model(ids[:prefix], state, logits="none")
+    feed(model, ids[:prefix], state, logits="none")
     layout = BlockLayout.from_parents(torch.tensor(parents))
-    tree = model(ids[prefix : prefix + len(parents)], state, layout, commit=False).logits
+    tree = feed(model, ids[prefix : prefix + len(parents)], state, layout, commit=False).logits
     state = model.new_state(64)
-    model(ids[:prefix], state, logits="none")
-    steps = torch.cat([model(ids[i : i + 1], state).logits for i in range(prefix, prefix + chain_len)])
+    feed(model, ids[:prefix], state, logits="none")
+    steps = torch.cat([feed(model, ids[i : i + 1], state).logits for i in range(prefix, prefix + chain_len)])
     return tree, steps
+
+
+def feed(model, tokens: torch.Tensor, state, **kwargs):
+    """A committing forward and the host's count of it (ModelState.advance), as Engine does."""
+    out = model(tokens, state, **kwargs)
+    state.advance(tokens.shape[0])
+    return out

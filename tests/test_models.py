@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from spec_util import feed
 
 from flashtree.errors import FlashtreeError
 from flashtree.models.block import BlockLayout
@@ -44,9 +45,9 @@ def test_decode_after_chunked_prefill_matches_transformers(family, tiny_root):
     state = ours.new_state(128)
     got = []
     for lo, hi in [(0, 37), (37, 70), (70, 71)]:  # prefill in uneven chunks...
-        got.append(ours(ids[lo:hi], state, logits="all").logits)
+        got.append(feed(ours, ids[lo:hi], state, logits="all").logits)
     for i in range(71, 90):  # ...then token-by-token decode
-        got.append(ours(ids[i : i + 1], state, logits="all").logits)
+        got.append(feed(ours, ids[i : i + 1], state, logits="all").logits)
     torch.testing.assert_close(torch.cat(got), expected, **TOL)
     assert state.seq_len == 90
 
@@ -60,12 +61,12 @@ def test_greedy_generation_identical_to_transformers(family, tiny_root):
         expected = ref.generate(ids[None], max_new_tokens=64, do_sample=False, min_new_tokens=64,
                                 pad_token_id=0)[0, 12:].tolist()  # fmt: skip
     state = ours.new_state(128)
-    logits = ours(ids, state, logits="last").logits
+    logits = feed(ours, ids, state, logits="last").logits
     got = []
     for _ in range(64):
         tok = int(logits.argmax(-1))
         got.append(tok)
-        logits = ours(torch.tensor([tok]), state, logits="last").logits
+        logits = feed(ours, torch.tensor([tok]), state, logits="last").logits
     assert got == expected
 
 
@@ -78,13 +79,13 @@ def test_tree_verify_equals_chain_per_branch(family, tiny_root):
     tokens = prompt(8, seed=11)
     layout = BlockLayout.from_parents(parents)
     state = ours.new_state(64)
-    ours(ids, state, logits="none")
+    feed(ours, ids, state, logits="none")
     tree = ours(tokens, state, layout, commit=False, capture=(0, 1))
     for node in range(8):
         path = torch.nonzero(layout.visible[node]).flatten()
         ref_state = ours.new_state(64)
-        ours(ids, ref_state, logits="none")
-        chain = ours(tokens[path], ref_state, capture=(0, 1))
+        feed(ours, ids, ref_state, logits="none")
+        chain = feed(ours, tokens[path], ref_state, capture=(0, 1))
         torch.testing.assert_close(tree.logits[node], chain.logits[-1], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(tree.features[node], chain.features[-1], atol=1e-5, rtol=1e-5)
 
@@ -98,16 +99,16 @@ def test_commit_path_state_equals_ar_state(family, tiny_root):
     parents = torch.tensor([-1, 0, 1, 0, 3, 4, 2])
     tokens = prompt(7, seed=4)
     state = ours.new_state(64)
-    ours(ids, state, logits="none")
+    feed(ours, ids, state, logits="none")
     ours(tokens, state, BlockLayout.from_parents(parents), commit=False, logits="none")
     path = torch.tensor([0, 3, 4, 5])
     state.commit_path(path, torch.tensor(4))
-    state.advance_host(4)
+    state.advance(4)
 
     ref = ours.new_state(64)
-    ours(ids, ref, logits="none")
+    feed(ours, ids, ref, logits="none")
     for t in tokens[path]:
-        ours(t[None], ref, logits="none")
+        feed(ours, t[None], ref, logits="none")
     assert state.seq_len == ref.seq_len == 34
     for a, b in zip(state.layers, ref.layers, strict=True):
         if hasattr(a, "k"):
@@ -126,9 +127,9 @@ def test_a_prefill_leaves_the_conv_state_of_token_by_token_steps(n, tiny_root):
     ours = load("qwen35", 1, tiny_root)
     ids = prompt(n, seed=5)
     state, ref = ours.new_state(32), ours.new_state(32)
-    ours(ids, state, logits="none")
+    feed(ours, ids, state, logits="none")
     for t in ids:
-        ours(t[None], ref, logits="none")
+        feed(ours, t[None], ref, logits="none")
     for a, b in zip(state.layers, ref.layers, strict=True):
         if not hasattr(a, "k"):
             torch.testing.assert_close(a.conv, b.conv, atol=1e-5, rtol=1e-4)
@@ -156,8 +157,8 @@ def test_truncate_rewinds_attention_state_and_refuses_recurrent_state(family, ti
     ours = load(family, 0, tiny_root)
     ids, other = prompt(30, seed=6), prompt(5, seed=8)
     state = ours.new_state(64)
-    ours(ids, state, logits="none")
-    ours(prompt(5, seed=7), state, logits="none")
+    feed(ours, ids, state, logits="none")
+    feed(ours, prompt(5, seed=7), state, logits="none")
     if family == "qwen35":  # DeltaNet state cannot be rewound: a clear error, nothing changed
         with pytest.raises(FlashtreeError, match="cannot rewind"):
             state.truncate(30)
@@ -165,8 +166,9 @@ def test_truncate_rewinds_attention_state_and_refuses_recurrent_state(family, ti
         return
     state.truncate(30)
     fresh = ours.new_state(64)
-    ours(ids, fresh, logits="none")
-    torch.testing.assert_close(ours(other, state).logits, ours(other, fresh).logits, atol=1e-5, rtol=1e-5)
+    feed(ours, ids, fresh, logits="none")
+    got, want = feed(ours, other, state).logits, feed(ours, other, fresh).logits
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("mask_kind", ["none", "shared", "per_batch"])

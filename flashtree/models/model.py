@@ -135,7 +135,8 @@ class DecoderModel(nn.Module):
         n_keys: int | None = None,
     ) -> ForwardOutput:
         """n_keys: KV slots attention reads (default exactly seq_len + T; a CUDA-graph step passes a
-        fixed bucket at least that large, so its shapes do not change from step to step)."""
+        fixed bucket at least that large, so its shapes do not change from step to step). A committing
+        forward advances the state's device position; its caller then calls state.advance(T)."""
         t = tokens.shape[0]
         layout = layout if layout is not None else BlockLayout.chain(t, tokens.device)
         state.check_room(t)
@@ -148,10 +149,8 @@ class DecoderModel(nn.Module):
             layer_input, x, pending = layer(x, pending, state.layers[i], fp)
             if i - 1 in capture:
                 captured[i - 1] = layer_input  # layer i - 1's output
-        if commit:
-            state.commit_all(t)
-        else:
-            state.pending = t
+        if commit:  # the device's count; the host's is the caller's (ModelState.advance)
+            state.position += t
         last, head = len(self.layers) - 1, None
         if logits == "none":
             if last in capture:

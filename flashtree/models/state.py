@@ -161,6 +161,8 @@ class DeltaNetStore:
         the device), and the conv window after the deepest accepted node (index_select: indexing with a
         device scalar would read it back to the host)."""
         p = self.pending
+        if p is None:
+            raise RuntimeError("commit_path without a pending verify forward")
         replay_accepted(p.conv_out, p.gates, plan.path, plan.n, self.recurrent, self.n_k_heads, self.tile)
         self.conv.copy_(p.windows.index_select(1, plan.last)[:, 0])
         self.pending = None
@@ -174,10 +176,11 @@ class DeltaNetStore:
 class ModelState:
     """Everything one sequence needs between forwards: `seq_len` committed tokens plus layer state.
 
-    The committed length lives twice: `seq_len` on the host (room checks, bookkeeping) and `position`
-    on the device, which every forward reads (RoPE positions, KV slots, masks). A decode step that is
-    replayed from a CUDA graph advances `position` itself; the host learns how far from the step's
-    one read-back and calls `advance_host`."""
+    The committed length lives twice: `position` on the device, which every forward reads (RoPE
+    positions, KV slots, masks) and a committing forward or `commit_path` advances (also when replayed
+    from a CUDA graph); and `seq_len` on the host (room checks, KV read lengths), which only `advance`
+    moves: the sequence's owner calls it with what a forward wrote or a step's read-back says it kept.
+    Step code never touches the host count, so a replayed step and an eager one need the same books."""
 
     def __init__(
         self,
@@ -191,7 +194,6 @@ class ModelState:
         self.max_ctx = max_ctx
         self.seq_len = 0
         self.position = torch.zeros((), dtype=torch.long, device=device)
-        self.pending = 0  # tokens written by an uncommitted forward
 
     @property
     def rewindable(self) -> bool:
@@ -205,22 +207,16 @@ class ModelState:
                 " (raise --max-ctx)"
             )
 
-    def commit_all(self, n: int) -> None:
-        self.position += n
-        self.advance_host(n)
-
-    def advance_host(self, n: int) -> None:
+    def advance(self, n: int) -> None:
+        """The host's count of committed tokens, after a forward or a step committed n (device side)."""
         self.seq_len += n
-        self.pending = 0
 
     def commit_path(self, path: torch.Tensor, n: torch.Tensor) -> None:
         """Keep block tokens path[:n] (increasing indices, root first) of the last commit=False forward.
 
         path: (T',) on the device, the n accepted block indices first (a decode step passes every block
         index, so its shape is fixed); n: 0-d device tensor. Device work only (CUDA-graph safe): the
-        caller calls advance_host(n) once it has read n back."""
-        if self.pending == 0:
-            raise RuntimeError("commit_path without a pending verify forward")
+        caller calls advance(n) once it has read n back."""
         idx = torch.arange(path.shape[0], device=path.device)
         # Slot i takes accepted node path[i] for i < n; later slots are copied onto themselves (their
         # content is garbage either way), which keeps the shape fixed. src >= dst, so a gather is safe.
@@ -243,6 +239,5 @@ class ModelState:
     def reset(self) -> None:
         self.seq_len = 0
         self.position.zero_()
-        self.pending = 0
         for store in self.stores:
             store.reset()
