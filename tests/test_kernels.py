@@ -377,10 +377,12 @@ def test_loader_switch_builds_quant_linears_with_the_same_logits(tmp_path):
     torch.testing.assert_close(packed(ids, packed.new_state(16)).logits, expected, rtol=0, atol=0)
 
 
-def test_a_producers_quantization_replaces_the_matmuls_own():
-    """quant_matmul(act=int8_of(x)) for one row gives the bits of quantizing x itself; int8_of finds the
-    quantization on the tensor object a producer attached it to, and on reshapes by reshape_int8 only."""
-    from flashtree.kernels.qmatmul import int8_of, reshape_int8, with_int8
+def test_a_producers_quantization_replaces_the_matmuls_own(monkeypatch):
+    """quant_matmul(act=...) for one row gives the bits of quantizing x itself; a QuantLinear handed a
+    MatmulInput uses its int8 form (no quantization of its own) and gives the same bits; a plain tensor
+    comes without one."""
+    from flashtree import kernels
+    from flashtree.kernels.qmatmul import MatmulInput
 
     rows, cols = 40, 256
     raw, _ = case(QT.Q4_K, rows, cols)
@@ -389,20 +391,24 @@ def test_a_producers_quantization_replaces_the_matmuls_own():
     act = quantize_activations(x)
     y = quant_matmul(x, fields, QT.Q4_K, rows, cols, "int8", act)
     assert torch.equal(y, quant_matmul(x, fields, QT.Q4_K, rows, cols, "int8"))
-    heads = with_int8(torch.randn(1, 4, 64), act)
-    assert int8_of(heads) is act and int8_of(reshape_int8(heads, 1, 256)) is act
-    assert int8_of(heads.reshape(1, 256)) is None and int8_of(heads[:, :2]) is None
-    assert int8_of(reshape_int8(torch.randn(1, 4, 64), 1, 256)) is None
+    assert MatmulInput.of(x) == (x, None) and MatmulInput.of(MatmulInput(x, act)).int8 is act
+    layer = QuantLinear(raw, QT.Q4_K, (rows, cols))
+    assert layer.takes_int8
+    monkeypatch.setattr(kernels, "triton_kernels_for", lambda x: True)
+    quantized = []
+    real = qmatmul.quantize_activations
+    monkeypatch.setattr(qmatmul, "quantize_activations", lambda *a: quantized.append(1) or real(*a))
+    assert torch.equal(layer(MatmulInput(x, act)), y) and not quantized
+    assert torch.equal(layer(x), y) and len(quantized) == 1
 
 
 def test_the_norms_quantization_inside_a_packed_model(monkeypatch, tmp_path):
     """Every kernel inside a packed tiny qwen35 (DeltaNet and gated attention layers), int8: AR steps give
     the same logits bit for bit whether the norms, SwiGLU's activation and the attention output gate
-    quantize the matmuls' one-token inputs (layers._quantize_for) or the matmuls do, and with them no
-    matmul of an AR step quantizes its input itself."""
+    quantize the matmuls' one-token inputs (asked by each matmul's takes_int8) or the matmuls do, and with
+    them no matmul of an AR step quantizes its input itself."""
     from flashtree import kernels
     from flashtree.convert.synth import synth_model
-    from flashtree.models import layers
     from flashtree.models.loader import load_target
 
     path = tmp_path / "tiny.gguf"
@@ -423,7 +429,7 @@ def test_the_norms_quantization_inside_a_packed_model(monkeypatch, tmp_path):
 
     fused = ar_logits()
     fused_count = len(quantized)
-    monkeypatch.setattr(layers, "_quantize_for", lambda feeds, x: False)
+    monkeypatch.setattr(QuantLinear, "takes_int8", False)  # no producer is asked for the int8 form
     assert torch.equal(ar_logits(), fused)
     assert any(not hasattr(layer.mixer, "in_proj") for layer in model.layers)  # gated attention too
     assert fused_count == 0 < len(quantized)

@@ -17,7 +17,7 @@ import torch
 
 from flashtree.kernels import tl, triton
 from flashtree.kernels.launch import pdl_options, wait_for_inputs
-from flashtree.kernels.qmatmul import new_activations, quantize_blocks, with_int8
+from flashtree.kernels.qmatmul import QuantizedActivations, quantize_blocks
 from flashtree.kernels.rotary import rounded
 
 
@@ -59,6 +59,16 @@ def _rms_norm_kernel(
                         scale_ptr, xqs_ptr)  # fmt: skip
 
 
+def _int8_pointers(int8: QuantizedActivations | None, out: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The kernels' (codes, scales, code sums) arguments: `int8`'s buffers, sized for `out` as one row,
+    or `out` thrice (never read) without them."""
+    if int8 is None:
+        return (out, out, out)
+    if int8.codes.shape != (1, out.numel() // 4):
+        raise ValueError(f"int8: buffers of one row of {out.numel()} values, not {tuple(int8.codes.shape)}")
+    return tuple(int8)
+
+
 def _rows(x: torch.Tensor) -> torch.Tensor:
     """x as (outer, inner, D) with a unit last stride: a view when its strides allow (a head view of a
     merged projection's output does), else a copy."""
@@ -78,13 +88,13 @@ def rms_norm(
     residual: torch.Tensor | None = None,
     gate: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
-    quantize: bool = False,
+    int8: QuantizedActivations | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm of x's last dim in fp32, times weight, in out_dtype (default x's). With `residual`: of
     x + residual, returned too: (x + residual, its norm). With `gate` (x's shape): times silu(gate).
-    quantize (one token: x's rows, heads say, read as one flat row; D a multiple of 32): the norm carries
-    the int8 quantization of that row for the matmul it feeds (qmatmul.with_int8), made in the same
-    launch."""
+    int8 (one token: x's rows, heads say, read as one flat row; D a multiple of 32): buffers
+    (qmatmul.new_activations(x.numel(), 1)) that receive the int8 quantization of that row for the matmul
+    it feeds (qmatmul.MatmulInput), made in the same launch."""
     d = x.shape[-1]
     x3 = _rows(x)
     out = torch.empty(x.shape, dtype=out_dtype or x.dtype, device=x.device)
@@ -93,18 +103,16 @@ def rms_norm(
     gate3 = _rows(gate.view(x.shape)) if gate is not None else x3
     block = triton.next_power_of_2(d)
     n_rows = x3.shape[0] * x3.shape[1]
-    if quantize and d % 32:
-        raise ValueError(f"quantize: rows of a multiple of 32 values, not {d}")
-    act = new_activations(n_rows * d, 1, x.device) if quantize else (out, out, out)
+    if int8 is not None and d % 32:
+        raise ValueError(f"int8: rows of a multiple of 32 values, not {d}")
+    act = _int8_pointers(int8, out)
     _rms_norm_kernel[(n_rows,)](
         out, x3, weight, res3, total, gate3, *act, x3.shape[1], d, x3.stride(0), x3.stride(1),
         res3.stride(0), res3.stride(1), gate3.stride(0), gate3.stride(1), eps,
         HAS_RESIDUAL=residual is not None, HAS_GATE=gate is not None, BLOCK=block,
-        X_BF16=x.dtype == torch.bfloat16, OUT_BF16=out.dtype == torch.bfloat16, QUANT=quantize,
+        X_BF16=x.dtype == torch.bfloat16, OUT_BF16=out.dtype == torch.bfloat16, QUANT=int8 is not None,
         num_warps=max(1, min(8, block // 512)), enable_fp_fusion=False, **pdl_options(out),
     )  # fmt: skip
-    if quantize:
-        with_int8(out, act)
     return (total, out) if residual is not None else out
 
 
@@ -134,22 +142,25 @@ def _gate_mul_kernel(
                         scale_ptr, xqs_ptr)  # fmt: skip
 
 
-def gate_mul(gate: torch.Tensor, x: torch.Tensor, act: str = "silu", quantize: bool = False) -> torch.Tensor:
+def gate_mul(
+    gate: torch.Tensor, x: torch.Tensor, act: str = "silu", int8: QuantizedActivations | None = None
+) -> torch.Tensor:
     """act(gate) * x, act "silu" (SwiGLU: gate and x the halves of a merged gate/up projection's output)
     or "sigmoid" (qwen3.5's attention output gate: gate (rows, heads, head_dim), a strided head view), x
-    (rows, n), one launch. quantize (one row, n a multiple of 32): the result carries its int8
-    quantization for the matmul it feeds (qmatmul.with_int8), made in the same launch."""
+    (rows, n), one launch. int8 (one row, n a multiple of 32): buffers (qmatmul.new_activations(n, 1))
+    that receive the result's int8 quantization for the matmul it feeds (qmatmul.MatmulInput), made in
+    the same launch."""
     gate, x = (t if t.stride(-1) == 1 else t.contiguous() for t in (gate, x))
     rows, n = x.shape
     inner, stride_gh = (n, 0) if gate.dim() == 2 else (gate.shape[-1], gate.stride(1))
-    if quantize and (rows != 1 or n % 32):
-        raise ValueError(f"quantize: one row of a multiple of 32 values, not {rows} x {n}")
+    if int8 is not None and (rows != 1 or n % 32):
+        raise ValueError(f"int8: one row of a multiple of 32 values, not {rows} x {n}")
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
-    quantized = new_activations(n, 1, x.device) if quantize else (out, out, out)
+    quantized = _int8_pointers(int8, out)
     block = 1024
     _gate_mul_kernel[(rows, triton.cdiv(n, block))](
         out, gate, x, *quantized, n, gate.stride(0), inner, stride_gh, x.stride(0), BLOCK=block,
-        BF16=x.dtype == torch.bfloat16, SIGMOID=act == "sigmoid", QUANT=quantize, num_warps=4,
+        BF16=x.dtype == torch.bfloat16, SIGMOID=act == "sigmoid", QUANT=int8 is not None, num_warps=4,
         enable_fp_fusion=False, **pdl_options(out),
     )  # fmt: skip
-    return with_int8(out, quantized) if quantize else out
+    return out

@@ -8,7 +8,7 @@ from torch import nn
 
 from flashtree import kernels
 from flashtree.errors import FlashtreeError
-from flashtree.kernels.qmatmul import int8_of, quant_matmul, repack, unpack
+from flashtree.kernels.qmatmul import MatmulInput, quant_matmul, repack, unpack
 from flashtree.kernels.tiles import ARITHMETICS, DEFAULT_KERNELS
 from flashtree.quant.dequant import dequantize
 from flashtree.quant.formats import type_name
@@ -18,7 +18,7 @@ class QuantLinear(nn.Module):
     """y = x @ W^T with W kept as quantized blocks, same interface as `Linear`. CUDA runs the Triton
     kernels in `arithmetic` (int8: x quantized to int8 per 32 values, bf16:
     the weights decoded to bf16; for up to 64 rows each row's result is bit-identical whatever the
-    batch; a one-row input may carry its int8 quantization, qmatmul.int8_of); any other device
+    batch; a one-row input may come with its int8 quantization, qmatmul.MatmulInput); any other device
     dequantizes with the reference decoder on every call."""
 
     def __init__(self, raw: torch.Tensor, qtype: int, shape: tuple[int, int]):
@@ -42,11 +42,18 @@ class QuantLinear(nn.Module):
         raw = unpack(self.fields, self.qtype, self.in_features, rows)
         return dequantize(raw, self.qtype, (raw.shape[0], self.in_features), dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    @property
+    def takes_int8(self) -> bool:
+        """Whether its one-row product quantizes its input to int8 first: a MatmulInput's `int8` then
+        replaces that (the kernel making the input can quantize it too, kernels/fused.py)."""
+        return self.arithmetic == "int8"
+
+    def forward(self, x: torch.Tensor | MatmulInput) -> torch.Tensor:
+        x, int8 = MatmulInput.of(x)
         x2 = x.reshape(-1, self.in_features)  # (M, in)
         if kernels.triton_kernels_for(x):
             shape = (self.out_features, self.in_features)
-            y = quant_matmul(x2, self.fields, self.qtype, *shape, self.arithmetic, int8_of(x), self.kernels)
+            y = quant_matmul(x2, self.fields, self.qtype, *shape, self.arithmetic, int8, self.kernels)
         else:
             y = F.linear(x2, self.dense_weight(x.dtype))
         return y.reshape(*x.shape[:-1], self.out_features)
@@ -65,15 +72,6 @@ def use_arithmetic(model: nn.Module, arithmetic: str) -> int:
     for m in packed:
         m.arithmetic = arithmetic
     return len(packed)
-
-
-def takes_int8(linear: nn.Module) -> bool:
-    """Whether `linear` (a QuantLinear, or any module of matrices: a MergedLinear) is packed matrices only,
-    all in the int8 arithmetic: their one-row product quantizes its input first, which the kernel that
-    makes the input can do instead (kernels/fused.py)."""
-    matrices = [m for m in linear.modules() if not list(m.children())]
-    int8 = [isinstance(m, QuantLinear) and m.arithmetic == "int8" for m in matrices]
-    return all(int8)
 
 
 def arithmetic_of(model: nn.Module) -> str | None:

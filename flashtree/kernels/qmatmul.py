@@ -835,27 +835,18 @@ def quantize_activations(x: torch.Tensor, rows: int | None = None) -> QuantizedA
     return act
 
 
-# A one-row matmul input may come with its quantization, made by the kernel that produced it (the norms and
-# SwiGLU's activation in kernels/fused.py: one launch fewer per matmul): attached to that tensor object.
-_INT8 = "_flashtree_int8"
+class MatmulInput(NamedTuple):
+    """A matmul's input x, with `int8` = quantize_activations(x.reshape(1, -1)) when the kernel that made
+    x (one token) made that too (the norms and SwiGLU's activation in kernels/fused.py, in their own
+    launch): the one-row product into packed int8 matrices then uses it instead of quantizing x again."""
 
+    x: torch.Tensor
+    int8: QuantizedActivations | None = None
 
-def with_int8(x: torch.Tensor, act: QuantizedActivations) -> torch.Tensor:
-    """x, carrying `act` = quantize_activations(x.reshape(1, -1)) for the matmuls it feeds."""
-    setattr(x, _INT8, act)
-    return x
-
-
-def int8_of(x: torch.Tensor) -> QuantizedActivations | None:
-    """The quantization attached to x (this tensor object: a view or a copy is another), else None."""
-    return getattr(x, _INT8, None)
-
-
-def reshape_int8(x: torch.Tensor, *shape) -> torch.Tensor:
-    """x.reshape(*shape), carrying x's quantization if it has one (the same values in the same order: a
-    view's own attributes are its own, and views made in inference mode do not record their base)."""
-    act, y = int8_of(x), x.reshape(*shape)
-    return y if act is None else with_int8(y, act)
+    @staticmethod
+    def of(x: torch.Tensor | MatmulInput) -> MatmulInput:
+        """x as a MatmulInput: a plain tensor comes without its quantization."""
+        return x if isinstance(x, MatmulInput) else MatmulInput(x)
 
 
 def _pointers(fields: list[torch.Tensor], lay: Layout, as_bytes: bool) -> list[torch.Tensor]:
@@ -884,7 +875,7 @@ def quant_matmul(
 
     M <= 64: in `arithmetic` (int8 activations x the codes, or bf16 x x weights
     decoded to bf16), batch-invariant (see the module doc); above: dequantize + matmul. `act`: x's int8
-    quantization when a producer made it (`int8_of`), used by the one-row int8 product instead of
+    quantization when a producer made it (MatmulInput.int8), used by the one-row int8 product instead of
     quantizing x again. Works on CUDA tensors, and on CPU tensors under TRITON_INTERPRET=1."""
     lay = layout(qtype, n_cols)
     m = x.shape[0]

@@ -8,6 +8,7 @@ from torch import nn
 
 from flashtree import kernels
 from flashtree.kernels.attention import tree_attention
+from flashtree.kernels.qmatmul import MatmulInput
 from flashtree.models.layers import Linear, MergedLinear, sigmoid_gate
 from flashtree.models.pass_ import ForwardPass
 from flashtree.models.state import KVCache
@@ -39,8 +40,8 @@ class Attention(nn.Module):
         """The matmul that reads the layer's input."""
         return self.qkv
 
-    def forward(self, x: torch.Tensor, kv: KVCache, fp: ForwardPass) -> torch.Tensor:
-        t, hd = x.shape[0], self.head_dim
+    def forward(self, x: torch.Tensor | MatmulInput, kv: KVCache, fp: ForwardPass) -> torch.Tensor:
+        t, hd = MatmulInput.of(x).x.shape[0], self.head_dim
         q, k, v = self.qkv(x)  # (T, q rows), (T, n_kv * hd) x 2
         gate = None
         if self.output_gate:  # q_proj rows are packed per head as [q_h | gate_h]
@@ -67,5 +68,5 @@ class Attention(nn.Module):
             )[0].transpose(0, 1)
         out = out.reshape(t, self.n_heads * hd)
         if gate is not None:
-            out = sigmoid_gate(out, gate, self.o)
+            return self.o(sigmoid_gate(out, gate, self.o.takes_int8))
         return self.o(out)

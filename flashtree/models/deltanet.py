@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from flashtree import kernels
+from flashtree.kernels.qmatmul import MatmulInput
 from flashtree.kernels.tiles import DEFAULT_KERNELS
 from flashtree.models.layers import Linear, MergedLinear, gated_rms_norm
 from flashtree.models.pass_ import ForwardPass
@@ -228,8 +229,9 @@ class GatedDeltaNet(nn.Module):
     def _head_args(self) -> tuple:
         return self.dt_bias, self.ssm_a, self.n_k_heads, self.k_dim, self.v_dim
 
-    def forward(self, x: torch.Tensor, st: DeltaNetState, fp: ForwardPass) -> torch.Tensor:
-        t = x.shape[0]
+    def forward(self, x: torch.Tensor | MatmulInput, st: DeltaNetState, fp: ForwardPass) -> torch.Tensor:
+        hidden = MatmulInput.of(x).x  # (T, H)
+        t = hidden.shape[0]
         mixed, z, beta, alpha = self.in_proj(x)  # (T, conv channels), (T, nv * vd), (T, nv) x 2
         if fp.commit and t > 1:  # prefill: chunked form, only the final states are kept
             conv_out = self.causal_conv(mixed, st.conv, fp, None)
@@ -246,4 +248,4 @@ class GatedDeltaNet(nn.Module):
             conv_out = self.causal_conv(mixed, st.conv, fp, pending.windows, out=pending.conv_out)
             o = self.tree_recurrence(conv_out, alpha, beta, st.recurrent, fp, pending.scratch, pending.gates)
 
-        return self.out(gated_rms_norm(o, self.norm_weight, self.eps, z, x.dtype, self.out))  # (T, nv * vd)
+        return self.out(gated_rms_norm(o, self.norm_weight, self.eps, z, hidden.dtype, self.out.takes_int8))

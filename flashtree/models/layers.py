@@ -11,14 +11,17 @@ from torch import nn
 
 from flashtree import kernels
 from flashtree.kernels import dense_matmul, fp8, fused
-from flashtree.kernels.qlinear import takes_int8, use_arithmetic
-from flashtree.kernels.qmatmul import reshape_int8
+from flashtree.kernels.qlinear import use_arithmetic
+from flashtree.kernels.qmatmul import MatmulInput, QuantizedActivations, new_activations
 from flashtree.kernels.tiles import DEFAULT_KERNELS, KernelConfig
 
 
 class Linear(nn.Module):
     """y = x @ W^T with a dense weight [out, in]. Quantized variants keep the same interface,
-    so model code never branches on the weight format."""
+    so model code never branches on the weight format: x a tensor or a MatmulInput, and `takes_int8`
+    (whether a MatmulInput's int8 form is used; QuantLinear's in the int8 arithmetic)."""
+
+    takes_int8 = False
 
     def __init__(self, weight: torch.Tensor):
         super().__init__()
@@ -35,7 +38,8 @@ class Linear(nn.Module):
         decodes it."""
         return self.weight[rows].to(dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | MatmulInput) -> torch.Tensor:
+        x = MatmulInput.of(x).x
         # decode/verify/draft rows of an fp32 model on the GPU: our batch-invariant kernel (a verify
         # row equals the AR step's bit for bit; kernels/dense_matmul.py)
         if self.dense_kernel and _fused_kernels(x) and dense_matmul.fits(x, self.weight):
@@ -66,6 +70,7 @@ class Fp8Linear(nn.Module):
     """y = x @ W^T with W kept in fp8 e4m3, one scale per row (kernels/fp8.py), same interface as Linear.
     For the draft only: its arithmetic decides how many tokens are accepted, never which."""
 
+    takes_int8 = False
     CHUNK_ROWS = 8192  # rows rounded at a time: a 27B LM head would be 5 GB decoded to fp32 at once
 
     def __init__(self, weight: torch.Tensor | nn.Module):
@@ -88,7 +93,8 @@ class Fp8Linear(nn.Module):
     def dense_weight(self, dtype: torch.dtype = torch.float32, rows: slice = slice(None)) -> torch.Tensor:
         return (self.codes[rows].float() * self.scales[rows, None]).to(dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | MatmulInput) -> torch.Tensor:
+        x = MatmulInput.of(x).x
         x2 = x.reshape(-1, x.shape[-1])
         y = fp8.fp8_matmul(x2, self.codes, self.scales, kernel=_fused_kernels(x2))
         return y.reshape(*x.shape[:-1], self.out_features)
@@ -159,7 +165,12 @@ class MergedLinear(nn.Module):
         """Dense weights (out_i, in), all in one matmul (a Linear, or what `build` makes of their rows)."""
         return MergedLinear.from_rows(weights, [None] * len(weights), lambda rows, _: build(rows))
 
-    def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
+    @property
+    def takes_int8(self) -> bool:
+        """Whether every group uses a MatmulInput's int8 form (packed int8 matrices only)."""
+        return all(group.takes_int8 for group in self.groups)
+
+    def forward(self, x: torch.Tensor | MatmulInput) -> list[torch.Tensor]:
         ys = [group(x) for group in self.groups]  # (..., group rows) each
         return [ys[g][..., part.rows] for g, part in zip(self.part_groups, self.parts, strict=True)]
 
@@ -173,32 +184,33 @@ def _fused_kernels(x: torch.Tensor) -> bool:
     return kernels.triton_kernels_for(x) and not torch.is_grad_enabled()
 
 
-def _quantize_for(feeds: nn.Module | None, x: torch.Tensor) -> bool:
-    """Whether the fused kernel making the input of `feeds` (the matmul it goes to) quantizes it too: one
-    token (x's first dim), on the fused path, into packed int8 matrices only (qlinear.takes_int8)."""
-    return feeds is not None and x.shape[0] == 1 and _fused_kernels(x) and takes_int8(feeds)
+def _int8_for(int8: bool, x: torch.Tensor) -> QuantizedActivations | None:
+    """Buffers for the int8 form of a producer's output (x's size) when the matmul it goes to takes one
+    (`int8`: its takes_int8) and the producer can make it: one token (x's first dim), on the fused path."""
+    if int8 and x.shape[0] == 1 and _fused_kernels(x):
+        return new_activations(x.numel(), 1, x.device)
+    return None
 
 
-def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, feeds: nn.Module | None = None
-) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Plain RMSNorm in fp32 (GGUF files already carry the +1 of zero-centred norms), in x's dtype.
-    torch's op is bit-identical to the formula on the CPU. feeds: the matmul the result goes to (see
-    _quantize_for)."""
+    torch's op is bit-identical to the formula on the CPU."""
     if _fused_kernels(x):
-        return fused.rms_norm(x, weight, eps, quantize=_quantize_for(feeds, x))
+        return fused.rms_norm(x, weight, eps)
     return F.rms_norm(x.float(), weight.shape, weight.float(), eps).to(x.dtype)
 
 
 def add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, feeds: nn.Module | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(h, rms_norm(h)) for h = x + residual: the residual stream and the next block's input (for
-    `feeds`)."""
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, int8: bool = False
+) -> tuple[torch.Tensor, MatmulInput]:
+    """(h, rms_norm(h)) for h = x + residual: the residual stream and the next block's input (for a matmul
+    that takes the int8 form when `int8`, see _int8_for)."""
     if _fused_kernels(x):
-        return fused.rms_norm(x, weight, eps, residual=residual, quantize=_quantize_for(feeds, x))
+        act = _int8_for(int8, x)
+        h, normed = fused.rms_norm(x, weight, eps, residual=residual, int8=act)
+        return h, MatmulInput(normed, act)
     h = x + residual
-    return h, rms_norm(h, weight, eps)
+    return h, MatmulInput(rms_norm(h, weight, eps))
 
 
 def gated_rms_norm(
@@ -207,36 +219,36 @@ def gated_rms_norm(
     eps: float,
     gate: torch.Tensor,
     out_dtype: torch.dtype,
-    feeds: nn.Module | None = None,
-) -> torch.Tensor:
+    int8: bool = False,
+) -> MatmulInput:
     """rms_norm(x) * silu(gate) in fp32 of x (T, heads, dim) per head (gate viewed as x's shape), as
-    (T, heads * dim) in out_dtype: the input of `feeds`."""
+    (T, heads * dim) in out_dtype: a matmul's input (int8: see _int8_for)."""
     t = x.shape[0]
     if _fused_kernels(x):
-        quantize = _quantize_for(feeds, x)
-        return reshape_int8(
-            fused.rms_norm(x, weight, eps, gate=gate, out_dtype=out_dtype, quantize=quantize), t, -1
-        )
+        act = _int8_for(int8, x)
+        out = fused.rms_norm(x, weight, eps, gate=gate, out_dtype=out_dtype, int8=act)
+        return MatmulInput(out.reshape(t, -1), act)
     normed = F.rms_norm(x.float(), weight.shape, weight.float(), eps)
-    return (normed * F.silu(gate.float().view(x.shape))).to(out_dtype).reshape(t, -1)
+    return MatmulInput((normed * F.silu(gate.float().view(x.shape))).to(out_dtype).reshape(t, -1))
 
 
-def silu_mul(gate: torch.Tensor, up: torch.Tensor, feeds: nn.Module | None = None) -> torch.Tensor:
-    """SwiGLU's activation, silu(gate) * up, in their dtype (for `feeds`)."""
+def silu_mul(gate: torch.Tensor, up: torch.Tensor, int8: bool = False) -> MatmulInput:
+    """SwiGLU's activation, silu(gate) * up, in their dtype: a matmul's input (int8: see _int8_for)."""
     if _fused_kernels(gate):
         n = gate.shape[-1]
-        quantize = _quantize_for(feeds, gate.reshape(-1, n))
-        out = fused.gate_mul(gate.reshape(-1, n), up.reshape(-1, n), "silu", quantize)
-        return reshape_int8(out, gate.shape)
-    return F.silu(gate) * up
+        rows = gate.reshape(-1, n)
+        act = _int8_for(int8, rows)
+        return MatmulInput(fused.gate_mul(rows, up.reshape(-1, n), "silu", act).reshape(gate.shape), act)
+    return MatmulInput(F.silu(gate) * up)
 
 
-def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor, feeds: nn.Module | None = None) -> torch.Tensor:
+def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor, int8: bool = False) -> MatmulInput:
     """x * sigmoid(gate) in x's dtype: x (T, heads * dim), gate (T, heads, dim) (a strided head view);
-    qwen3.5's attention output gate (for `feeds`)."""
+    qwen3.5's attention output gate, a matmul's input (int8: see _int8_for)."""
     if _fused_kernels(x):
-        return fused.gate_mul(gate, x, "sigmoid", _quantize_for(feeds, x))
-    return x * torch.sigmoid(gate.reshape(x.shape))
+        act = _int8_for(int8, x)
+        return MatmulInput(fused.gate_mul(gate, x, "sigmoid", act), act)
+    return MatmulInput(x * torch.sigmoid(gate.reshape(x.shape)))
 
 
 class RMSNorm(nn.Module):
@@ -249,8 +261,15 @@ class RMSNorm(nn.Module):
     def args(self) -> tuple[torch.Tensor, float]:
         return self.weight, self.eps
 
-    def forward(self, x: torch.Tensor, feeds: nn.Module | None = None) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps, feeds)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+    def matmul_input(self, x: torch.Tensor, int8: bool = False) -> MatmulInput:
+        """The norm of x as a matmul's input (int8: see _int8_for)."""
+        act = _int8_for(int8, x)
+        if act is None:
+            return MatmulInput(self(x))
+        return MatmulInput(fused.rms_norm(x, self.weight, self.eps, int8=act), act)
 
 
 class Rotary(nn.Module):
@@ -319,6 +338,11 @@ class SwiGLU(nn.Module):
         self.gate_up, self.down = gate_up, down
         self.gate, self.up = gate_up.parts
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    @property
+    def takes_int8(self) -> bool:
+        """Whether its input projection uses a MatmulInput's int8 form."""
+        return self.gate_up.takes_int8
+
+    def forward(self, x: torch.Tensor | MatmulInput) -> torch.Tensor:
         gate, up = self.gate_up(x)
-        return self.down(silu_mul(gate, up, self.down))
+        return self.down(silu_mul(gate, up, self.down.takes_int8))

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from flashtree.kernels.qmatmul import MatmulInput
 from flashtree.kernels.tiles import DEFAULT_KERNELS
 from flashtree.models.attention import Attention
 from flashtree.models.block import BlockLayout
@@ -29,12 +30,12 @@ class DecoderLayer(nn.Module):
         """The layer's input is x + pending (pending None: x): the previous layer's MLP output joins the
         residual stream inside this layer's first RMSNorm (one fused launch, kernels/fused.py), not in
         an add of its own. Returns (the input, the residual after the mixer, the MLP output to add)."""
-        feeds = self.mixer.input_projection  # the norms' outputs feed these matmuls (see layers.rms_norm)
+        int8 = self.mixer.input_projection.takes_int8  # whether the norms make its int8 input too
         if pending is None:
-            normed = self.mixer_norm(x, feeds)
+            normed = self.mixer_norm.matmul_input(x, int8)
         else:
-            x, normed = add_rms_norm(x, pending, *self.mixer_norm.args, feeds)
-        h, normed = add_rms_norm(x, self.mixer(normed, state, fp), *self.mlp_norm.args, self.mlp.gate_up)
+            x, normed = add_rms_norm(x, pending, *self.mixer_norm.args, int8)
+        h, normed = add_rms_norm(x, self.mixer(normed, state, fp), *self.mlp_norm.args, self.mlp.takes_int8)
         return x, h, self.mlp(normed)
 
 
@@ -157,9 +158,9 @@ class DecoderModel(nn.Module):
                 captured[last] = x + pending
         else:  # the last layer's MLP output joins the stream inside the final norm: one launch
             rows = slice(None) if logits == "all" or last in capture else slice(-1, None)
-            out, normed = add_rms_norm(x[rows], pending[rows], *self.norm.args, self.lm_head)
+            out, normed = add_rms_norm(x[rows], pending[rows], *self.norm.args, self.lm_head.takes_int8)
             if last in capture:
                 captured[last] = out
-            head = normed if logits == "all" or normed.shape[0] == 1 else normed[-1:]  # keeps its int8
+            head = normed if logits == "all" or normed.x.shape[0] == 1 else MatmulInput(normed.x[-1:])
         feats = torch.cat([captured[i] for i in capture], dim=-1) if capture else None
         return ForwardOutput(None if head is None else self.lm_head(head).float(), feats)

@@ -17,8 +17,8 @@ compiled:
   verify) bit for bit, and the AR step (one token, the state updated in place) too;
 - the fused RMSNorm variants and SiLU-and-multiply (kernels/fused.py) at the 27B's shapes: within one
   bf16 unit in the last place of the torch path (fp32: 2e-6 relative), the residual sum bit for bit,
-  and a row alone equal to its row of 23 bit for bit; with quantize=True on one token (the AR step of
-  int8 matrices) the same output bits, carrying exactly qmatmul.quantize_activations' codes of the row;
+  and a row alone equal to its row of 23 bit for bit; with int8 buffers on one token (the AR step of
+  int8 matrices) the same output bits, the buffers getting exactly qmatmul.quantize_activations' codes;
 - fp8 draft matrices (kernels/fp8.py) at the 27B draft's shapes: the Triton row quantizer's bytes and
   scales equal to torch's cast, and Fp8Linear (torch._scaled_mm) within fp8 rounding of x @ W^T.
 The decode/verify attention and the tree Gated DeltaNet are test_attention_gpu.py and
