@@ -1,5 +1,6 @@
 """Broken GGUF files: each gives one FlashtreeError naming the file, and `flashtree inspect` exits non-zero
-with a one-line `error:` message and no traceback. The same for a device the machine does not have."""
+with a one-line `error:` message and no traceback. The same for a device the machine does not have and a
+config.json with values out of range (tests/test_fuzz_gguf.py corrupts whole model files)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from flashtree.cli import app
 from flashtree.errors import FlashtreeError
 from flashtree.gguf.reader import open_gguf
 from flashtree.gguf.writer import write_gguf
+from flashtree.models.config import ModelConfig
 from flashtree.models.loader import resolve_device
 
 
@@ -72,6 +74,11 @@ def _embd_type_at(data: bytes) -> int:
     return _tensor_type_offset(data, "token_embd.weight", 2)
 
 
+def _norm_offset_at(data: bytes) -> int:
+    """Offset of the u64 data offset in the `norm` tensor's record (it follows the u32 type)."""
+    return _tensor_type_offset(data, "norm", 1) + 4
+
+
 # case -> (build(good bytes, tmp dir) -> file bytes, or None for no file; regex the error must match)
 BROKEN = {
     "missing": (lambda g, d: None, "file not found"),
@@ -104,6 +111,24 @@ BROKEN = {
         lambda g, d: _gguf_with_tensor_type(d, QT.Q2_K),
         "'blk.0.ffn_up.weight' has unsupported type Q2_K",
     ),
+    # the tensor table must lay the data out as writers do: in the file, no overlap, no gap, zero padding
+    "tensor_offset_overflow": (
+        lambda g, d: _with(g, _norm_offset_at(g), struct.pack("<Q", 2**64 - 32)),
+        r"tensor 'norm': data offset 18446744073709551584 is past the end of the file",
+    ),
+    "misaligned_tensor_offset": (
+        lambda g, d: _with(g, _norm_offset_at(g), struct.pack("<Q", 225)),
+        "'norm': data offset 225 is not a multiple of the alignment 32",
+    ),
+    "overlapping_tensors": (
+        lambda g, d: _with(g, _norm_offset_at(g), struct.pack("<Q", 0)),
+        "tensor 'norm' overlaps tensor 'token_embd.weight'",
+    ),
+    "shrunk_tensor_type": (  # Q8_0 -> Q4_0: the embedding no longer fills its bytes
+        lambda g, d: _with(g, _embd_type_at(g), struct.pack("<I", QT.Q4_0)),
+        "non-zero padding after tensor 'token_embd.weight': a corrupted type or shape",
+    ),
+    "trailing_bytes": (lambda g, d: g + b"\x01" * 40, "40 bytes after the last tensor"),
     "invalid_utf8_key": (
         lambda g, d: g.replace(b"llama.block_count", b"llama.block_c\xffunt"),
         "corrupted GGUF header",
@@ -139,6 +164,17 @@ def test_inspect_exits_nonzero_with_a_one_line_error(case, good, tmp_path):
     assert "Traceback" not in result.output
 
 
+def test_a_corrupted_key_name_is_refused_not_dropped(good, tmp_path):
+    """general.alignment with one byte flipped would silently fall back to the default alignment."""
+    path = tmp_path / "key.gguf"
+    path.write_bytes(good)
+    g = open_gguf(path)
+    assert g.metadata.path == path  # tokenizer errors name the file through it
+    path.write_bytes(good.replace(b"llama.block_count", b"general.alignmenu"))
+    with pytest.raises(FlashtreeError, match="'general.alignmenu' is one byte away from 'general.alignment'"):
+        open_gguf(path)
+
+
 def test_directory_is_not_a_gguf(tmp_path):
     with pytest.raises(FlashtreeError, match="is a directory"):
         open_gguf(tmp_path)
@@ -161,3 +197,31 @@ def test_a_device_the_machine_lacks_is_a_one_line_error(monkeypatch, tmp_path):
     result = CliRunner().invoke(app, [*args, "--device", "cuda"])
     assert result.exit_code == 1 and "error: device 'cuda': this machine has no CUDA GPU" in result.output
     assert "Traceback" not in result.output
+
+
+LLAMA_CONFIG = {
+    "architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 320, "max_position_embeddings": 1024,
+    "rms_norm_eps": 1e-5, "rope_theta": 1e4,
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(num_attention_heads=0), r"n_heads \(attention.head_count\) is 0, not an integer >= 1"),
+        (dict(num_attention_heads=5), "5 attention heads do not split into 2 KV heads"),
+        (
+            dict(num_hidden_layers=10**9),
+            r"n_layers \(block_count\) is 1000000000, not an integer in \[1, 1024\]",
+        ),
+        (dict(rms_norm_eps=float("nan")), r"rms_eps .* is nan, not a finite number"),
+        (dict(rope_theta=0.0), r"rope_theta .* is 0.0, not a finite number in \(1, 1e\+12\]"),
+        (dict(max_position_embeddings=0), r"context_length .* is 0"),
+    ],
+)
+def test_a_config_json_with_values_out_of_range_is_one_error(change, message, tmp_path):
+    with pytest.raises(FlashtreeError, match=message) as caught:
+        ModelConfig.from_hf_config(LLAMA_CONFIG | change, tmp_path / "config.json")
+    assert str(caught.value).startswith(f"{tmp_path / 'config.json'}: ")
+    assert ModelConfig.from_hf_config(LLAMA_CONFIG, tmp_path / "config.json").n_heads == 4

@@ -2,7 +2,9 @@
 
 gguf-py's `GGUFReader` parses the header and tensor table and maps the data. It was written for
 well-formed files: on a truncated or corrupted one it raises assorted exceptions, or loops for a long time
-over a garbage array length. `_CheckedReader` bounds-checks every read, and `GGUFFile` turns each failure
+over a garbage array length. `_CheckedReader` bounds-checks every read and checks that the tensor table
+lays the data out as writers do (each tensor inside the file, aligned, no overlap, no gap, zero padding),
+so that no corrupted offset, shape or type makes a tensor read other bytes; `GGUFFile` turns each failure
 into one `FlashtreeError` naming the file. The key/value section is parsed by `_KVParser` instead: gguf-py
 builds several numpy views per array item, which takes ~20 s for a 250k-token vocabulary.
 """
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import math
 import struct
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,7 +25,7 @@ from gguf.gguf_reader import ReaderField
 
 from flashtree.errors import FlashtreeError
 from flashtree.quant.dequant import dequantize
-from flashtree.quant.formats import SUPPORTED_TYPES, row_bytes, type_name
+from flashtree.quant.formats import SUPPORTED_TYPES, block_size, row_bytes, type_name
 
 _MISSING: Any = object()
 _MIN_TENSOR_INFO_BYTES = 8 + 4 + 8 + 4 + 8  # name length, n_dims, one dim, type, offset
@@ -37,6 +40,32 @@ class TensorInfo:
     nbytes: int
 
 
+class Metadata(dict):
+    """A GGUF's key/values as plain Python values, and the file they came from (`path`, for messages)."""
+
+    def __init__(self, values: dict[str, Any], path: Path | None = None):
+        super().__init__(values)
+        self.path = path
+
+
+def check_key_names(metadata: dict[str, Any], known: Iterable[str], source: Path | str | None) -> None:
+    """Refuse a key that is one byte away from a key flashtree reads and the file lacks: a corrupted key
+    name, which would otherwise drop a value silently (its default would be used instead)."""
+    known = set(known)
+    missing: dict[int, list[bytes]] = {}
+    for key in known - metadata.keys():
+        missing.setdefault(len(key.encode()), []).append(key.encode())
+    for key in metadata.keys() - known:
+        encoded = key.encode()
+        for near in missing.get(len(encoded), ()):
+            if sum(a != b for a, b in zip(encoded, near, strict=True)) == 1:
+                prefix = f"{source}: " if source else ""
+                raise FlashtreeError(
+                    f"{prefix}metadata key {key!r} is one byte away from {near.decode()!r}, which is missing:"
+                    " a corrupted key name"
+                )
+
+
 class _PastEnd(Exception):
     """A read that would go past the end of the file."""
 
@@ -47,6 +76,10 @@ class _PastEnd(Exception):
 
 class _Unsupported(Exception):
     """A well-formed file that flashtree cannot use; the message says why."""
+
+
+class _Corrupt(Exception):
+    """A header whose values contradict one another; the message says which."""
 
 
 _SCALARS = {
@@ -153,20 +186,67 @@ class _CheckedReader(GGUFReader):
         return super()._build_tensor_info(offs, count)
 
     def _build_tensors(self, start_offs: int, fields: list[ReaderField]) -> None:
-        for field in fields:
-            name, n_dims, qtype = (
-                str(bytes(field.parts[1]), "utf-8"),
-                int(field.parts[2][0]),
-                int(field.parts[4][0]),
-            )
-            if not 1 <= n_dims <= _MAX_DIMS:
-                raise ValueError(f"tensor {name!r} has {n_dims} dimensions")
-            if qtype not in SUPPORTED_TYPES:
-                raise _Unsupported(f"tensor {name!r} has unsupported type {type_name(qtype)}")
+        """Check every tensor's record and byte range (Python ints: gguf-py's uint64 sums wrap) before
+        gguf-py maps them."""
+        spans = sorted(_tensor_span(field, start_offs, self.alignment) for field in fields)
+        _check_spans(spans, start_offs, self.alignment, self.data)
         try:
             super()._build_tensors(start_offs, fields)
         except _PastEnd as e:
             raise _PastEnd(e.offset, e.size, in_tensor_data=True) from None
+
+
+def _tensor_span(field: ReaderField, data_start: int, alignment: int) -> tuple[int, int, str]:
+    """(start, end, name): where one tensor-table record puts its data in the file."""
+    name = str(bytes(field.parts[1]), "utf-8")
+    n_dims, dims = int(field.parts[2][0]), [int(d) for d in field.parts[3]]
+    qtype, offset = int(field.parts[4][0]), int(field.parts[5][0])
+    if not 1 <= n_dims <= _MAX_DIMS:
+        raise ValueError(f"tensor {name!r} has {n_dims} dimensions")
+    if qtype not in SUPPORTED_TYPES:
+        raise _Unsupported(f"tensor {name!r} has unsupported type {type_name(qtype)}")
+    if min(dims) < 1:
+        raise _Corrupt(f"tensor {name!r} has a dimension of 0 (shape {dims[::-1]})")
+    if dims[0] % block_size(qtype):
+        raise _Corrupt(f"tensor {name!r}: {type_name(qtype)} rows of {dims[0]} values are not whole blocks")
+    if offset % alignment:
+        raise _Corrupt(
+            f"tensor {name!r}: data offset {offset} is not a multiple of the alignment {alignment}"
+        )
+    start = data_start + offset
+    return start, start + math.prod(dims[1:]) * row_bytes(qtype, dims[0]), name
+
+
+def _check_spans(
+    spans: list[tuple[int, int, str]], data_start: int, alignment: int, data: np.ndarray
+) -> None:
+    """Tensors (sorted by start) must lie in the file and follow one another as writers lay them out:
+    each at the first aligned offset after the previous one, zeros in between and after the last. An
+    overlap, a gap or non-zero padding means a corrupted offset, shape or type."""
+    for start, end, name in spans:
+        if start > len(data):
+            offset = start - data_start
+            raise _Corrupt(
+                f"tensor {name!r}: data offset {offset} is past the end of the file ({len(data)} bytes)"
+            )
+        if end > len(data):  # the first tensor that does not fit begins inside the file: a cut-off download
+            raise _PastEnd(end, len(data), in_tensor_data=True)
+    expected, previous = data_start, "the start of the data section"
+    for start, end, name in spans:
+        if start < expected:
+            raise _Corrupt(f"tensor {name!r} overlaps {previous} (data offset {start - data_start})")
+        if start > expected:
+            gap = start - expected
+            raise _Corrupt(
+                f"{gap} unused bytes between {previous} and tensor {name!r}: a corrupted offset or size"
+            )
+        expected, previous = end + -end % alignment, f"tensor {name!r}"
+        if data[end:expected].any():
+            raise _Corrupt(f"non-zero padding after tensor {name!r}: a corrupted type or shape")
+    if spans and len(data) > expected:
+        raise _Corrupt(
+            f"{len(data) - expected} bytes after the last tensor: a corrupted type, shape or offset"
+        )
 
 
 def _open_reader(path: Path) -> GGUFReader:
@@ -192,6 +272,8 @@ def _open_reader(path: Path) -> GGUFReader:
         raise FlashtreeError(f"{path}: {problem} needs {e.offset} bytes but the file has {e.size}") from None
     except _Unsupported as e:
         raise FlashtreeError(f"{path}: {e}") from None
+    except _Corrupt as e:
+        raise FlashtreeError(f"{path}: corrupted GGUF header: {e}") from None
     except OSError as e:
         raise FlashtreeError(f"{path}: cannot read: {e.strerror or e}") from None
     except Exception as e:  # whatever else gguf-py raises while parsing means the bytes are not valid GGUF
@@ -204,7 +286,8 @@ class GGUFFile:
     def __init__(self, path: str | Path):
         self.path = Path(path)
         self._reader = _open_reader(self.path)
-        self.metadata: dict[str, Any] = self._reader.kv
+        self.metadata = Metadata(self._reader.kv, self.path)
+        check_key_names(self.metadata, ("general.architecture", "general.alignment"), self.path)
         self.tensors: dict[str, TensorInfo] = {
             t.name: TensorInfo(t.name, int(t.tensor_type), tuple(reversed(t.shape.tolist())), int(t.n_bytes))
             for t in self._reader.tensors

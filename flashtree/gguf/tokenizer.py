@@ -19,16 +19,23 @@ from jinja2 import TemplateError, nodes
 from jinja2.exceptions import SecurityError
 from jinja2.ext import Extension, loopcontrols
 from jinja2.parser import Parser
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from jinja2.utils import Namespace
 from tokenizers import AddedToken, Regex, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.models import BPE
 
 from flashtree.errors import FlashtreeError
+from flashtree.gguf import chat_template
+from flashtree.gguf.reader import check_key_names
 
+# The metadata keys read (a key one byte away from a missing one is refused as corrupted)
+_KEYS = [
+    *(f"tokenizer.ggml.{k}" for k in ("model", "pre", "tokens", "token_type", "merges", "add_bos_token")),
+    *(f"tokenizer.ggml.{k}_token_id" for k in ("bos", "eos", "eot", "padding")),
+    "tokenizer.chat_template",
+]
 # GGUF token types (llama.cpp's llama_token_type; 6 = BYTE belongs to SentencePiece vocabularies).
-NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED = 1, 2, 3, 4, 5
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 
 # llama.cpp's pre-tokenizer regexes, applied in order: each splits the pieces the previous one left.
 _GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
@@ -140,29 +147,48 @@ class Tokenizer:
 
     @classmethod
     def from_gguf_metadata(cls, metadata: dict[str, Any]) -> Tokenizer:
-        """Read the `tokenizer.*` keys of a GGUF file (a plain dict of its key/values)."""
+        """Read the `tokenizer.*` keys of a GGUF file (a plain dict of its key/values; errors name the file
+        when it is a reader.Metadata). Every value is checked for its type before it is used."""
+        source = getattr(metadata, "path", None)
+        try:
+            return cls._from_metadata(metadata)
+        except FlashtreeError as e:
+            raise FlashtreeError(f"{source}: {e}" if source else str(e)) from None
+
+    @classmethod
+    def _from_metadata(cls, metadata: dict[str, Any]) -> Tokenizer:
+        check_key_names(metadata, _KEYS, None)
         model = metadata.get("tokenizer.ggml.model")
         if model != "gpt2":
             raise FlashtreeError(f"tokenizer.ggml.model: unsupported tokenizer {model!r} (only 'gpt2' BPE)")
         pre_name = metadata.get("tokenizer.ggml.pre") or "default"  # llama.cpp's fallback too
-        if pre_name not in PRE_TOKENIZERS:
+        if not isinstance(pre_name, str) or pre_name not in PRE_TOKENIZERS:
             known = ", ".join(sorted(PRE_TOKENIZERS))
             raise FlashtreeError(f"tokenizer.ggml.pre: unknown pre-tokenizer {pre_name!r} (known: {known})")
         pre = PRE_TOKENIZERS[pre_name]
-        tokens = [str(t) for t in _required(metadata, "tokenizer.ggml.tokens")]
-        types = [int(t) for t in metadata.get("tokenizer.ggml.token_type", [NORMAL] * len(tokens))]
+        tokens = _list_of(metadata, "tokenizer.ggml.tokens", str)
+        types = _list_of(metadata, "tokenizer.ggml.token_type", int, [NORMAL] * len(tokens))
         if len(types) != len(tokens):
             raise FlashtreeError(f"tokenizer.ggml.token_type: {len(types)} entries for {len(tokens)} tokens")
-        merges = [_split_merge(str(m)) for m in _required(metadata, "tokenizer.ggml.merges")]
+        odd = next((t for t in types if not 0 <= t <= BYTE), None)
+        if odd is not None:
+            raise FlashtreeError(f"tokenizer.ggml.token_type: {odd} is not a token type (0 to {BYTE})")
+        merges = [_split_merge(m) for m in _list_of(metadata, "tokenizer.ggml.merges", str)]
 
         def token_id(key: str) -> int | None:
             value = metadata.get(f"tokenizer.ggml.{key}")
             if value is None:
                 return None
-            if not 0 <= int(value) < len(tokens):
-                raise FlashtreeError(f"tokenizer.ggml.{key}: id {value} is outside the {len(tokens)} tokens")
-            return int(value)
+            if not (isinstance(value, int) and 0 <= value < len(tokens)):
+                raise FlashtreeError(f"tokenizer.ggml.{key}: {value!r} is not one of the {len(tokens)} ids")
+            return value
 
+        add_bos = metadata.get("tokenizer.ggml.add_bos_token", pre.add_bos)
+        template = metadata.get("tokenizer.chat_template")
+        if not isinstance(add_bos, bool):
+            raise FlashtreeError(f"tokenizer.ggml.add_bos_token: {add_bos!r} is not a bool")
+        if template is not None and not isinstance(template, str):
+            raise FlashtreeError("tokenizer.chat_template: not text")
         return cls(
             tokens=tokens,
             token_types=types,
@@ -172,8 +198,8 @@ class Tokenizer:
             eos_id=token_id("eos_token_id"),
             eot_id=token_id("eot_token_id"),  # None: found by name, as llama.cpp does
             pad_id=token_id("padding_token_id"),
-            add_bos=bool(metadata.get("tokenizer.ggml.add_bos_token", pre.add_bos)),
-            chat_template=metadata.get("tokenizer.chat_template"),
+            add_bos=add_bos,
+            chat_template=template,
         )
 
     # --- encode / decode ---------------------------------------------------------------------------
@@ -232,14 +258,12 @@ class Tokenizer:
             "eos_token": self._special_text(self.eos_id),
             "pad_token": self._special_text(self.pad_id),
         }
-        try:
-            return self._template.render(
-                messages=[_template_message(m) for m in messages],
-                add_generation_prompt=add_generation_prompt,
-                **{**special, **extra},
-            )
-        except TemplateError as e:
-            raise FlashtreeError(f"chat template: {e}") from e
+        variables = {
+            "messages": [_template_message(m) for m in messages],
+            "add_generation_prompt": add_generation_prompt,
+            **{**special, **extra},
+        }
+        return chat_template.render(self._template, variables)
 
     def _special_text(self, id: int | None) -> str | None:
         return None if id is None else self._tokens[id]
@@ -275,10 +299,13 @@ class IncrementalDecoder:
         return self._utf8.decode(b"", final=True)
 
 
-def _required(metadata: dict[str, Any], key: str) -> Sequence:
-    value = metadata.get(key)
+def _list_of(metadata: dict[str, Any], key: str, kind: type, default: list | None = None) -> list:
+    """metadata[key], a list of `kind` values (`default` when absent, else the key is required)."""
+    value = metadata.get(key, default)
     if value is None:
         raise FlashtreeError(f"{key}: missing from the GGUF metadata")
+    if not isinstance(value, list) or not all(type(v) is kind for v in value):
+        raise FlashtreeError(f"{key}: not a list of {kind.__name__} values")
     return value
 
 
@@ -297,7 +324,14 @@ def _build_hf_tokenizer(
     for i, (text, typ) in enumerate(zip(tokens, types, strict=True)):
         if typ != UNUSED:
             vocab.setdefault(text, i)
-    hf = HFTokenizer(BPE(vocab, merges, ignore_merges=pre.ignore_merges))
+    for i, (left, right) in enumerate(merges):  # `tokenizers` panics (a Rust backtrace) on any other merge
+        unknown = next((t for t in (left, right, left + right) if t not in vocab), None)
+        if unknown is not None:
+            raise FlashtreeError(f"tokenizer.ggml.merges: entry {i} ({left} {right}): no token {unknown!r}")
+    try:
+        hf = HFTokenizer(BPE(vocab, merges, ignore_merges=pre.ignore_merges))
+    except Exception as e:  # whatever else `tokenizers` refuses
+        raise FlashtreeError(f"tokenizer: cannot be built from the GGUF metadata ({e})") from None
     hf.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in pre.regexes]
         + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
@@ -372,9 +406,9 @@ class _GenerationTag(Extension):
         return nodes.Scope(body).set_lineno(lineno)
 
 
-def _jinja_env() -> ImmutableSandboxedEnvironment:
+def _jinja_env() -> chat_template.BoundedSandbox:
     """The environment transformers renders chat templates in."""
-    env = ImmutableSandboxedEnvironment(
+    env = chat_template.BoundedSandbox(
         trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, loopcontrols]
     )
     env.filters["tojson"] = _tojson

@@ -14,17 +14,23 @@ and SLIDING (a draft's sliding-window attention). In qwen35, layer i is full att
 
 from __future__ import annotations
 
+import math
+import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from flashtree.errors import FlashtreeError
-from flashtree.gguf.reader import GGUFFile
+from flashtree.gguf.reader import GGUFFile, check_key_names
 
 DRAFT_ARCH = "dflash-draft"
 FULL, LINEAR, SLIDING = "full_attention", "linear_attention", "sliding_attention"
 LAYER_KINDS = {"llama": (FULL,), "qwen3": (FULL,), "qwen35": (FULL, LINEAR), DRAFT_ARCH: (FULL, SLIDING)}
 ARCHS = tuple(LAYER_KINDS)
+MAX_LAYERS = 1024  # decoder layers: the largest supported model has 64 (Llama-3 405B has 126)
+MAX_ROPE_THETA = 1e12  # RoPE bases in use run from 1e4 to 1e7 (a few long-context models 1e9)
+MAX_RMS_EPS = 0.01  # RMSNorm epsilons in use are 1e-6 and 1e-5
 
 # The `{arch}.*` GGUF metadata key of each config value (a field or property): what every model writes,
 _COMMON_KEYS = {
@@ -84,6 +90,15 @@ class LinearAttnConfig:
     head_v_dim: int
     conv_kernel: int = 4
 
+    def __post_init__(self) -> None:
+        for name in ("n_k_heads", "n_v_heads", "head_k_dim", "head_v_dim"):
+            check_count(name, getattr(self, name))
+        check_count("conv_kernel", self.conv_kernel, low=2)
+        if self.n_v_heads % self.n_k_heads:
+            raise FlashtreeError(
+                f"{self.n_v_heads} linear-attention value heads do not tile {self.n_k_heads} key heads"
+            )
+
     @property
     def inner(self) -> int:
         """Width of the value/gate stream: n_v_heads * head_v_dim."""
@@ -93,6 +108,25 @@ class LinearAttnConfig:
     def conv_channels(self) -> int:
         """Channels of the causal conv: [q | k | v] of in_proj_qkv."""
         return 2 * self.n_k_heads * self.head_k_dim + self.inner
+
+
+def check_count(name: str, value: Any, low: int = 1, high: int | None = None) -> None:
+    """A FlashtreeError naming config value `name` (and its GGUF key) unless it is an integer in
+    [low, high]."""
+    if not (_is_int(value) and value >= low and (high is None or value <= high)):
+        bound = f"an integer >= {low}" if high is None else f"an integer in [{low}, {high}]"
+        raise FlashtreeError(f"{_label(name)} is {_short(value)}, not {bound}")
+
+
+def _check_float(name: str, value: Any, low: float, high: float) -> None:
+    """A FlashtreeError unless `value` is a finite number in (low, high]."""
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not (number and math.isfinite(value) and low < value <= high):
+        raise FlashtreeError(f"{_label(name)} is {_short(value)}, not a finite number in ({low:g}, {high:g}]")
+
+
+def _label(name: str) -> str:
+    return f"{name} ({GGUF_KEYS[name]})" if name in GGUF_KEYS else name
 
 
 def hybrid_layer_types(n_layers: int, interval: int) -> tuple[str, ...]:
@@ -136,9 +170,25 @@ class ModelConfig:
     name: str = field(default="", compare=False)  # for messages: general.name, or the checkpoint's dir
 
     def __post_init__(self) -> None:
+        self._check_values()
         for name, value in self._filled_in().items():
             object.__setattr__(self, name, value)
         self._check()
+
+    def _check_values(self) -> None:
+        """Every number in its range, before any is used to size something (layer_types)."""
+        for name in ("hidden", "ffn", "n_heads", "n_kv_heads", "head_dim", "vocab", "context_length"):
+            check_count(name, getattr(self, name))
+        check_count("n_layers", self.n_layers, high=MAX_LAYERS)
+        check_count("rope_dim", self.rope_dim, low=0, high=self.head_dim)  # 0: head_dim
+        if self.rope_dim % 2:
+            raise FlashtreeError(f"{_label('rope_dim')} is {self.rope_dim}: RoPE rotates pairs of dims")
+        _check_float("rms_eps", self.rms_eps, 0.0, MAX_RMS_EPS)
+        _check_float("rope_theta", self.rope_theta, 1.0, MAX_ROPE_THETA)
+        for i, section in enumerate(self.rope_sections):
+            check_count(f"rope_sections[{i}]", section, low=0, high=self.head_dim)
+        if self.sliding_window is not None:
+            check_count("sliding_window", self.sliding_window)
 
     def _filled_in(self) -> dict[str, Any]:
         layer_types = tuple(self.layer_types) or (FULL,) * self.n_layers
@@ -206,33 +256,36 @@ class ModelConfig:
 
     @staticmethod
     def from_gguf(g: GGUFFile) -> ModelConfig:
-        """The config of a GGUF file: a DraftConfig for a dflash-draft one."""
-
-        def get(name: str, *default: Any) -> Any:
-            return g.arch_get(GGUF_KEYS.get(name, name), *default)
-
-        n_heads, hidden = int(get("n_heads")), int(get("hidden"))
-        head_dim = int(get("head_dim", hidden // n_heads))
+        """The config of a GGUF file: a DraftConfig for a dflash-draft one. Every value is checked for its
+        type and range, and the layer count against the blocks the file holds, before anything is sized."""
+        v = _GGUFValues(g)
+        n_heads, hidden = v.count("n_heads"), v.count("hidden")
+        head_dim = v.count("head_dim", hidden // n_heads)
+        if v.count("value_dim", head_dim) != head_dim:
+            raise FlashtreeError(
+                f"{g.path}: {g.arch}.attention.value_length {v.count('value_dim')} differs from the key"
+                f" length {head_dim} (flashtree's models have V heads as wide as K heads)"
+            )
         values = dict(
             arch=g.arch,
             name=str(g.get("general.name", g.path.stem)),
-            n_layers=int(get("n_layers")) - int(get("nextn_predict_layers", 0)),
+            n_layers=_gguf_layers(g, v),
             hidden=hidden,
-            ffn=int(get("ffn")),
+            ffn=v.count("ffn"),
             n_heads=n_heads,
-            n_kv_heads=int(get("n_kv_heads", n_heads)),
+            n_kv_heads=v.count("n_kv_heads", n_heads),
             head_dim=head_dim,
-            vocab=_gguf_vocab(g),
-            context_length=int(get("context_length", 4096)),
-            rms_eps=float(get("rms_eps", 1e-6)),
-            rope_theta=float(get("rope_theta", 10000.0)),
-            rope_dim=int(get("rope_dim", head_dim)),
+            vocab=_gguf_vocab(g, v),
+            context_length=v.count("context_length"),
+            rms_eps=v.number("rms_eps"),
+            rope_theta=v.number("rope_theta", 10000.0),
+            rope_dim=v.count("rope_dim", head_dim),
             tied_embeddings=g.arch != DRAFT_ARCH and not g.has("output.weight"),
         )
         if g.arch == DRAFT_ARCH:
-            values |= _draft_from_gguf(get)
+            values |= _draft_from_gguf(v)
         if g.arch == "qwen35":
-            values |= _qwen35_from_gguf(get, values["n_layers"])
+            values |= _qwen35_from_gguf(v, values["n_layers"])
         return _build(values, g.path)
 
     @staticmethod
@@ -241,7 +294,7 @@ class ModelConfig:
         config.json (`path`: for messages)."""
         try:
             return _from_hf_config(config, path)
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
+        except (KeyError, TypeError, ValueError, AttributeError, ArithmeticError) as e:
             raise FlashtreeError(f"{path}: not a usable model config ({type(e).__name__}: {e})") from None
 
 
@@ -258,6 +311,16 @@ class DraftConfig(ModelConfig):
 
     def _filled_in(self) -> dict[str, Any]:
         return super()._filled_in() | dict(target_layer_ids=tuple(self.target_layer_ids))
+
+    def _check_values(self) -> None:
+        super()._check_values()
+        check_count("block_size", self.block_size)
+        check_count("mask_token_id", self.mask_token_id, low=0)
+        check_count("n_target_layers", self.n_target_layers, high=MAX_LAYERS)
+        if not self.target_layer_ids:
+            raise FlashtreeError("target_layer_ids is empty: a draft reads at least one target layer")
+        for i in self.target_layer_ids:
+            check_count("target_layer_ids", i, low=0, high=self.n_target_layers - 1)
 
     def _check(self) -> None:
         super()._check()
@@ -316,38 +379,123 @@ def _build(values: dict[str, Any], source: Path) -> ModelConfig:
 # --- GGUF metadata ----------------------------------------------------------------------------------
 
 
-def _gguf_vocab(g: GGUFFile) -> int:
-    """Rows of the token embedding; a draft, which has none, states its vocab."""
-    if g.has("token_embd.weight"):
-        return g.tensors["token_embd.weight"].shape[0]
+class _GGUFValues:
+    """A GGUF's `{arch}.*` values by config name (GGUF_KEYS), each of its GGUF type, as llama.cpp also
+    requires: a missing key (without a default) or a value of another type or sign is a FlashtreeError
+    naming the file and the key."""
+
+    def __init__(self, g: GGUFFile):
+        self.g = g
+        known = [f"{g.arch}.{key}" for key in (*GGUF_KEYS.values(), *_OTHER_KEYS)]
+        check_key_names(g.metadata, known, g.path)
+
+    def _get(self, name: str, default: tuple, kind: str, ok: Callable[[Any], bool]) -> Any:
+        key = f"{self.g.arch}.{GGUF_KEYS.get(name, name)}"
+        if default and key not in self.g.metadata:
+            return default[0]
+        value = self.g.get(key)
+        if not ok(value):
+            raise FlashtreeError(f"{self.g.path}: metadata {key} is {_short(value)}, not {kind}")
+        return value
+
+    def count(self, name: str, *default: int) -> int:
+        return self._get(name, default, "a positive integer", lambda x: _is_int(x) and x > 0)
+
+    def index(self, name: str, *default: int) -> int:
+        return self._get(name, default, "an integer >= 0", lambda x: _is_int(x) and x >= 0)
+
+    def number(self, name: str, *default: float) -> float:
+        return self._get(name, default, "a floating-point number", lambda x: isinstance(x, float))
+
+    def indices(self, name: str, *default: tuple) -> tuple[int, ...]:
+        ok = lambda x: isinstance(x, list) and all(_is_int(i) and i >= 0 for i in x)  # noqa: E731
+        return tuple(self._get(name, default, "a list of integers >= 0", ok))
+
+    def strings(self, name: str, *default: tuple) -> tuple[str, ...]:
+        ok = lambda x: isinstance(x, list) and all(isinstance(i, str) for i in x)  # noqa: E731
+        return tuple(self._get(name, default, "a list of strings", ok))
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+_OTHER_KEYS = ("nextn_predict_layers",)  # `{arch}.*` keys read besides GGUF_KEYS'
+
+
+def _gguf_layers(g: GGUFFile, v: _GGUFValues) -> int:
+    """The decoder layers: block_count less the MTP blocks (nextn_predict_layers), the file's `blk.N.`
+    tensors being exactly blocks 0 .. block_count - 1."""
+    block_count, mtp = v.count("n_layers"), v.index("nextn_predict_layers", 0)
+    if block_count > MAX_LAYERS:
+        raise FlashtreeError(f"{g.path}: {g.arch}.block_count {block_count} is more than {MAX_LAYERS} layers")
+    present = {int(m.group(1)) for name in g.tensors if (m := re.match(r"blk\.(\d+)\.", name))}
+    missing = sorted(set(range(block_count)) - present)
+    extra = sorted(i for i in present if i >= block_count)
+    if missing or extra:
+        found = f"blocks {_few(missing)} missing" if missing else f"tensors of blocks {_few(extra)}"
+        raise FlashtreeError(f"{g.path}: {g.arch}.block_count is {block_count} but the file has {found}")
+    if mtp >= block_count:
+        raise FlashtreeError(
+            f"{g.path}: {g.arch}.nextn_predict_layers {mtp} leaves none of the {block_count} blocks as layers"
+        )
+    return block_count - mtp
+
+
+def _few(items: list) -> str:
+    """The first three items, and how many more."""
+    more = f" and {len(items) - 3} more" if len(items) > 3 else ""
+    return ", ".join(str(i) for i in items[:3]) + more
+
+
+def _gguf_vocab(g: GGUFFile, v: _GGUFValues) -> int:
+    """Rows of the token embedding (equal to vocab_size where the file states it); a draft, which has no
+    embedding, states its vocab."""
     if g.arch == DRAFT_ARCH:
-        return int(g.arch_get(GGUF_KEYS["vocab"]))
-    raise FlashtreeError(f"{g.path}: missing tensor 'token_embd.weight'")
+        return v.count("vocab")
+    if not g.has("token_embd.weight"):
+        raise FlashtreeError(f"{g.path}: missing tensor 'token_embd.weight'")
+    rows = g.tensors["token_embd.weight"].shape[0]
+    if v.count("vocab", rows) != rows:
+        raise FlashtreeError(
+            f"{g.path}: {g.arch}.vocab_size {v.count('vocab')} but token_embd.weight has {rows} rows"
+        )
+    return rows
 
 
-def _qwen35_from_gguf(get, n_layers: int) -> dict[str, Any]:
-    v_heads = int(get("n_v_heads"))
+def _qwen35_from_gguf(v: _GGUFValues, n_layers: int) -> dict[str, Any]:
+    v_heads = v.count("n_v_heads")
+    inner = v.count("inner")
+    if inner % v_heads:
+        raise FlashtreeError(
+            f"{v.g.path}: qwen35.ssm.inner_size {inner} does not split into {v_heads} heads (time_step_rank)"
+        )
     return dict(
-        rope_sections=tuple(get("rope_sections", ())),
-        layer_types=hybrid_layer_types(n_layers, int(get("full_attention_interval", 4))),
+        rope_sections=v.indices("rope_sections", ()),
+        layer_types=hybrid_layer_types(n_layers, v.count("full_attention_interval", 4)),
         linear_attn=LinearAttnConfig(
-            n_k_heads=int(get("n_k_heads")),
+            n_k_heads=v.count("n_k_heads"),
             n_v_heads=v_heads,
-            head_k_dim=int(get("head_k_dim")),
-            head_v_dim=int(get("inner")) // v_heads,
-            conv_kernel=int(get("conv_kernel")),
+            head_k_dim=v.count("head_k_dim"),
+            head_v_dim=inner // v_heads,
+            conv_kernel=v.count("conv_kernel"),
         ),
     )
 
 
-def _draft_from_gguf(get) -> dict[str, Any]:
+def _draft_from_gguf(v: _GGUFValues) -> dict[str, Any]:
     return dict(
-        block_size=int(get("block_size", 16)),
-        mask_token_id=int(get("mask_token_id")),
-        target_layer_ids=tuple(int(i) for i in get("target_layer_ids")),
-        n_target_layers=int(get("n_target_layers")),
-        layer_types=tuple(get("layer_types", ())),
-        sliding_window=get("sliding_window", None),
+        block_size=v.count("block_size", 16),
+        mask_token_id=v.index("mask_token_id"),
+        target_layer_ids=v.indices("target_layer_ids"),
+        n_target_layers=v.count("n_target_layers"),
+        layer_types=v.strings("layer_types", ()),
+        sliding_window=v.count("sliding_window", None),
     )
 
 
@@ -404,7 +552,7 @@ def _from_hf_config(config: dict, path: Path) -> ModelConfig:
         int(f("hidden_size")),
         int(f("num_hidden_layers")),
     )
-    head_dim = int(f("head_dim", hidden // n_heads))
+    head_dim = int(f("head_dim", hidden // n_heads if n_heads > 0 else 0))  # 0 heads: refused by the config
     rope = f.rope()
     values = dict(
         arch=arch,

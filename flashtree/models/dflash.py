@@ -13,6 +13,7 @@ Formats: z-lab dirs (config.json + model.safetensors) and GGUF (arch `dflash-dra
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
@@ -35,6 +36,7 @@ from flashtree.models.layers import (
     grouped_attention,
     rms_norm,
 )
+from flashtree.models.loader import check_tensors
 from flashtree.models.model import DecoderModel
 from flashtree.models.state import KVCache
 
@@ -264,7 +266,16 @@ class DFlashDraft(nn.Module):
         return self.lm_head(self.norm(x[1:]).to(self.target.dtype))
 
 
-def _zlab_tensors(path: Path) -> tuple[DraftConfig, dict[str, torch.Tensor]]:
+class _DraftFile(NamedTuple):
+    """A draft's config and tensor shapes (GGUF names), and how to read its tensors once both are checked."""
+
+    config: DraftConfig
+    source: Path  # the file holding the tensors, for messages
+    shapes: dict[str, tuple[int, ...]]
+    read: Callable[[], dict[str, torch.Tensor]]
+
+
+def _zlab_tensors(path: Path) -> _DraftFile:
     from safetensors.torch import load_file
 
     cfg_path, st_path = path / "config.json", path / "model.safetensors"
@@ -299,32 +310,31 @@ def _zlab_tensors(path: Path) -> tuple[DraftConfig, dict[str, torch.Tensor]]:
     missing = [n for n in names if n not in raw]
     if missing:
         raise FlashtreeError(f"{st_path}: missing draft tensor(s) {', '.join(missing[:3])}")
-    return cfg, {gg: raw[hf] for hf, gg in names.items()}
+    tensors = {gg: raw[hf] for hf, gg in names.items()}
+    return _DraftFile(cfg, st_path, {name: tuple(t.shape) for name, t in tensors.items()}, lambda: tensors)
 
 
-def _gguf_tensors(path: Path) -> tuple[DraftConfig, dict[str, torch.Tensor]]:
+def _gguf_tensors(path: Path) -> _DraftFile:
     from flashtree.gguf.reader import open_gguf
 
     g = open_gguf(path)
     if g.arch != "dflash-draft":
         raise FlashtreeError(f"{path}: architecture {g.arch!r} is not a DFlash draft (dflash-draft)")
-    return ModelConfig.from_gguf(g), {name: g.tensor(name) for name in g.tensors}
+    shapes = {name: t.shape for name, t in g.tensors.items()}
+    read = lambda: {name: g.tensor(name) for name in g.tensors}  # noqa: E731
+    return _DraftFile(ModelConfig.from_gguf(g), path, shapes, read)
 
 
 def load_draft(path: str | Path, target: DecoderModel, fp8_mode: str = "off") -> DFlashDraft:
-    """Load a z-lab draft dir or a draft GGUF, check it fits `target`, and build it next to it, in fp8 as
-    fp8_mode says (fp8.MODES; Settings.draft_fp8)."""
+    """Load a z-lab draft dir or a draft GGUF, check it fits `target` and holds the tensors its config
+    implies, and build it next to it, in fp8 as fp8_mode says (fp8.MODES; Settings.draft_fp8)."""
     path = Path(path)
     if not path.exists():
         raise FlashtreeError(f"{path}: draft not found")
-    cfg, tensors = _zlab_tensors(path) if path.is_dir() else _gguf_tensors(path)
+    cfg, source, shapes, read = _zlab_tensors(path) if path.is_dir() else _gguf_tensors(path)
     check_fits(cfg, target, path)
-    expected = (cfg.hidden, cfg.hidden * len(cfg.target_layer_ids))
-    if tuple(tensors["fc.weight"].shape) != expected:
-        raise FlashtreeError(
-            f"{path}: fc.weight has shape {tuple(tensors['fc.weight'].shape)}, expected {expected} "
-            f"for {len(cfg.target_layer_ids)} feature layers"
-        )
+    check_tensors(shapes, cfg, source)
+    tensors = read()
     fp8_mode = _fp8_mode(fp8_mode, cfg, tensors, target, path)
     tensors = {k: v.to(device=target.device, dtype=target.dtype) for k, v in tensors.items()}
     return DFlashDraft(cfg, tensors, target, fp8_mode).eval()

@@ -8,7 +8,6 @@ from functools import partial
 
 import torch
 
-from flashtree.gguf.reader import GGUFFile
 from flashtree.models.attention import Attention
 from flashtree.models.config import ModelConfig
 from flashtree.models.loader import Weights
@@ -21,8 +20,7 @@ def unpermute_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def build(gguf: GGUFFile, w: Weights) -> DecoderModel:
-    c = ModelConfig.from_gguf(gguf)
+def build(c: ModelConfig, w: Weights) -> DecoderModel:
     layers = []
     for i in range(c.n_layers):
         p = f"blk.{i}"

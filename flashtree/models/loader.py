@@ -1,16 +1,19 @@
 """GGUF -> DecoderModel. Each family says which GGUF tensors make which block; this module holds
-what they share: strict weight access and the arch registry."""
+what they share: the check that a file holds exactly the tensors its config implies (before any weight
+is read), strict weight access and the arch registry."""
 
 from __future__ import annotations
 
 import importlib
 import math
+import re
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from flashtree import kernels
+from flashtree.convert.shapes import gguf_tensors
 from flashtree.errors import FlashtreeError
 from flashtree.gguf.reader import GGUFFile, open_gguf
 from flashtree.models.config import ModelConfig
@@ -171,10 +174,62 @@ def load_target(
         raise FlashtreeError(
             f"{gguf.path}: unsupported architecture {gguf.arch!r} (supported: {', '.join(ARCHITECTURES)})"
         )
+    config = ModelConfig.from_gguf(gguf)
+    check_tensors({name: t.shape for name, t in gguf.tensors.items()}, config, gguf.path)
+    _check_tokenizer_fits(gguf, config)
     device = resolve_device(device)
     if device.type == "cuda":
         kernels.require_triton()  # the GPU path runs Triton kernels: say so before reading any weight
     module = importlib.import_module(f"flashtree.models.{family}")
     n_params = sum(math.prod(t.shape) for t in gguf.tensors.values())
     weights = Weights(gguf, device, dtype or default_dtype(device, n_params), quantized)
-    return module.build(gguf, weights), gguf
+    return module.build(config, weights), gguf
+
+
+def check_tensors(shapes: dict[str, tuple[int, ...]], config: ModelConfig, source: Path) -> None:
+    """`shapes` (name -> torch-order shape) must be the tensors `config` implies (convert.shapes), each
+    with its shape, and nothing else but an optional `rope_freqs.weight` and MTP blocks (past the
+    decoder layers, with their `nextn.eh_proj.weight`). Checked before any weight is read."""
+    expected = {spec.name: spec.shape for spec in gguf_tensors(config)}
+    if "rope_freqs.weight" in shapes:
+        expected["rope_freqs.weight"] = (config.rope_dim // 2,)
+    missing = [name for name in expected if name not in shapes]
+    if missing:
+        raise FlashtreeError(f"{source}: missing tensor(s) {_names(missing)}")
+    extra = [name for name in shapes if name not in expected and not _mtp_tensor(name, config, shapes)]
+    if extra:
+        raise FlashtreeError(f"{source}: unexpected tensor(s) {_names(extra)} in a {_describe(config)}")
+    for name, shape in expected.items():
+        if tuple(shapes[name]) != shape:
+            raise FlashtreeError(
+                f"{source}: tensor {name!r} has shape {tuple(shapes[name])}, but a {_describe(config)} "
+                f"has {shape}"
+            )
+
+
+def _mtp_tensor(name: str, config: ModelConfig, shapes: dict) -> bool:
+    """A tensor of a multi-token-prediction block (llama.cpp's `nextn`), which follows the layers."""
+    block = re.match(r"blk\.(\d+)\.", name)
+    return (
+        block is not None
+        and int(block.group(1)) >= config.n_layers
+        and (f"{block.group()}nextn.eh_proj.weight" in shapes)
+    )
+
+
+def _names(names: list[str]) -> str:
+    more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+    return ", ".join(repr(n) for n in names[:3]) + more
+
+
+def _describe(config: ModelConfig) -> str:
+    return f"{config.arch} model of {config.n_layers} layers per its metadata"
+
+
+def _check_tokenizer_fits(gguf: GGUFFile, config: ModelConfig) -> None:
+    """Every token id must have an embedding row."""
+    tokens = gguf.get("tokenizer.ggml.tokens", [])
+    if isinstance(tokens, list) and len(tokens) > config.vocab:
+        raise FlashtreeError(
+            f"{gguf.path}: the tokenizer has {len(tokens)} tokens but the model embeds only {config.vocab}"
+        )

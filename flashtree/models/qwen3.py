@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from flashtree.gguf.reader import GGUFFile
 from flashtree.models.attention import Attention
 from flashtree.models.config import ModelConfig
 from flashtree.models.loader import Weights
@@ -24,7 +23,6 @@ def attention(w: Weights, c: ModelConfig, prefix: str, output_gate: bool = False
     )
 
 
-def build(gguf: GGUFFile, w: Weights) -> DecoderModel:
-    c = ModelConfig.from_gguf(gguf)
+def build(c: ModelConfig, w: Weights) -> DecoderModel:
     layers = [w.layer(f"blk.{i}", attention(w, c, f"blk.{i}"), c) for i in range(c.n_layers)]
     return w.decoder(c, layers)

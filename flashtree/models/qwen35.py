@@ -3,7 +3,6 @@ Gated DeltaNet elsewhere. GGUF already holds +1 in the zero-centred norms and -e
 
 from __future__ import annotations
 
-from flashtree.gguf.reader import GGUFFile
 from flashtree.models.config import FULL, ModelConfig
 from flashtree.models.deltanet import GatedDeltaNet
 from flashtree.models.loader import Weights
@@ -27,8 +26,7 @@ def deltanet(w: Weights, c: ModelConfig, p: str) -> GatedDeltaNet:
     )
 
 
-def build(gguf: GGUFFile, w: Weights) -> DecoderModel:
-    c = ModelConfig.from_gguf(gguf)
+def build(c: ModelConfig, w: Weights) -> DecoderModel:
     layers = []
     for i, kind in enumerate(c.layer_types):
         p = f"blk.{i}"
