@@ -105,7 +105,7 @@ def verify_and_ar_logits(model, ids: torch.Tensor, parents: list[int], prefix: i
     state = model.new_state(64)
     feed(model, ids[:prefix], state, logits="none")
     layout = BlockLayout.from_parents(torch.tensor(parents))
-    tree = feed(model, ids[prefix : prefix + len(parents)], state, layout, commit=False).logits
+    tree = model(ids[prefix : prefix + len(parents)], state, layout, commit=False).logits
     state = model.new_state(64)
     feed(model, ids[:prefix], state, logits="none")
     steps = torch.cat([feed(model, ids[i : i + 1], state).logits for i in range(prefix, prefix + chain_len)])
