@@ -14,6 +14,14 @@ import typer
 
 from flashtree import settings
 from flashtree.bench.datasets import REPORT_N, REPORT_SEED
+from flashtree.config import (
+    DEFAULT_CONTEXT_CAP,
+    MAX_BLOCK_SIZE,
+    MAX_BUDGET,
+    MAX_CONTEXT,
+    MAX_TREE_TOP_K,
+    check_request,
+)
 from flashtree.errors import FlashtreeError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__.splitlines()[0])
@@ -42,6 +50,12 @@ DraftOpt = typer.Option(
     None, "--draft", help="DFlash draft dir/GGUF; 'none' for plain decoding (default: the shipped draft)."
 )
 DeviceOpt = typer.Option(None, "--device", help="cuda or cpu (default: cuda when available).")
+MAX_CTX_HELP = (
+    f"Context length to allocate, up to {MAX_CONTEXT} and the model's own (default: the model's own, "
+    f"at most {DEFAULT_CONTEXT_CAP} and what fits in free memory)."
+)
+BUDGET_HELP = f"DDTree nodes, 1 to {MAX_BUDGET}."
+BLOCK_HELP = f"Draft block size, 2 to {MAX_BLOCK_SIZE} (default: the draft's own)."
 
 
 @app.command()
@@ -51,22 +65,24 @@ def run(
     target: Path | None = TargetOpt,
     draft: str | None = DraftOpt,
     mode: str | None = typer.Option(None, help="ar | chain | tree (default: tree with a draft, else ar)."),
-    max_tokens: int = typer.Option(256, "--max-tokens", "-n"),
+    max_tokens: int = typer.Option(256, "--max-tokens", "-n", help=f"1 to {MAX_CONTEXT}."),
     temperature: float = typer.Option(0.0, "--temperature", "-t"),
     top_p: float = typer.Option(1.0, "--top-p"),
     top_k: int = typer.Option(0, "--top-k"),
     seed: int = typer.Option(0, "--seed"),
-    block_size: int | None = typer.Option(None, "--block-size"),
-    budget: int = typer.Option(22, "--budget"),
-    tree_top_k: int = typer.Option(8, "--tree-top-k"),
+    block_size: int | None = typer.Option(None, "--block-size", help=BLOCK_HELP),
+    budget: int = typer.Option(22, "--budget", help=BUDGET_HELP),
+    tree_top_k: int = typer.Option(8, "--tree-top-k", help=f"Ranks per depth, 1 to {MAX_TREE_TOP_K}."),
     chain_seed: bool = typer.Option(
         False, "--chain-seed/--no-chain-seed", help="Seed each tree with the greedy chain (lowers AL)."
     ),
-    draft_ctx: int = typer.Option(4096, "--draft-ctx", help="Past target features the draft attends to."),
+    draft_ctx: int = typer.Option(
+        4096, "--draft-ctx", help=f"Past target features the draft attends to, 1 to {MAX_CONTEXT}."
+    ),
     draft_temperature: float = typer.Option(
         1.0, "--draft-temperature", help="Temperature of the draft distributions the tree is built from."
     ),
-    max_ctx: int | None = typer.Option(None, "--max-ctx", help="Context length to allocate."),
+    max_ctx: int | None = typer.Option(None, "--max-ctx", help=MAX_CTX_HELP),
     no_chat_template: bool = typer.Option(False, "--no-chat-template"),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
     device: str | None = DeviceOpt,
@@ -84,16 +100,17 @@ def chat(
     target: Path | None = TargetOpt,
     draft: str | None = DraftOpt,
     mode: str | None = typer.Option(None),
-    max_tokens: int = typer.Option(1024, "--max-tokens"),
+    max_tokens: int = typer.Option(1024, "--max-tokens", help=f"Per reply, 1 to {MAX_CONTEXT}."),
     temperature: float = typer.Option(0.0, "--temperature"),
     top_p: float = typer.Option(1.0, "--top-p"),
     top_k: int = typer.Option(0, "--top-k"),
     seed: int = typer.Option(0, "--seed"),
-    max_ctx: int | None = typer.Option(None, "--max-ctx"),
+    max_ctx: int | None = typer.Option(None, "--max-ctx", help=MAX_CTX_HELP),
     device: str | None = DeviceOpt,
 ):
     """Interactive multi-turn chat in the terminal."""
     options = dict(locals())
+    check_request(max_tokens, max_ctx)  # before the model loads
     from flashtree.serve.chat import chat_command
 
     chat_command(**options)
@@ -125,10 +142,10 @@ def bench(
     draft: str | None = DraftOpt,
     datasets: str = typer.Option("humaneval,gsm8k,math500", "--datasets", help="Comma-separated benchmarks."),
     n: int = typer.Option(REPORT_N, "--n", help="Prompts per dataset, chosen by --seed."),
-    max_tokens: int = typer.Option(256, "--max-tokens"),
+    max_tokens: int = typer.Option(256, "--max-tokens", help=f"1 to {MAX_CONTEXT}."),
     modes: str = typer.Option("ar,chain,tree", "--modes", help="Comma-separated: ar, chain, tree."),
-    budget: int = typer.Option(22, "--budget", help="DDTree nodes (tree mode)."),
-    block_size: int | None = typer.Option(None, "--block-size"),
+    budget: int = typer.Option(22, "--budget", help=BUDGET_HELP + " (tree mode)"),
+    block_size: int | None = typer.Option(None, "--block-size", help=BLOCK_HELP),
     baseline: str | None = typer.Option(
         None,
         "--baseline",
@@ -141,6 +158,7 @@ def bench(
 ):
     """Benchmark AR vs chain vs tree decoding on HumanEval, GSM8K and MATH-500 prompts."""
     options = dict(locals())
+    check_request(max_tokens)  # before the model loads
     from flashtree.bench.run import bench_command
 
     bench_command(**options)

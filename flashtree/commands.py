@@ -7,7 +7,7 @@ import sys
 
 from rich.console import Console
 
-from flashtree.config import SamplingParams, SpecConfig
+from flashtree.config import SamplingParams, SpecConfig, check_request
 from flashtree.generate import Engine, GenerationStats
 
 
@@ -59,6 +59,9 @@ def run_command(
     as_json,
     device,
 ) -> None:
+    # every option checked before the model loads: a bad one costs nothing
+    check_request(max_tokens, max_ctx)
+    sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
     engine = engine_from_options(
         target,
         draft,
@@ -72,7 +75,6 @@ def run_command(
         draft_ctx,
         draft_temperature,
     )
-    sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
     prompt_ids = engine.encode(prompt, chat=not no_chat_template)
     stats = GenerationStats(engine.mode)
     text, token_ids = [], []

@@ -2,9 +2,42 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from flashtree.errors import FlashtreeError
+
+# Upper bounds on the knobs a user or a file sets (issue #41): each covers every real use with room to
+# spare, and keeps a typo or a hostile value from asking for unbounded memory or time.
+MAX_BUDGET = 1024  # DDTree nodes: the DDTree paper sweeps budgets 16..1024; a verify is budget + 1 rows
+MAX_BLOCK_SIZE = 64  # DFlash blocks: the paper's and every trained draft's is 16 (the shipped one too)
+MAX_TREE_TOP_K = 64  # ranks per depth (default 8): the draft top-k kernels unroll one pass per rank
+MAX_CONTEXT = 1 << 20  # tokens of --max-ctx, --max-tokens, --draft-ctx: 4x the longest native context
+# of the supported targets (Qwen3.6-27B's 262144)
+DEFAULT_CONTEXT_CAP = 32768  # the context allocated without --max-ctx: the model's own, up to this
+
+
+def check_range(name: str, value: int, low: int, high: int) -> None:
+    """A FlashtreeError naming `name` unless low <= value <= high."""
+    if not low <= value <= high:
+        raise FlashtreeError(f"{name} must be between {low} and {high}, got {value}")
+
+
+def check_finite(name: str, value: float) -> None:
+    if not math.isfinite(value):
+        raise FlashtreeError(f"{name} must be a finite number, got {value}")
+
+
+def check_request(max_tokens: int, max_ctx: int | None = None) -> None:
+    """--max-tokens and --max-ctx in range, before any model is loaded."""
+    check_range("--max-tokens", max_tokens, 1, MAX_CONTEXT)
+    if max_ctx is not None:
+        check_max_ctx(max_ctx)
+
+
+def check_max_ctx(max_ctx: int) -> None:
+    """A context length asked for (--max-ctx, Engine(max_ctx=...)), before any memory is planned."""
+    check_range("--max-ctx", max_ctx, 1, MAX_CONTEXT)
 
 
 @dataclass(frozen=True)
@@ -17,6 +50,8 @@ class SamplingParams:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        check_finite("temperature", self.temperature)
+        check_finite("top_p", self.top_p)
         if self.temperature < 0:
             raise FlashtreeError(f"temperature must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
@@ -47,13 +82,16 @@ class SpecConfig:
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise FlashtreeError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
-        if self.budget < 1:
-            raise FlashtreeError(f"budget must be >= 1, got {self.budget}")
-        if self.tree_top_k < 1:
-            raise FlashtreeError(f"tree-top-k must be >= 1, got {self.tree_top_k}")
-        if self.block_size is not None and self.block_size < 2:
-            raise FlashtreeError(f"block size must be >= 2, got {self.block_size}")
+        check_range("budget", self.budget, 1, MAX_BUDGET)
+        check_range("tree-top-k", self.tree_top_k, 1, MAX_TREE_TOP_K)
+        if self.block_size is not None:
+            check_block_size("block size", self.block_size)
+        check_finite("draft temperature", self.draft_temperature)
         if self.draft_temperature <= 0:
             raise FlashtreeError(f"draft temperature must be > 0, got {self.draft_temperature}")
-        if self.draft_ctx < 1:
-            raise FlashtreeError(f"draft-ctx must be >= 1, got {self.draft_ctx}")
+        check_range("draft-ctx", self.draft_ctx, 1, MAX_CONTEXT)
+
+
+def check_block_size(name: str, value: int) -> None:
+    """A draft block: the root and at least one drafted token, at most MAX_BLOCK_SIZE tokens."""
+    check_range(name, value, 2, MAX_BLOCK_SIZE)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from flashtree.config import SamplingParams, SpecConfig
-from flashtree.errors import FlashtreeError
+from flashtree.config import SamplingParams, SpecConfig, check_block_size
+from flashtree.memory import check_free
 from flashtree.models.dflash import DFlashDraft
 from flashtree.models.model import DecoderModel
 from flashtree.models.state import ModelState
@@ -14,15 +14,29 @@ from flashtree.spec.accept import accept_path
 from flashtree.spec.tree import DraftTree, draft_tree, fills_budget
 
 
+def ring_bytes(draft: DFlashDraft, slots: int) -> int:
+    """Bytes of a DraftContext of `slots` K/V slots in all (ring, spare and block scratch)."""
+    c = draft.config
+    return 2 * c.n_layers * c.n_kv_heads * slots * c.head_dim * draft.dtype.itemsize
+
+
 class SpecDecoder:
     def __init__(self, target: DecoderModel, draft: DFlashDraft, spec: SpecConfig):
         self.target, self.draft, self.spec = target, draft, spec
+        if spec.block_size is None:  # the draft's own, from its config file: checked before it sizes anything
+            check_block_size("the draft's block_size (--block-size overrides it)", draft.config.block_size)
         self.block_size = spec.block_size or draft.config.block_size
-        if self.block_size < 2:
-            raise FlashtreeError(f"block size must be >= 2, got {self.block_size}")
         self.capture_layers = draft.config.target_layer_ids
+        self._check_ring()
         # spare ring slots take the padded (rejected) rows a step appends: see DraftContext
         self.context = draft.new_context(spec.draft_ctx, spare=self.max_block, block=self.block_size)
+
+    def _check_ring(self) -> None:
+        """The draft's context ring must fit in free memory before it is allocated."""
+        if isinstance(self.draft, DFlashDraft):  # (test drafts keep no ring)
+            size = self.spec.draft_ctx
+            need = ring_bytes(self.draft, size + self.max_block + self.block_size)
+            check_free(need, self.draft.device, f"the draft's {size}-token context ring", "lower --draft-ctx")
 
     @property
     def max_block(self) -> int:

@@ -23,6 +23,9 @@ from flashtree.models.block import BlockLayout
 
 NEG_INF = float("-inf")
 CHAIN_BONUS = 1e9  # lifts the greedy chain above every other candidate
+# The Triton build holds the (budget + 1)^2 visibility mask in one program, a power-of-two tile: past 511
+# (a 1024 x 1024 tile) it did not compile within minutes on an H100. Larger budgets build in torch.
+KERNEL_MAX_BUDGET = 511
 
 
 @dataclass(frozen=True)
@@ -64,7 +67,8 @@ def build_tree(
 ) -> DraftTree:
     depth_l, vocab = draft_logits.shape
     k = min(top_k, vocab)
-    if kernels.triton_kernels_for(draft_logits) and fills_budget(k, depth_l, budget):
+    kernel = budget <= KERNEL_MAX_BUDGET and kernels.triton_kernels_for(draft_logits)
+    if kernel and fills_budget(k, depth_l, budget):
         from flashtree.kernels.ddtree import ddtree, draft_topk  # the same tree in three launches
 
         logp, tok = draft_topk(draft_logits.float(), k, temperature)
