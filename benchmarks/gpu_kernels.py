@@ -32,7 +32,7 @@ from benchmarks import knobs
 from benchmarks.timing import graph_time_us
 from flashtree.bench.roofline import measure_ceilings
 from flashtree.kernels import qmatmul
-from flashtree.kernels.qmatmul import TileConfig, packed_bytes, quant_matmul, repack
+from flashtree.kernels.qmatmul import TileConfig, packed_bytes, repack
 from flashtree.quant.formats import QT, row_bytes
 from flashtree.quant.pack import random_blocks
 
@@ -104,7 +104,7 @@ def weight_copies(qtype: int, rows: int, cols: int, seed: int = 0) -> list[list[
 
 def quant_time_us(copies, qtype, rows, cols, m) -> float:
     x = torch.randn(m, cols, device=DEVICE, dtype=torch.bfloat16)
-    return graph_time_us([lambda f=f: quant_matmul(x, f, qtype, rows, cols) for f in copies] * 2)
+    return graph_time_us([lambda f=f: knobs.qmm(x, f, qtype, rows, cols) for f in copies] * 2)
 
 
 def dense_copies(rows, cols) -> list[torch.Tensor]:

@@ -39,7 +39,7 @@ from flashtree.bench.roofline import measure_ceilings
 from flashtree.bench.run import provenance
 from flashtree.kernels import qmatmul
 from flashtree.kernels.qlinear import QuantLinear, use_arithmetic
-from flashtree.kernels.qmatmul import packed_bytes, quant_matmul, split_key, tile_key
+from flashtree.kernels.qmatmul import packed_bytes, split_key, tile_key
 from flashtree.models.loader import load_target
 
 TARGETS = tuple(1 << s for s in range(10, 20))  # 1K .. 512K (row, split) pairs; runtime only: no compiles
@@ -54,7 +54,7 @@ def group_time_us(modules: list[QuantLinear], target: int, rows: int) -> float:
     key = split_key(first.arithmetic, first.qtype, first.out_features, first.in_features)
     x = torch.randn(rows, first.in_features, device="cuda", dtype=torch.bfloat16)
     calls = [
-        lambda m=m: quant_matmul(x, m.fields, m.qtype, m.out_features, m.in_features, m.arithmetic)
+        lambda m=m: knobs.qmm(x, m.fields, m.qtype, m.out_features, m.in_features, m.arithmetic)
         for m in modules
     ]
     with knobs.shape_split_set(key, target):

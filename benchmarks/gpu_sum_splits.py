@@ -46,7 +46,7 @@ def launches() -> list[tuple[int, int]]:
 def sums(parts: torch.Tensor) -> torch.Tensor:
     """qmatmul.sum_splits of `parts` (splits, rows, n) under the launch now in force: (rows, n) bf16."""
     y = torch.empty(parts.shape[1:], device=parts.device, dtype=torch.bfloat16)
-    qmatmul.sum_splits(y, parts)
+    knobs.sum_splits(y, parts)
     return y
 
 
@@ -76,7 +76,7 @@ def sweep(rows: int) -> tuple[list[dict], bool]:
         for block, warps in launches():
             with knobs.sum_launch_set(block, warps):
                 ok = torch.equal(sums(parts[0]), want)
-                calls = [lambda y=y, p=p: qmatmul.sum_splits(y, p) for y, p in zip(ys, parts, strict=True)]
+                calls = [lambda y=y, p=p: knobs.sum_splits(y, p) for y, p in zip(ys, parts, strict=True)]
                 us = graph_time_us(calls)
             same &= ok
             gb_s = s * rows * n * 4 / us / 1e3

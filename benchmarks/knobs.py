@@ -1,55 +1,74 @@
-"""The kernels' module-level settings as the benchmarks and device checks read and change them: one place.
+"""The kernels' settings as the benchmarks and device checks read and change them: one place.
 
-The kernels read their tiles, K-splits and switches from module attributes (qmatmul.TILES,
-attention.MAX_SPLIT, ...), so a sweep sets an attribute, times, and sets the next. Every such read and
-change goes through a helper here, so that when the kernels take their settings as arguments
-(flashtree/settings.py) each helper changes in one place and no benchmark does.
+The library's kernels take their tiles and K-split targets from a frozen KernelConfig (flashtree/kernels/
+tiles.py, filled from FLASHTREE_* by flashtree/settings.py). A sweep keeps the config it is trying here,
+changes it one setting at a time, and passes `kernels()` to every launch it times. The few module
+constants a sweep still varies (SPLIT_TARGET, the attention's, EMULATE_PTX) are changed only here.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import replace
 
-from flashtree import kernels
-from flashtree.kernels import attention, dense_matmul, qmatmul, tree_deltanet
-from flashtree.kernels.dense_matmul import DenseTiles
-from flashtree.kernels.qmatmul import TileConfig
+from flashtree import kernels as kernel_paths
+from flashtree import settings
+from flashtree.kernels import attention, qmatmul
+from flashtree.kernels.tiles import DEFAULT_TILES, DenseTiles, KernelConfig, TileConfig
+
+_config = {"kernels": settings.current().kernels, "sum": (qmatmul.SUM_BLOCK, qmatmul.SUM_WARPS)}
 
 # --- quantized matmul (kernels/qmatmul.py) --------------------------------------------------------------
 
 
+def kernels() -> KernelConfig:
+    """The kernel config a sweep has in force now: the process's settings plus the sweep's changes."""
+    return _config["kernels"]
+
+
+def _use(**change) -> None:
+    _config["kernels"] = replace(kernels(), **change)
+
+
 def qmm_arithmetic() -> str:
-    """The packed matmuls' arithmetic of this process (FLASHTREE_QMM_ARITH): int8 or bf16."""
-    return qmatmul.ARITHMETIC
+    """The packed matmuls' arithmetic of this process (FLASHTREE_QMM_ARITH; int8 when unset)."""
+    return kernels().arithmetic_for(speculative=False)
+
+
+def qmm(x, fields, qtype: int, rows: int, cols: int, arithmetic: str | None = None):
+    """qmatmul.quant_matmul under the config in force (in `arithmetic`, default qmm_arithmetic())."""
+    arithmetic = arithmetic or qmm_arithmetic()
+    return qmatmul.quant_matmul(x, fields, qtype, rows, cols, arithmetic, kernels=kernels())
 
 
 def qmm_tiles() -> dict[str, TileConfig]:
     """The tiles now in force, by bucket key ("m1", "b32", ... and a type's own, "b32:Q6_K")."""
-    return dict(qmatmul.TILES)
+    return dict(kernels().tiles)
 
 
 def qmm_default_tile(key: str) -> TileConfig:
-    return qmatmul.DEFAULT_TILES[key]
+    return DEFAULT_TILES[key]
 
 
 def qmm_tile_for(m: int, arithmetic: str, qtype: int) -> TileConfig:
     """The tile an M-row product on a `qtype` matrix takes now (its type's own, else its bucket's)."""
-    return qmatmul.tile_for(m, arithmetic, qtype)
+    return qmatmul.tile_for(m, arithmetic, qtype, kernels())
 
 
 def set_qmm_tile(key: str, tile: TileConfig | None) -> None:
     """Put `tile` in force for bucket key `key`; None removes the key (a type's own tile: the type then
     takes its bucket's)."""
+    tiles = qmm_tiles()
     if tile is None:
-        qmatmul.TILES.pop(key, None)
+        tiles.pop(key, None)
     else:
-        qmatmul.TILES[key] = tile
+        tiles[key] = tile
+    _use(tiles=tiles)
 
 
 def set_qmm_tiles(tiles: Mapping[str, TileConfig]) -> None:
-    for key, tile in tiles.items():
-        set_qmm_tile(key, tile)
+    _use(tiles={**qmm_tiles(), **tiles})
 
 
 def split_target() -> int:
@@ -63,38 +82,43 @@ def set_split_target(target: int) -> None:
 
 def shape_split(key: str) -> int | None:
     """The K-split target of one matrix shape (split_key), if it has its own (FLASHTREE_QMM_SPLITS)."""
-    return qmatmul.SHAPE_SPLITS.get(key)
+    return kernels().splits.get(key)
 
 
 def clear_shape_splits() -> None:
     """Every matrix shape back to the shared target (SPLIT_TARGET)."""
-    qmatmul.SHAPE_SPLITS.clear()
+    _use(splits={})
 
 
 @contextmanager
 def shape_split_set(key: str, target: int) -> Iterator[None]:
     """Inside: the matrices of split_key `key` cut with K-split target `target`; after: none of its own."""
-    qmatmul.SHAPE_SPLITS[key] = target
+    _use(splits={**kernels().splits, key: target})
     try:
         yield
     finally:
-        qmatmul.SHAPE_SPLITS.pop(key, None)
+        _use(splits={k: v for k, v in kernels().splits.items() if k != key})
 
 
 def sum_launch() -> tuple[int, int]:
     """The K-splits' summing launch (qmatmul.sum_splits): (sums a program, warps)."""
-    return qmatmul.SUM_BLOCK, qmatmul.SUM_WARPS
+    return _config["sum"]
 
 
 @contextmanager
 def sum_launch_set(block: int, warps: int) -> Iterator[None]:
     """Inside: sum_splits launched with `block` sums a program and `warps` warps; after: as before."""
     before = sum_launch()
-    qmatmul.SUM_BLOCK, qmatmul.SUM_WARPS = block, warps
+    _config["sum"] = (block, warps)
     try:
         yield
     finally:
-        qmatmul.SUM_BLOCK, qmatmul.SUM_WARPS = before
+        _config["sum"] = before
+
+
+def sum_splits(y, parts) -> None:
+    """qmatmul.sum_splits with the summing launch in force."""
+    qmatmul.sum_splits(y, parts, *sum_launch())
 
 
 @contextmanager
@@ -141,22 +165,22 @@ def attention_set(change: Mapping) -> Iterator[dict]:
 
 
 def delta_tile() -> tuple[int, int]:
-    """The tree Gated DeltaNet kernel's default tile (BV, warps; FLASHTREE_DELTA_TILE)."""
-    return tuple(tree_deltanet.TILE)
+    """The tree Gated DeltaNet kernel's tile (BV, warps; FLASHTREE_DELTA_TILE)."""
+    return tuple(kernels().delta_tile)
 
 
 def dense_default_tiles() -> DenseTiles:
     """The fp32 decode kernel's tile of matrices without their own (FLASHTREE_DENSE_TILES)."""
-    return dense_matmul.DEFAULT_TILES
+    return kernels().dense_tiles["default"]
 
 
 @contextmanager
 def triton_kernels(on: bool) -> Iterator[None]:
     """Inside: the model paths run our Triton kernels (on) or their torch ops (off), whatever the device
     (kernels.triton_kernels_for); after: as before."""
-    before = kernels.triton_kernels_for
-    kernels.triton_kernels_for = lambda x: on
+    before = kernel_paths.triton_kernels_for
+    kernel_paths.triton_kernels_for = lambda x: on
     try:
         yield
     finally:
-        kernels.triton_kernels_for = before
+        kernel_paths.triton_kernels_for = before

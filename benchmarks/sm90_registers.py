@@ -55,7 +55,7 @@ def records_for(tile: tuple[int, int, int]) -> list[dict]:
                 (16, "int8"),
                 (23, "int8"),
             ):
-                qmatmul.quant_matmul(torch.randn(m, COLS), fields, qtype, 128, COLS, arithmetic)
+                knobs.qmm(torch.randn(m, COLS), fields, qtype, 128, COLS, arithmetic)
     return [r for r in found if r["name"] in ("_matvec_kernel", "_matmul_kernel")]
 
 

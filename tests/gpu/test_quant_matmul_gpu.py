@@ -23,7 +23,6 @@ from benchmarks import knobs
 from flashtree.kernels.qmatmul import (
     MAX_FUSED_M,
     dequantize_packed,
-    quant_matmul,
     reference_matmul,
     repack,
 )
@@ -64,7 +63,7 @@ def packed(request):
     exact, exact_tol = (plain, BF16_TOL) if bf16 else (reference_matmul(x, raw, qtype, n, k), EXACT_TOL)
 
     def mm(a):
-        return quant_matmul(a, fields, qtype, n, k)
+        return knobs.qmm(a, fields, qtype, n, k)
 
     return SimpleNamespace(
         qtype=qtype, n=n, k=k, fields=fields, w=w, x=x, xb=xb, plain=plain, exact=exact,
@@ -105,7 +104,7 @@ def test_inline_ptx_equals_emulation(packed):
     p = packed
 
     def outputs():
-        return [quant_matmul(p.x[:m], p.fields, p.qtype, p.n, p.k) for m in (1, 23)] + [
+        return [knobs.qmm(p.x[:m], p.fields, p.qtype, p.n, p.k) for m in (1, 23)] + [
             dequantize_packed(p.fields, p.qtype, p.n, p.k, torch.float32)
         ]
 
