@@ -20,6 +20,7 @@ from flashtree.config import (
     MAX_BUDGET,
     MAX_CONTEXT,
     MAX_TREE_TOP_K,
+    SamplingParams,
     check_request,
 )
 from flashtree.errors import FlashtreeError
@@ -88,10 +89,13 @@ def run(
     device: str | None = DeviceOpt,
 ):
     """Generate a reply to one prompt, streaming it to the terminal."""
-    options = dict(locals())
-    from flashtree.commands import run_command
+    from flashtree.commands import engine_config, run_command
 
-    run_command(**options)
+    spec_options = {"block_size": block_size, "budget": budget, "tree_top_k": tree_top_k}
+    spec_options |= {"chain_seed": chain_seed, "draft_ctx": draft_ctx, "draft_temperature": draft_temperature}
+    config = engine_config(target, draft, mode, max_ctx, device, **spec_options)
+    sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+    run_command(prompt, config, sampling, max_tokens, chat=not no_chat_template, as_json=as_json)
 
 
 @app.command()

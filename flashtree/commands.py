@@ -7,75 +7,40 @@ import sys
 
 from rich.console import Console
 
-from flashtree.config import SamplingParams, SpecConfig, check_request
+from flashtree.config import EngineConfig, SamplingParams, SpecConfig, check_request
 from flashtree.generate import Engine, GenerationStats
 
 
-def engine_from_options(
-    target,
-    draft,
-    mode,
-    max_ctx,
-    device,
-    block_size=None,
-    budget=22,
-    tree_top_k=8,
-    chain_seed=False,
-    draft_ctx=4096,
-    draft_temperature=1.0,
-) -> Engine:
-    """The engine every CLI command builds from its --target/--draft/--mode/... options."""
+def engine_config(
+    target, draft, mode, max_ctx, device, *, block_size=None, budget=22, tree_top_k=8, chain_seed=False,
+    draft_ctx=4096, draft_temperature=1.0,
+) -> EngineConfig:  # fmt: skip
+    """The EngineConfig of a command's --target/--draft/--mode/... options (checked: nothing loads yet)."""
     spec = SpecConfig(
-        mode=mode or "tree",
-        block_size=block_size,
-        budget=budget,
-        tree_top_k=tree_top_k,
-        chain_seed=chain_seed,
-        draft_ctx=draft_ctx,
-        draft_temperature=draft_temperature,
-    )
+        mode=mode or "tree", block_size=block_size, budget=budget, tree_top_k=tree_top_k,
+        chain_seed=chain_seed, draft_ctx=draft_ctx, draft_temperature=draft_temperature,
+    )  # fmt: skip
+    return EngineConfig(target, draft, mode, spec, max_ctx, device)
+
+
+def load_engine(config: EngineConfig) -> Engine:
     with Console(stderr=True).status("loading model…"):
-        return Engine.load(target, draft, mode=mode, spec=spec, max_ctx=max_ctx, device=device)
+        return Engine.from_config(config)
+
+
+def engine_from_options(target, draft, mode, max_ctx, device, block_size=None, budget=22) -> Engine:
+    """The engine of the server's, the chat's and the benchmark's options."""
+    config = engine_config(target, draft, mode, max_ctx, device, block_size=block_size, budget=budget)
+    return load_engine(config)
 
 
 def run_command(
-    prompt,
-    target,
-    draft,
-    mode,
-    max_tokens,
-    temperature,
-    top_p,
-    top_k,
-    seed,
-    block_size,
-    budget,
-    tree_top_k,
-    chain_seed,
-    draft_ctx,
-    draft_temperature,
-    max_ctx,
-    no_chat_template,
-    as_json,
-    device,
+    prompt: str, config: EngineConfig, sampling: SamplingParams, max_tokens: int, chat: bool, as_json: bool
 ) -> None:
-    # every option checked before the model loads: a bad one costs nothing
-    check_request(max_tokens, max_ctx)
-    sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
-    engine = engine_from_options(
-        target,
-        draft,
-        mode,
-        max_ctx,
-        device,
-        block_size,
-        budget,
-        tree_top_k,
-        chain_seed,
-        draft_ctx,
-        draft_temperature,
-    )
-    prompt_ids = engine.encode(prompt, chat=not no_chat_template)
+    """One prompt in, the reply streamed to stdout (or one JSON object), a summary line on stderr."""
+    check_request(max_tokens, config.max_ctx)  # every option checked before the model loads
+    engine = load_engine(config)
+    prompt_ids = engine.encode(prompt, chat=chat)
     stats = GenerationStats(engine.mode)
     text, token_ids = [], []
     for chunk in engine.stream(prompt_ids, max_tokens, sampling, stats=stats):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 from flashtree.errors import FlashtreeError
 
@@ -95,3 +96,24 @@ class SpecConfig:
 def check_block_size(name: str, value: int) -> None:
     """A draft block: the root and at least one drafted token, at most MAX_BLOCK_SIZE tokens."""
     check_range(name, value, 2, MAX_BLOCK_SIZE)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What an engine is built from; every command builds one from its options (commands.engine_config).
+
+    target: a GGUF (None: the embedded default); draft: a DFlash draft, "none" for plain decoding (None:
+    the draft shipped for the default target); mode: ar, chain or tree (None: spec.mode with a draft, ar
+    without); max_ctx: tokens of context (None: the planner's choice); device: cuda or cpu (None: cuda
+    when there is one)."""
+
+    target: str | Path | None = None
+    draft: str | Path | None = None
+    mode: str | None = None
+    spec: SpecConfig = SpecConfig()
+    max_ctx: int | None = None
+    device: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.mode is not None and self.mode not in MODES:
+            raise FlashtreeError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")

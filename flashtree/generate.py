@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from flashtree.config import SamplingParams, SpecConfig
+from flashtree.config import EngineConfig, SamplingParams, SpecConfig
 from flashtree.cuda_graphs import StepRunner, graphs_wanted
 from flashtree.errors import FlashtreeError
 from flashtree.memory import plan_context
@@ -159,10 +159,16 @@ class Engine:
             draft_model = load_draft(draft, model, settings.draft_fp8)
         spec = spec or SpecConfig()
         mode = mode or ("ar" if draft_model is None else spec.mode)
-        spec = SpecConfig(**{**spec.__dict__, "mode": mode})
+        spec = replace(spec, mode=mode)
         speculative = draft_model is not None and mode != "ar"
         use_kernels(model, settings.kernels, speculative)
         return cls(model, tokenizer, draft_model, spec, max_ctx, settings)
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, settings: Settings | None = None) -> Engine:
+        """Engine.load of an EngineConfig (the commands build one from their options)."""
+        c = config
+        return cls.load(c.target, c.draft, c.mode, c.spec, c.max_ctx, c.device, settings)
 
     def encode(self, text: str, chat: bool = True, system: str | None = None) -> list[int]:
         """Prompt ids for `text`, through the chat template unless chat=False."""
