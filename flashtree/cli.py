@@ -24,6 +24,7 @@ from flashtree.config import (
     check_request,
 )
 from flashtree.errors import FlashtreeError
+from flashtree.serve import DEFAULT_MAX_QUEUE, DEFAULT_MAX_REQUEST_BYTES
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__.splitlines()[0])
 
@@ -128,9 +129,21 @@ def serve(
     mode: str | None = typer.Option(None),
     host: str = typer.Option("127.0.0.1", "--host"),
     port: int = typer.Option(8000, "--port"),
-    api_key: str | None = typer.Option(None, "--api-key"),
+    api_key: str | None = typer.Option(
+        None, "--api-key", help="Require 'Authorization: Bearer KEY' on every route but /health."
+    ),
     max_ctx: int | None = typer.Option(None, "--max-ctx"),
     device: str | None = DeviceOpt,
+    max_request_bytes: int = typer.Option(
+        DEFAULT_MAX_REQUEST_BYTES,
+        "--max-request-bytes",
+        help="Larger request bodies get 413 before they are read.",
+    ),
+    max_queue: int = typer.Option(
+        DEFAULT_MAX_QUEUE,
+        "--max-queue",
+        help="Requests that may wait for the engine; more get 429 with Retry-After.",
+    ),
 ):
     """OpenAI-compatible HTTP server."""
     options = dict(locals())

@@ -180,8 +180,8 @@ class Engine:
         return self.encode_messages(messages)
 
     def encode_messages(self, messages: list[dict]) -> list[int]:
-        rendered = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        return self.tokenizer.encode(rendered, add_bos=False)
+        """Prompt ids of a conversation; control-token text in a message's content is plain text."""
+        return self.tokenizer.encode_chat(messages, add_generation_prompt=True)
 
     def generate(
         self,

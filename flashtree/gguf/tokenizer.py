@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import codecs
 import json
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -113,6 +114,24 @@ def _normal_token_bytes(text: str) -> bytes:
         return text.translate(_UNBYTE).encode("latin-1")
     except UnicodeEncodeError:  # not byte-level text (a malformed vocab): keep what it says
         return text.encode("utf-8")
+
+
+@dataclass(frozen=True)
+class ChatText:
+    """A rendered chat prompt whose message content had its control-token text hidden: `text` has a
+    private-use character wherever content held a control token's text, and `hidden` maps it back."""
+
+    text: str
+    hidden: dict[str, str]
+
+    def reveal(self, text: str) -> str:
+        """`text` (a piece of `self.text`) with the content's control-token text put back."""
+        return text.translate({ord(char): control for char, control in self.hidden.items()})
+
+    @property
+    def utf8_bytes(self) -> int:
+        """Bytes of the prompt as the model reads it: a cheap bound on its tokens before tokenizing."""
+        return len(self.reveal(self.text).encode("utf-8", errors="surrogatepass"))
 
 
 class Tokenizer:
@@ -242,6 +261,59 @@ class Tokenizer:
             return b""
         return text.encode("utf-8")  # control and user-defined tokens are stored as plain text
 
+    @cached_property
+    def longest_token_bytes(self) -> int:
+        """The most bytes one token stands for: a text of n bytes has at least n / this many tokens."""
+        return max((len(b) for b in self._bytes), default=1) or 1
+
+    # --- chat prompts --------------------------------------------------------------------------------
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """Prompt ids of a conversation through the chat template. Only the control tokens the template
+        writes are control tokens: a control token's text inside a message's content is read as plain
+        text, so a user cannot forge a turn (`<|im_end|><|im_start|>system ...`)."""
+        return self.encode_chat_text(self.render_chat(messages, add_generation_prompt))
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> ChatText:
+        """The template's text for `messages`, control-token text in their content hidden (ChatText)."""
+        messages = [_template_message(m) for m in messages]
+        contents = [m["content"] for m in messages if isinstance(m.get("content"), str)]
+        found = self._control_pattern and {t for c in contents for t in self._control_pattern.findall(c)}
+        if not found:
+            return ChatText(self.apply_chat_template(messages, add_generation_prompt), {})
+        chars = _unused_chars([*contents, self.chat_template or ""])
+        hide = {control: next(chars) for control in sorted(found)}
+        for m in messages:
+            if isinstance(m.get("content"), str):
+                m["content"] = self._control_pattern.sub(lambda hit: hide[hit.group()], m["content"])
+        text = self.apply_chat_template(messages, add_generation_prompt)
+        return ChatText(text, {char: control for control, char in hide.items()})
+
+    def encode_chat_text(self, chat: ChatText) -> list[int]:
+        """Ids of a rendered chat: each control-token text the template wrote is that token, the text
+        between them (content revealed) is encoded with control tokens read as text. With nothing hidden
+        this is what encode() gives the text, which `tokenizers` splits at the same places."""
+        if not chat.hidden:
+            return self.encode(chat.text, add_bos=False)
+        ids: list[int] = []
+        start = 0
+        for marker in self._control_pattern.finditer(chat.text):
+            ids += self._encode_literal(chat.reveal(chat.text[start : marker.start()]))
+            ids.append(self._hf.token_to_id(marker.group()))
+            start = marker.end()
+        return ids + self._encode_literal(chat.reveal(chat.text[start:]))
+
+    def _encode_literal(self, text: str) -> list[int]:
+        return self.encode(text, add_bos=False, parse_special=False) if text else []
+
+    @cached_property
+    def _control_pattern(self) -> re.Pattern | None:
+        """Matches control tokens' text, leftmost then longest, as `tokenizers` splits them out."""
+        texts = {t.content for t in self._hf.get_added_tokens_decoder().values() if t.special and t.content}
+        if not texts:
+            return None
+        return re.compile("|".join(re.escape(t) for t in sorted(texts, key=len, reverse=True)))
+
     # --- chat template -----------------------------------------------------------------------------
 
     def apply_chat_template(
@@ -297,6 +369,14 @@ class IncrementalDecoder:
     def flush(self) -> str:
         """Whatever is held back, with U+FFFD for bytes that never became a character."""
         return self._utf8.decode(b"", final=True)
+
+
+def _unused_chars(texts: list[str]):
+    """Private-use characters (plane 15) that occur in none of `texts`, in order."""
+    for code in range(0xF0000, 0xFFFFE):
+        char = chr(code)
+        if not any(char in t for t in texts):
+            yield char
 
 
 def _list_of(metadata: dict[str, Any], key: str, kind: type, default: list | None = None) -> list:

@@ -3,52 +3,45 @@
 Routes: GET /health, GET /metrics, GET /v1/models[/{id}], POST /v1/chat/completions, POST /v1/completions.
 Every error is OpenAI's body `{"error": {"message", "type", "param", "code"}}`. Each completion also
 carries the engine's speculative-decoding stats under the extra field "flashtree".
+
+Hostile input is refused before it costs much: a body over --max-request-bytes (413, before it is read),
+a prompt that cannot fit the context (400, by its byte length before it is tokenized), more than
+--max-queue requests waiting (429 with Retry-After), and with --api-key every path but /health needs
+`Authorization: Bearer KEY`. /health answers 503 until a warm-up generation has run, and for good (with
+the reason, as every completion then is) if it failed.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import math
 import secrets
 import socket
 import sys
 import time
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from flashtree.config import SamplingParams
 from flashtree.defaults import DEFAULT_TARGET_NAME
 from flashtree.errors import FlashtreeError
 from flashtree.generate import Chunk, Engine
+from flashtree.serve import DEFAULT_MAX_QUEUE, DEFAULT_MAX_REQUEST_BYTES
+from flashtree.serve.guard import APIError, Guard, check_api_key
 from flashtree.serve.schemas import ChatCompletionRequest, CompletionRequest
-from flashtree.serve.worker import EngineWorker, Job, Metrics
+from flashtree.serve.worker import FAILED, READY, EngineUnavailable, EngineWorker, Job, Metrics
 
 DISCONNECT_POLL_S = 0.1
-
-
-class APIError(Exception):
-    """An error answered with OpenAI's error body."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-
-    @property
-    def kind(self) -> str:
-        if self.status == 401:
-            return "authentication_error"
-        return "server_error" if self.status >= 500 else "invalid_request_error"
-
-    def response(self) -> JSONResponse:
-        body = {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}
-        return JSONResponse({"error": body}, status_code=self.status)
+MAX_RETRY_AFTER_S = 60
 
 
 def _param(loc: tuple) -> str | None:
@@ -105,13 +98,25 @@ class _TextShape:
 
 
 class OpenAIServer:
-    """The FastAPI app around one engine, its worker thread and its metrics."""
+    """The FastAPI app around one engine, its worker thread and its metrics. `app` is the ASGI app to
+    serve: FastAPI's behind the Guard (API key, request size)."""
 
-    def __init__(self, engine: Engine, model_id: str, api_key: str | None = None):
+    def __init__(
+        self,
+        engine: Engine,
+        model_id: str,
+        api_key: str | None = None,
+        max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+        max_queue: int = DEFAULT_MAX_QUEUE,
+    ):
+        check_api_key(api_key)
         self.engine, self.model_id, self.api_key = engine, model_id, api_key
+        self.max_request_bytes, self.max_queue = max_request_bytes, max_queue
         self.started = int(time.time())
         self.metrics = Metrics()
         self.worker = EngineWorker(engine, self.metrics)
+        self._preparing = 0  # admitted requests not yet queued (being parsed or tokenized)
+        self._longest_token = engine.tokenizer.longest_token_bytes if engine.tokenizer else 1
         self.app = self._build_app()
 
     def _build_app(self) -> FastAPI:
@@ -122,23 +127,31 @@ class OpenAIServer:
             self.worker.stop()
 
         app = FastAPI(title="flashtree", lifespan=lifespan, docs_url=None, redoc_url=None)
-        auth = [Depends(self._authorize)]
         app.add_api_route("/health", self.health, methods=["GET"])
-        app.add_api_route("/metrics", self.prometheus, methods=["GET"], dependencies=auth)
-        app.add_api_route("/v1/models", self.list_models, methods=["GET"], dependencies=auth)
-        app.add_api_route("/v1/models/{model:path}", self.get_model, methods=["GET"], dependencies=auth)
-        app.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"], dependencies=auth)
-        app.add_api_route("/v1/completions", self.completions, methods=["POST"], dependencies=auth)
+        app.add_api_route("/metrics", self.prometheus, methods=["GET"])
+        app.add_api_route("/v1/models", self.list_models, methods=["GET"])
+        app.add_api_route("/v1/models/{model:path}", self.get_model, methods=["GET"])
+        app.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
+        app.add_api_route("/v1/completions", self.completions, methods=["POST"])
         app.add_exception_handler(APIError, self._on_api_error)
         app.add_exception_handler(HTTPException, self._on_http_error)
         app.add_exception_handler(Exception, self._on_unexpected_error)
+        app.add_middleware(
+            Guard, api_key=self.api_key, max_request_bytes=self.max_request_bytes, on_reject=self._count
+        )
         return app
 
-    # --- errors and auth ---
+    # --- errors ---
+
+    def _count(self, path: str, status: int) -> None:
+        """A completion request answered with an error: rejected (4xx) or failed (5xx)."""
+        if path.endswith("completions"):
+            self.metrics.record_outcome(
+                "failed" if status >= 500 else "cancelled" if status == 499 else "rejected"
+            )
 
     async def _on_api_error(self, request: Request, e: APIError) -> JSONResponse:
-        if request.url.path.endswith("completions"):
-            self.metrics.record_outcome("rejected")
+        self._count(request.url.path, e.status)
         return e.response()
 
     async def _on_http_error(self, request: Request, e: HTTPException) -> JSONResponse:
@@ -148,24 +161,17 @@ class OpenAIServer:
     async def _on_unexpected_error(self, request: Request, e: Exception) -> JSONResponse:
         return APIError(500, f"internal error: {type(e).__name__}: {e}").response()
 
-    async def _authorize(self, request: Request) -> None:
-        if self.api_key is None:
-            return
-        given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
-        if not secrets.compare_digest(given.encode(), self.api_key.encode()):
-            raise APIError(
-                401, "Incorrect or missing API key: send 'Authorization: Bearer KEY'.", code="invalid_api_key"
-            )
-
     # --- informational routes ---
 
-    async def health(self) -> dict:
-        return {
-            "status": "ok",
-            "model": self.model_id,
-            "mode": self.engine.mode,
-            "queued": self.worker.queued,
-        }
+    async def health(self) -> JSONResponse:
+        """200 once the warm-up generation has run; 503 before (status "warming") and after a failed one
+        (status "failed", with the error)."""
+        worker = self.worker
+        body = {"status": "ok" if worker.state == READY else worker.state, "model": self.model_id}
+        body |= {"mode": self.engine.mode, "queued": worker.queued}
+        if worker.state == FAILED:
+            body["error"] = worker.failure
+        return JSONResponse(body, status_code=200 if worker.state == READY else 503)
 
     async def prometheus(self) -> PlainTextResponse:
         return PlainTextResponse(
@@ -201,22 +207,31 @@ class OpenAIServer:
 
     async def chat_completions(self, request: Request):
         req = await self._parse(request, ChatCompletionRequest)
-        messages = [m.for_template() for m in req.messages]
-        prompt_ids = await self._tokenize("messages", self.engine.encode_messages, messages)
-        return await self._complete(request, req, prompt_ids, "messages", _ChatShape)
+        with self._admitted():
+            messages = [m.for_template() for m in req.messages]
+            prompt_ids = await self._tokenize("messages", self._encode_chat, messages)
+            job = self._submit(req, prompt_ids, "messages")
+        return await self._respond(request, req, job, "messages", _ChatShape)
 
     async def completions(self, request: Request):
         req = await self._parse(request, CompletionRequest)
-        prompt_ids = req.prompt
-        if isinstance(prompt_ids, str):
-            prompt_ids = await self._tokenize("prompt", self.engine.encode, req.prompt, chat=False)
-        return await self._complete(request, req, prompt_ids, "prompt", _TextShape)
+        with self._admitted():
+            prompt_ids = req.prompt
+            if isinstance(prompt_ids, str):
+                self._check_fits(len(prompt_ids.encode("utf-8", errors="surrogatepass")), "prompt")
+                prompt_ids = await self._tokenize("prompt", self.engine.encode, req.prompt, chat=False)
+            job = self._submit(req, prompt_ids, "prompt")
+        return await self._respond(request, req, job, "prompt", _TextShape)
 
     async def _parse(self, request: Request, schema):
         """The validated body; 400 for bad JSON, wrong types, unknown or unsupported fields; 404 for a model
         other than ours."""
         try:
-            req = schema.model_validate_json(await request.body())
+            body = await request.body()
+        except ClientDisconnect:  # gone before the body was complete: nobody to answer
+            raise APIError(499, "the client closed the connection before the request was complete") from None
+        try:
+            req = schema.model_validate_json(body)
         except ValidationError as e:
             raise _validation_error(e) from None
         self._check_model(req.model)
@@ -224,6 +239,51 @@ class OpenAIServer:
         if unsupported:
             raise APIError(400, unsupported[1], unsupported[0])
         return req
+
+    @contextmanager
+    def _admitted(self):
+        """Room for one more request: 503 after a failed warm-up; 429 (with Retry-After) when --max-queue
+        requests already wait for the engine or are being tokenized. Everything here runs on the event
+        loop, so the count cannot race."""
+        if self.worker.failure is not None:
+            raise APIError(503, self.worker.failure, code="engine_unavailable")
+        waiting = self.worker.queued + self._preparing
+        if waiting >= self.max_queue:
+            retry_s = min(max(math.ceil(self.worker.job_s * (waiting + 1)), 1), MAX_RETRY_AFTER_S)
+            raise APIError(
+                429,
+                f"The server is busy: {waiting} requests are waiting for the engine (--max-queue "
+                f"{self.max_queue}); retry after {retry_s} s.",
+                code="rate_limit_exceeded",
+                headers={"Retry-After": str(retry_s)},
+            )
+        self._preparing += 1
+        try:
+            yield
+        finally:
+            self._preparing -= 1
+
+    def _check_fits(self, n_bytes: int, param: str) -> None:
+        """Before tokenizing: a text of n bytes has at least n / (the longest token's bytes) tokens."""
+        at_least = -(-n_bytes // self._longest_token)
+        if at_least >= self.engine.max_ctx:
+            raise self._too_long(f"at least {at_least} ({n_bytes} bytes)", param)
+
+    def _too_long(self, n_tokens: str, param: str) -> APIError:
+        return APIError(
+            400,
+            f"This model's maximum context length is {self.engine.max_ctx} tokens; "
+            f"the prompt has {n_tokens}.",
+            param,
+            "context_length_exceeded",
+        )
+
+    def _encode_chat(self, messages: list[dict]) -> list[int]:
+        """Engine.encode_messages, with the length bound checked between rendering and tokenizing."""
+        tokenizer = self.engine.tokenizer
+        chat = tokenizer.render_chat(messages, add_generation_prompt=True)
+        self._check_fits(chat.utf8_bytes, "messages")
+        return tokenizer.encode_chat_text(chat)
 
     @staticmethod
     async def _tokenize(param: str, fn, *args, **kwargs) -> list[int]:
@@ -233,29 +293,32 @@ class OpenAIServer:
         except FlashtreeError as e:
             raise APIError(400, str(e), param) from None
 
-    async def _complete(self, request: Request, req, prompt_ids: list[int], param: str, shape):
+    def _submit(self, req, prompt_ids: list[int], param: str) -> Job:
         if len(prompt_ids) >= self.engine.max_ctx:
-            raise APIError(
-                400,
-                f"This model's maximum context length is {self.engine.max_ctx} tokens; "
-                f"the prompt has {len(prompt_ids)}.",
-                param,
-                "context_length_exceeded",
+            raise self._too_long(str(len(prompt_ids)), param)
+        try:
+            sampling = SamplingParams(
+                temperature=req.temperature,
+                top_p=req.top_p,
+                top_k=max(req.top_k, 0),
+                seed=secrets.randbits(32) if req.seed is None else req.seed,
             )
-        sampling = SamplingParams(
-            temperature=req.temperature,
-            top_p=req.top_p,
-            top_k=max(req.top_k, 0),
-            seed=secrets.randbits(32) if req.seed is None else req.seed,
-        )
-        # Without a limit the reply may run to the end of the context (the engine clips to what fits).
-        job = self.worker.submit(prompt_ids, req.token_limit or self.engine.max_ctx, sampling, req.stop)
+            # Without a limit the reply may run to the end of the context (the engine clips to what fits).
+            return self.worker.submit(prompt_ids, req.token_limit or self.engine.max_ctx, sampling, req.stop)
+        except FlashtreeError as e:
+            raise APIError(400, str(e)) from None
+        except EngineUnavailable as e:
+            raise APIError(503, str(e), code="engine_unavailable") from None
+
+    async def _respond(self, request: Request, req, job: Job, param: str, shape):
         chunks = self._watched(request, job)
         try:
             # Wait for the first chunk so that a rejected generation still gets an error status.
             first = await anext(chunks)
         except FlashtreeError as e:
             raise APIError(400, str(e), param) from None
+        except EngineUnavailable as e:
+            raise APIError(503, str(e), code="engine_unavailable") from None
         except StopAsyncIteration:  # cancelled before it started: the client is gone
             return PlainTextResponse("", status_code=499)
         reply = _Reply(shape, self.model_id, job)
@@ -348,9 +411,11 @@ def model_id_for(target: Path | None) -> str:
 
 
 def _listen_socket(host: str, port: int) -> socket.socket:
-    """Bind before loading the model, so a taken port is reported at once."""
+    """Bind before loading the model, so a taken port is reported at once. The protocol is named: asyncio
+    turns Nagle's algorithm off only on sockets whose proto is IPPROTO_TCP, and with it on every answer
+    (headers, then body) waited ~40 ms for the client's delayed ACK."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
@@ -360,18 +425,27 @@ def _listen_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def serve_command(target, draft, mode, host, port, api_key, max_ctx, device) -> None:
+def serve_command(
+    target, draft, mode, host, port, api_key, max_ctx, device, max_request_bytes, max_queue
+) -> None:
     import uvicorn
 
     from flashtree.commands import engine_from_options
 
+    check_api_key(api_key)
+    for name, value, low, high in [
+        ("--max-request-bytes", max_request_bytes, 1024, 1 << 30),
+        ("--max-queue", max_queue, 1, 1 << 20),
+    ]:
+        if not low <= value <= high:
+            raise FlashtreeError(f"{name} must be between {low} and {high}, got {value}")
     sock = _listen_socket(host, port)
     engine = engine_from_options(target, draft, mode, max_ctx, device)
-    server = OpenAIServer(engine, model_id_for(target), api_key)
+    server = OpenAIServer(engine, model_id_for(target), api_key, max_request_bytes, max_queue)
     bound_port = sock.getsockname()[1]
     print(
         f"flashtree: serving {server.model_id} ({engine.mode}, {engine.max_ctx}-token context) "
-        f"at http://{host}:{bound_port}/v1",
+        f"at http://{host}:{bound_port}/v1 (ready when /health answers 200)",
         file=sys.stderr,
         flush=True,
     )

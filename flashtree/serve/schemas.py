@@ -38,6 +38,15 @@ NOT_IMPLEMENTED: dict[str, tuple] = {
 IGNORED = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls"})
 
 
+MAX_STOP = 16  # stop strings per request (OpenAI allows 4); each is matched after every step
+MAX_STOP_CHARS = 1024
+
+
+def _null_is(default: Any) -> BeforeValidator:
+    """null means the default, as OpenAI reads it."""
+    return BeforeValidator(lambda value: default if value is None else value)
+
+
 def _stop_list(value: Any) -> Any:
     """`stop` may be null, one string or a list of strings; the engine takes a list."""
     if value is None:
@@ -74,7 +83,7 @@ def _single_prompt(value: Any) -> Any:
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    include_usage: bool = False
+    include_usage: Annotated[bool, _null_is(False)] = False
 
 
 class _GenerationRequest(BaseModel):
@@ -83,14 +92,20 @@ class _GenerationRequest(BaseModel):
     # extra="allow" so that not-implemented and ignored fields reach `unsupported_field`.
     model_config = ConfigDict(extra="allow", strict=True)
 
+    # null is accepted wherever OpenAI accepts it, and means the default.
     model: str
     max_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=-1)  # not OpenAI's; the vLLM/llama.cpp extension, where -1 also means "off"
-    seed: int | None = None  # None: a fresh random seed per request
-    stop: Annotated[list[str], BeforeValidator(_stop_list)] = []
-    stream: bool = False
+    temperature: Annotated[float, _null_is(1.0), Field(ge=0.0, le=2.0, allow_inf_nan=False)] = 1.0
+    top_p: Annotated[float, _null_is(1.0), Field(gt=0.0, le=1.0, allow_inf_nan=False)] = 1.0
+    # top_k is not OpenAI's: the vLLM/llama.cpp extension, where -1 also means "off"
+    top_k: Annotated[int, _null_is(0), Field(ge=-1)] = 0
+    seed: int | None = Field(None, ge=-(1 << 63), lt=1 << 64)  # None: a fresh random seed per request
+    stop: Annotated[
+        list[Annotated[str, Field(max_length=MAX_STOP_CHARS)]],
+        BeforeValidator(_stop_list),
+        Field(max_length=MAX_STOP),
+    ] = []
+    stream: Annotated[bool, _null_is(False)] = False
     stream_options: StreamOptions | None = None
 
     def unsupported_field(self) -> tuple[str, str] | None:

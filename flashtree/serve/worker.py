@@ -1,4 +1,4 @@
-"""One thread owns the engine and serves queued requests in arrival order.
+"""One thread owns the engine, warms it up, and serves queued requests in arrival order.
 
 The engine is batch-1 and not thread-safe, so every generation runs on this thread. Request handlers
 (on the asyncio loop) submit a Job and read its chunks back through an asyncio queue; setting the job's
@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import queue
 import threading
-from collections import Counter
+import time
+from collections import Counter, deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -105,43 +105,93 @@ class Metrics:
         return "\n".join(lines) + "\n"
 
 
+class EngineUnavailable(Exception):
+    """The engine failed its warm-up forward: no request can be served (the reason is the message)."""
+
+
+WARMING, READY, FAILED = "warming", "ready", "failed"
+
+
 class EngineWorker:
-    """The engine's thread and its request queue."""
+    """The engine's thread and its waiting jobs. The thread first runs a warm-up generation: until it
+    passes the worker is `warming` (jobs wait), and if it fails the worker is `failed` for good and every
+    job is answered with EngineUnavailable."""
 
     def __init__(self, engine: Engine, metrics: Metrics) -> None:
         self.engine, self.metrics = engine, metrics
-        self._jobs: queue.Queue[Job | None] = queue.Queue()
+        self.state, self.failure = WARMING, None
+        self.job_s = 1.0  # a running mean of how long a job holds the engine, for Retry-After
+        self._waiting: deque[Job] = deque()
+        self._changed = threading.Condition()
+        self._stopping = False
         self._current: Job | None = None
         self._thread = threading.Thread(target=self._serve, name="flashtree-engine", daemon=True)
 
     @property
     def queued(self) -> int:
-        return self._jobs.qsize()
+        """Jobs waiting for the engine (not the running one; a cancelled job no longer waits)."""
+        with self._changed:
+            return sum(not job.cancel.is_set() for job in self._waiting)
 
     def start(self) -> None:
         self._thread.start()
 
     def stop(self) -> None:
-        """Cancel the running job and end the thread once the queue is drained."""
-        if self._current is not None:
-            self._current.cancel.set()
-        self._jobs.put(None)
+        """Cancel the running and the waiting jobs and end the thread."""
+        with self._changed:
+            self._stopping = True
+            for job in [self._current, *self._waiting]:
+                if job is not None:
+                    job.cancel.set()
+            self._changed.notify()
         self._thread.join(timeout=10)
 
     def submit(
         self, prompt_ids: list[int], max_tokens: int, sampling: SamplingParams, stop: list[str]
     ) -> Job:
-        """Queue a generation; call from the event loop that will read the job's chunks."""
+        """Queue a generation; call from the event loop that will read the job's chunks. Raises
+        EngineUnavailable after a failed warm-up."""
+        if self.failure is not None:
+            raise EngineUnavailable(self.failure)
         stats = GenerationStats(self.engine.mode)
         job = Job(prompt_ids, max_tokens, sampling, stop, stats, asyncio.get_running_loop())
-        self._jobs.put(job)
+        with self._changed:
+            self._waiting.append(job)
+            self._changed.notify()
         return job
 
+    def _next(self) -> Job | None:
+        with self._changed:
+            while not self._waiting and not self._stopping:
+                self._changed.wait()
+            self._current = self._waiting.popleft() if self._waiting else None
+            return self._current
+
     def _serve(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            self._current = job
-            self._run(job)
-            self._current = None
+        self._warm_up()
+        while (job := self._next()) is not None:
+            started = time.monotonic()
+            if self.failure is not None:
+                job.post(EngineUnavailable(self.failure))
+            else:
+                self._run(job)
+            self.job_s = 0.8 * self.job_s + 0.2 * (time.monotonic() - started)
+            with self._changed:
+                self._current = None
+
+    def _warm_up(self) -> None:
+        """One prefill and one decode step on a one-token prompt: a model that cannot run a forward is
+        found here, not by every request."""
+        bos = getattr(self.engine.tokenizer, "bos_id", None)
+        try:
+            for _ in self.engine.generate([bos or 0], 2, SamplingParams(), stop_ids=()):
+                pass
+        except Exception as e:  # any failure at all: the server stays up to say so
+            log.exception("the warm-up generation failed; every request will be answered 503")
+            self.failure = f"the model failed its warm-up forward: {type(e).__name__}: {e}"
+            self.state = FAILED
+            return
+        self.state = READY
 
     def _run(self, job: Job) -> None:
         if job.cancel.is_set():  # the client left while the job was queued
