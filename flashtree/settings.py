@@ -178,6 +178,11 @@ def _settings_for(given: tuple[tuple[str, str], ...]) -> Settings:
     return Settings.from_env(dict(given))
 
 
+def environment_without(*names: str) -> dict[str, str]:
+    """This process's environment less `names`, for a child process (sm90.py's compiler run)."""
+    return {k: v for k, v in os.environ.items() if k not in names}
+
+
 def table(environ: Mapping[str, str] | None = None) -> list[tuple[str, str, str, str | None]]:
     """(variable, default, what it sets, its value in `environ` or None) for every setting: `flashtree
     settings` prints it."""

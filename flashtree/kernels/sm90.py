@@ -14,12 +14,13 @@ from __future__ import annotations
 import contextlib
 import inspect
 import json
-import os
 import subprocess
 import sys
 from collections.abc import Iterator
 
 import torch
+
+from flashtree import settings
 
 POINTEE = {
     torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int64: "i64",
@@ -173,7 +174,7 @@ def compile_for_sm90(records: list[dict], also: str = "-") -> list[dict]:
     """Each record compiled for sm_90 with GDC and ASM on: its PTX facts, or its failure, in the records'
     order; also="registers": ptxas's registers and spill bytes too; also="sass": its SASS instructions
     per opcode, in the whole kernel and in its longest loop."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env = settings.environment_without("TRITON_INTERPRET")  # the child compiles for the GPU
     done = subprocess.run(
         [sys.executable, "-c", _COMPILE, json.dumps(GPU_SWITCHES), also],
         input=json.dumps(records), env=env, capture_output=True, text=True,
