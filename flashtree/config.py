@@ -41,6 +41,9 @@ def check_max_ctx(max_ctx: int) -> None:
     check_range("--max-ctx", max_ctx, 1, MAX_CONTEXT)
 
 
+MIN_TEMPERATURE = 1e-4
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How the target's next token is chosen. temperature 0 means greedy (argmax)."""
@@ -53,8 +56,11 @@ class SamplingParams:
     def __post_init__(self) -> None:
         check_finite("temperature", self.temperature)
         check_finite("top_p", self.top_p)
-        if self.temperature < 0:
-            raise FlashtreeError(f"temperature must be >= 0, got {self.temperature}")
+        if self.temperature < 0 or 0 < self.temperature < MIN_TEMPERATURE:
+            # below it the fp32 logits / T overflow (1e-300 is 0 in fp32) while the draw is greedy anyway
+            raise FlashtreeError(
+                f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE}, got {self.temperature}"
+            )
         if not 0.0 < self.top_p <= 1.0:
             raise FlashtreeError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:

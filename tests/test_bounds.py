@@ -42,6 +42,14 @@ def test_sampling_params_refuse_non_finite_values(name, value):
         SamplingParams(**{name: value})
 
 
+@pytest.mark.parametrize("value", [1e-300, 1e-5, -0.5])
+def test_a_temperature_is_greedy_or_large_enough_to_divide_by(value):
+    """1e-300 is 0 in fp32: the logits / T would be inf and the reply token 0 repeated."""
+    with pytest.raises(FlashtreeError, match="temperature must be 0 .greedy. or at least 0.0001"):
+        SamplingParams(temperature=value)
+    assert SamplingParams(temperature=1e-4).temperature == 1e-4 and SamplingParams().greedy
+
+
 @pytest.mark.parametrize("value", [float("nan"), float("inf")])
 def test_draft_temperature_must_be_finite(value):
     with pytest.raises(FlashtreeError, match="draft temperature must be a finite number"):
