@@ -98,7 +98,7 @@ class Engine:
         settings: Settings | None = None,
     ):
         self.target, self.tokenizer, self.draft = target, tokenizer, draft
-        self.settings = settings or Settings()
+        self.settings = settings or current_settings()  # the process's FLASHTREE_* unless given
         self.spec = spec or SpecConfig(mode="tree" if draft is not None else "ar")
         if self.spec.mode != "ar" and draft is None:
             raise FlashtreeError(f"mode {self.spec.mode!r} needs a draft (--draft)")
@@ -246,11 +246,9 @@ class Engine:
         chunk = PREFILL_CHUNK.get(self.device.type, 2048)
         capture = self.decoder.capture_layers if self.decoder else ()
         for s in range(0, len(prompt_ids), chunk):
-            last = s + chunk >= len(prompt_ids)
-            out = self.target(
-                ids[s : s + chunk], self.state, logits="last" if last else "none", capture=capture
-            )
-            self.state.advance(len(ids[s : s + chunk]))
+            part, last = ids[s : s + chunk], s + chunk >= len(prompt_ids)
+            out = self.target(part, self.state, logits="last" if last else "none", capture=capture)
+            self.state.advance(part.shape[0])
             if self.decoder:
                 self.decoder.observe(out.features)
         pos = torch.full((1,), len(prompt_ids), device=self.device)

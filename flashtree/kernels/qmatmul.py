@@ -884,7 +884,8 @@ def quant_matmul(
     bf16 = arithmetic == "bf16"
     bm = 1 if m == 1 and not bf16 else max(16, triton.next_power_of_2(m))  # tensor-core columns
     n_blocks = n_cols // block_size(qtype)
-    target = kernels.splits.get(split_key(arithmetic, qtype, n_rows, n_cols))
+    # a matrix's own target, if the settings give any (no key built per call otherwise)
+    target = kernels.splits.get(split_key(arithmetic, qtype, n_rows, n_cols)) if kernels.splits else None
     n_splits, per_split = k_splits(n_rows, n_blocks // lay.group, target)
     y = torch.empty(m, n_rows, dtype=x.dtype, device=x.device)
     parts = y if n_splits == 1 else torch.empty(n_splits, m, n_rows, dtype=torch.float32, device=x.device)
