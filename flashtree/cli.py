@@ -114,11 +114,12 @@ def chat(
     device: str | None = DeviceOpt,
 ):
     """Interactive multi-turn chat in the terminal."""
-    options = dict(locals())
     check_request(max_tokens, max_ctx)  # before the model loads
+    from flashtree.commands import engine_config
     from flashtree.serve.chat import chat_command
 
-    chat_command(**options)
+    sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+    chat_command(engine_config(target, draft, mode, max_ctx, device), sampling, max_tokens)
 
 
 @app.command()
@@ -146,10 +147,13 @@ def serve(
     ),
 ):
     """OpenAI-compatible HTTP server."""
-    options = dict(locals())
-    from flashtree.serve.api import serve_command
+    from flashtree.commands import engine_config
+    from flashtree.serve.api import ServeConfig, serve_command
 
-    serve_command(**options)
+    server = ServeConfig(
+        host=host, port=port, api_key=api_key, max_request_bytes=max_request_bytes, max_queue=max_queue
+    )
+    serve_command(engine_config(target, draft, mode, max_ctx, device), server)
 
 
 @app.command()
@@ -174,11 +178,16 @@ def bench(
     out: Path = typer.Option(..., "--out", help="Directory for results.json, results.md and plots."),
 ):
     """Benchmark AR vs chain vs tree decoding on HumanEval, GSM8K and MATH-500 prompts."""
-    options = dict(locals())
     check_request(max_tokens)  # before the model loads
-    from flashtree.bench.run import bench_command
+    from flashtree.bench.run import BenchConfig, bench_command
+    from flashtree.commands import engine_config
 
-    bench_command(**options)
+    config = engine_config(target, draft, None, None, device, block_size=block_size, budget=budget)
+    options = BenchConfig(
+        datasets=datasets, n=n, max_tokens=max_tokens, modes=modes, baseline=baseline, raw=raw, seed=seed,
+        out=out,
+    )  # fmt: skip
+    bench_command(config, options)
 
 
 @app.command()
@@ -300,10 +309,22 @@ def train_draft(
     device: str | None = DeviceOpt,
 ):
     """Train a DFlash draft for a llama target on responses the target writes itself."""
-    job = dict(locals())  # every option is a DraftJob field
-    from flashtree.train.trainer import DraftJob, train_draft_command
+    from flashtree.train.trainer import DraftJob, GenerationJob, TrainConfig, train_draft_command
 
-    train_draft_command(DraftJob(**job))
+    generation = GenerationJob(
+        prompts=prompts, max_prompts=max_prompts, max_prompt_tokens=max_prompt_tokens,
+        max_new_tokens=max_new_tokens, batch=gen_batch, minutes=gen_minutes, sampled_every=sampled_every,
+        passes=passes, temperature=temperature,
+    )  # fmt: skip
+    train = TrainConfig(
+        block_size=block_size, anchors=anchors, batch=batch, lr=lr, gamma=gamma, steps=steps,
+        time_limit=None if train_minutes is None else train_minutes * 60, seed=seed,
+    )  # fmt: skip
+    job = DraftJob(
+        out=out, target=target, layers=layers, init=init, device=device, generation=generation, train=train,
+        extra_data=extra_data, val_sequences=val_sequences, dev_prompts=dev_prompts,
+    )  # fmt: skip
+    train_draft_command(job)
 
 
 @app.command("settings")

@@ -17,7 +17,7 @@ import platform
 import shlex
 import subprocess
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -25,11 +25,11 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 import flashtree
-from flashtree.bench.datasets import Prompt, load_prompts, parse_dataset_names
+from flashtree.bench.datasets import REPORT_N, REPORT_SEED, Prompt, load_prompts, parse_dataset_names
 from flashtree.bench.report import summarize, write_report
 from flashtree.bench.roofline import Ceilings, measure_ceilings, weight_bytes
 from flashtree.commands import engine_from_options
-from flashtree.config import MODES, SamplingParams
+from flashtree.config import MODES, EngineConfig, SamplingParams
 from flashtree.errors import FlashtreeError
 from flashtree.generate import Engine, GenerationStats
 from flashtree.settings import current as current_settings
@@ -346,39 +346,51 @@ def results_document(
 # --- the command --------------------------------------------------------------------------------------
 
 
-def bench_command(
-    target,
-    draft,
-    datasets,
-    n,
-    max_tokens,
-    modes,
-    budget,
-    block_size,
-    baseline,
-    raw,
-    seed,
-    device,
-    out,
-) -> None:
-    options = dict(locals())
+@dataclass(frozen=True)
+class BenchConfig:
+    """The `flashtree bench` options beside the engine's (--target, --draft, --budget, ...)."""
+
+    out: Path  # directory for results.json, results.md and the plots
+    datasets: str = "humaneval,gsm8k,math500"
+    n: int = REPORT_N
+    max_tokens: int = 256
+    modes: str = "ar,chain,tree"
+    baseline: str | None = None
+    raw: bool = False
+    seed: int = REPORT_SEED
+
+
+def bench_options(engine: EngineConfig, bench: BenchConfig) -> dict:
+    """Every option of the run by its flag's name, in the command's order (results.json, command_line)."""
+    b, spec = bench, engine.spec
+    return {"target": engine.target, "draft": engine.draft, "datasets": b.datasets, "n": b.n,
+            "max_tokens": b.max_tokens, "modes": b.modes, "budget": spec.budget,
+            "block_size": spec.block_size, "baseline": b.baseline, "raw": b.raw, "seed": b.seed,
+            "device": engine.device, "out": b.out}  # fmt: skip
+
+
+def bench_command(engine: EngineConfig, bench: BenchConfig) -> None:
+    options = bench_options(engine, bench)
     made_by = provenance()
-    mode_list = parse_modes(modes)
-    baselines = parse_baselines(baseline)
+    mode_list = parse_modes(bench.modes)
+    baselines = parse_baselines(bench.baseline)
+    max_tokens, raw = bench.max_tokens, bench.raw
     if max_tokens < 1:
         raise FlashtreeError(f"--max-tokens must be >= 1, got {max_tokens}")
-    out = Path(out)
+    out = Path(bench.out)
     if out.exists() and not out.is_dir():
         raise FlashtreeError(f"--out {out}: exists and is not a directory")
     # Prompts first: a missing dataset should fail before minutes of model loading.
-    prompts = [p for name in parse_dataset_names(datasets) for p in load_prompts(name, n, seed, raw)]
+    names = parse_dataset_names(bench.datasets)
+    prompts = [p for name in names for p in load_prompts(name, bench.n, bench.seed, raw)]
 
     # The loading engine only lends its target, tokenizer and draft to the per-mode engines: tiny cache.
     # Loaded as a speculative engine when a chain/tree mode runs (mode None: tree with a draft), so that
     # every mode, the AR baseline included, computes in the speculative engine's arithmetic (packed
     # weights) and matmul kernel (dense fp32 weights): its AR is what chain/tree must reproduce.
     speculative = any(m != "ar" for m in mode_list)
-    base = engine_from_options(target, draft, None if speculative else "ar", 1, device, block_size, budget)
+    e, mode = engine, None if speculative else "ar"
+    base = engine_from_options(e.target, e.draft, mode, 1, e.device, e.spec.block_size, e.spec.budget)
     encoded = [base.encode(p.text, chat=not raw) for p in prompts]
     max_ctx = context_for(prompts, encoded, max_tokens, base.target.config.context_length)
     runners = make_runners(base, mode_list, baselines, max_ctx)

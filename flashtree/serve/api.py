@@ -22,6 +22,7 @@ import sys
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager, contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 from fastapi import FastAPI, Request
@@ -31,7 +32,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
-from flashtree.config import SamplingParams
+from flashtree.config import EngineConfig, SamplingParams
 from flashtree.defaults import DEFAULT_TARGET_NAME
 from flashtree.errors import FlashtreeError
 from flashtree.generate import Chunk, Engine
@@ -425,23 +426,37 @@ def _listen_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def serve_command(
-    target, draft, mode, host, port, api_key, max_ctx, device, max_request_bytes, max_queue
-) -> None:
+@dataclass(frozen=True)
+class ServeConfig:
+    """The `flashtree serve` options beside the engine's: where it listens and what it admits."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None  # required as 'Authorization: Bearer KEY' on every route but /health
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # larger bodies get 413 before they are read
+    max_queue: int = DEFAULT_MAX_QUEUE  # requests that may wait for the engine; more get 429
+
+    def __post_init__(self) -> None:
+        check_api_key(self.api_key)
+        for name, value, low, high in [
+            ("--max-request-bytes", self.max_request_bytes, 1024, 1 << 30),
+            ("--max-queue", self.max_queue, 1, 1 << 20),
+        ]:
+            if not low <= value <= high:
+                raise FlashtreeError(f"{name} must be between {low} and {high}, got {value}")
+
+
+def serve_command(config: EngineConfig, options: ServeConfig) -> None:
     import uvicorn
 
-    from flashtree.commands import engine_from_options
+    from flashtree.commands import load_engine
 
-    check_api_key(api_key)
-    for name, value, low, high in [
-        ("--max-request-bytes", max_request_bytes, 1024, 1 << 30),
-        ("--max-queue", max_queue, 1, 1 << 20),
-    ]:
-        if not low <= value <= high:
-            raise FlashtreeError(f"{name} must be between {low} and {high}, got {value}")
+    host, port = options.host, options.port
     sock = _listen_socket(host, port)
-    engine = engine_from_options(target, draft, mode, max_ctx, device)
-    server = OpenAIServer(engine, model_id_for(target), api_key, max_request_bytes, max_queue)
+    engine = load_engine(config)
+    server = OpenAIServer(
+        engine, model_id_for(config.target), options.api_key, options.max_request_bytes, options.max_queue
+    )
     bound_port = sock.getsockname()[1]
     print(
         f"flashtree: serving {server.model_id} ({engine.mode}, {engine.max_ctx}-token context) "

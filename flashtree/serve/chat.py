@@ -11,7 +11,7 @@ import signal
 from prompt_toolkit import PromptSession
 from rich.console import Console
 
-from flashtree.config import SamplingParams
+from flashtree.config import EngineConfig, SamplingParams
 from flashtree.errors import FlashtreeError
 from flashtree.generate import Engine, GenerationStats
 
@@ -104,10 +104,9 @@ class ChatSession:
         )
 
 
-def chat_command(target, draft, mode, max_tokens, temperature, top_p, top_k, seed, max_ctx, device) -> None:
-    from flashtree.commands import engine_from_options
+def chat_command(config: EngineConfig, sampling: SamplingParams, max_tokens: int) -> None:
+    from flashtree.commands import load_engine
     from flashtree.serve.api import model_id_for
 
-    sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
-    engine = engine_from_options(target, draft, mode, max_ctx, device)
-    ChatSession(engine, model_id_for(target), sampling, max_tokens, Console(highlight=False)).run()
+    engine = load_engine(config)
+    ChatSession(engine, model_id_for(config.target), sampling, max_tokens, Console(highlight=False)).run()

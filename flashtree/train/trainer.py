@@ -18,7 +18,7 @@ import site
 import sysconfig
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -295,48 +295,41 @@ def dev_sequences(hf, tokenizer, n_per_set: int, max_new_tokens: int, stop_ids: 
 
 
 @dataclass(frozen=True)
-class DraftJob:
-    """What `flashtree train-draft` was asked for: its options, one field each."""
+class GenerationJob:
+    """The target's responses a draft trains on: `flashtree train-draft`'s generation options."""
 
-    target: Path | None
+    prompts: list[Path] | None = None  # JSONL(.gz) prompt files (None: the built-in mix)
+    max_prompts: int | None = None
+    max_prompt_tokens: int = 384  # longer prompts are skipped
+    max_new_tokens: int = 256  # response length cap
+    batch: int = 256  # prompts per generate call
+    minutes: float | None = None  # stop generating after this
+    sampled_every: int = 3  # every n-th batch sampled (0: never)
+    passes: int = 1  # responses per prompt
+    temperature: float = 0.8  # of the sampled batches
+
+
+@dataclass(frozen=True)
+class DraftJob:
+    """What `flashtree train-draft` was asked for: the draft, its data and its training."""
+
     out: Path
-    layers: int
-    block_size: int
-    init: Path | None
-    prompts: list[Path] | None
-    extra_data: list[Path] | None
-    max_prompts: int | None
-    max_prompt_tokens: int
-    max_new_tokens: int
-    gen_batch: int
-    gen_minutes: float | None
-    sampled_every: int
-    passes: int
-    temperature: float
-    steps: int | None
-    train_minutes: float | None
-    batch: int
-    anchors: int
-    lr: float
-    gamma: float | None
-    val_sequences: int
-    dev_prompts: int
-    seed: int
-    device: str | None
+    target: Path | None = None
+    layers: int = 5
+    init: Path | None = None  # go on training this draft
+    device: str | None = None
+    generation: GenerationJob = GenerationJob()
+    train: TrainConfig = field(default_factory=TrainConfig)
+    extra_data: list[Path] | None = None  # other runs' data/ dirs, trained on too
+    val_sequences: int = 64  # greedy responses held out of training
+    dev_prompts: int = 0  # greedy responses to benchmark development prompts, per set
 
     def __post_init__(self) -> None:
-        if (self.steps is None) == (self.train_minutes is None):
+        if (self.train.steps is None) == (self.train.time_limit is None):
             raise FlashtreeError("give one of --steps and --train-minutes")
         for d in self.extra_data or []:
             if not any(Path(d).glob("shard-*.pt")):
                 raise FlashtreeError(f"--extra-data {d}: no shard-*.pt files (a train-draft run's data/)")
-
-    def train_config(self) -> TrainConfig:
-        minutes = self.train_minutes
-        return TrainConfig(
-            block_size=self.block_size, anchors=self.anchors, batch=self.batch, lr=self.lr, gamma=self.gamma,
-            steps=self.steps, time_limit=None if minutes is None else minutes * 60, seed=self.seed,
-        )  # fmt: skip
 
 
 def train_draft_command(job: DraftJob) -> None:
@@ -346,7 +339,7 @@ def train_draft_command(job: DraftJob) -> None:
     model, tokenizer, draft = _target_and_draft(job)
     hf = hf_model_from(model).requires_grad_(False)
     seqs, val, dev = _training_data(job, hf, tokenizer)
-    cfg = job.train_config()
+    cfg = job.train
     (out / "train_config.json").write_text(json.dumps({"layers": job.layers, **asdict(cfg)}, indent=2))
     Trainer(
         draft, hf, seqs, cfg, out, export=lambda d: save_draft(draft, d), val={"val": val, "dev": dev}
@@ -370,32 +363,34 @@ def _target_and_draft(job: DraftJob):
         target = job.target
     dev = resolve_device(job.device)
     model, gguf = load_target(target, device=dev, dtype=torch.bfloat16 if dev.type == "cuda" else None)
-    shape = replace(draft_shape_for(gguf, job.layers), block_size=job.block_size)
+    shape = replace(draft_shape_for(gguf, job.layers), block_size=job.train.block_size)
     init = None if job.init is None else load_draft(job.init, model)
-    return model, Tokenizer.from_gguf_metadata(gguf.metadata), new_draft(shape, model, job.seed, init=init)
+    draft = new_draft(shape, model, job.train.seed, init=init)
+    return model, Tokenizer.from_gguf_metadata(gguf.metadata), draft
 
 
 def _training_data(job: DraftJob, hf, tokenizer):
     """(training sequences, held-out greedy sequences, development-prompt sequences): the target's
     responses to the prompts, generated into job.out/data and joined with --extra-data's."""
-    out = Path(job.out)
-    records = _prompt_records(out / "prompts.jsonl.gz", job.prompts, job.seed)[: job.max_prompts]
+    out, gen, seed = Path(job.out), job.generation, job.train.seed
+    records = _prompt_records(out / "prompts.jsonl.gz", gen.prompts, seed)[: gen.max_prompts]
     chats = (D.chat_prompt_ids(tokenizer, r["text"]) for r in records)
-    prompt_ids = [ids for ids in chats if len(ids) <= job.max_prompt_tokens]
+    prompt_ids = [ids for ids in chats if len(ids) <= gen.max_prompt_tokens]
     stop_ids = [tokenizer.eos_id] + sorted(tokenizer.stop_ids - {tokenizer.eos_id})
-    jobs = D.generation_jobs(prompt_ids, job.gen_batch, job.sampled_every, job.seed, job.passes)
+    jobs = D.generation_jobs(prompt_ids, gen.batch, gen.sampled_every, seed, gen.passes)
     D.generate_dataset(
-        hf, jobs, out / "data", job.max_new_tokens, stop_ids, job.temperature, 0.95, job.seed,
-        None if job.gen_minutes is None else job.gen_minutes * 60,
+        hf, jobs, out / "data", gen.max_new_tokens, stop_ids, gen.temperature, 0.95, seed,
+        None if gen.minutes is None else gen.minutes * 60,
     )  # fmt: skip
     dirs = [out / "data", *(Path(d) for d in job.extra_data or [])]
-    seqs = D.load_sequences(dirs, min_response=2 * job.block_size)
+    min_response = 2 * job.train.block_size
+    seqs = D.load_sequences(dirs, min_response=min_response)
     if not len(seqs):
-        raise FlashtreeError(f"{out / 'data'}: no sequence with a response of {2 * job.block_size}+ tokens")
+        raise FlashtreeError(f"{out / 'data'}: no sequence with a response of {min_response}+ tokens")
     print(f"data: {len(seqs)} sequences, {seqs.n_response_tokens} response tokens")
-    seqs, val = D.hold_out(seqs, job.val_sequences, job.seed)
+    seqs, val = D.hold_out(seqs, job.val_sequences, seed)
     print(f"validation: {len(val)} greedy sequences held out of training")
-    dev = dev_sequences(hf, tokenizer, job.dev_prompts, job.max_new_tokens, stop_ids)
+    dev = dev_sequences(hf, tokenizer, job.dev_prompts, gen.max_new_tokens, stop_ids)
     if job.dev_prompts:
         print(f"validation: {len(dev)} greedy responses to benchmark development prompts")
     return seqs, val, dev
