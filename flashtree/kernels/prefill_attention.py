@@ -1,0 +1,138 @@
+"""Causal flash attention for a prefill chunk, in Triton: no mask tensor, no score matrix in memory.
+
+A chunk of T tokens at positions start .. start + T - 1 has its K/V already written to the cache at
+those slots; row t attends to slots 0 .. start + t (or, with a window, to the last `window` of them).
+The torch path builds a (T, start + T) mask and runs SDPA over it: at a 256K prompt a 2048-row chunk's
+mask alone is 512 MB and SDPA with a mask takes its slow kernels. Here a program takes R consecutive
+rows of one KV head with all G query heads of that KV head (query i: row i // G, head i % G, as the
+decode kernel lays them), so each K/V tile it loads serves G x R queries; it walks the key tiles every
+one of its rows sees without a mask, then the few tiles on the causal edge with one, and never a tile
+past its last row's position (nor, with a window, before its first row's window). Online softmax in
+fp32, dots as kernels/attention.py takes them (`dot_mode`). The row blocks are launched last first:
+the longest rows start first and the short ones fill in behind.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flashtree.kernels import tl, triton
+from flashtree.kernels.attention import _dot, _operand, dot_mode
+
+LOG2E = 1.4426950408889634
+# (query slots a program, key positions a step, warps) by head size: FlashAttention-2's tiles for these
+# head sizes (a 256-wide head's fp32 accumulator of 64 x 256 is what 8 warps' registers hold)
+TILES = {64: (128, 64, 4), 128: (128, 64, 8), 256: (64, 64, 8)}
+NUM_STAGES = 2
+
+
+def tiles_for(head_dim: int) -> tuple[int, int, int]:
+    """(QB, BLOCK, warps) for heads of `head_dim` values: the entry of the next size up."""
+    bd = triton.next_power_of_2(head_dim)
+    return TILES.get(bd, TILES[64] if bd < 64 else TILES[256])
+
+
+@triton.jit
+def _key_tile(
+    q, k_head, v_head, b, d, head_dims, n_keys, pos, m, denom, acc, qk_scale,
+    stride_ks, stride_vs, DOTS: tl.constexpr, BLOCK: tl.constexpr, EDGE: tl.constexpr,
+    WINDOW: tl.constexpr, window,
+):  # fmt: skip
+    """Keys b .. b + BLOCK - 1 added to the online softmax (base 2) of the queries at positions `pos`.
+    EDGE: the tile crosses some row's causal edge (or window): keys a row does not see are masked."""
+    keys = b + tl.arange(0, BLOCK)
+    in_cache = keys < n_keys
+    k_ok = in_cache[None, :] & tl.trans(head_dims)
+    k = tl.load(k_head + keys[None, :] * stride_ks + d[:, None], mask=k_ok, other=0.0)
+    v = tl.load(
+        v_head + keys[:, None] * stride_vs + d[None, :], mask=in_cache[:, None] & head_dims, other=0.0
+    )
+    scores = _dot(q, _operand(k, DOTS), DOTS) * qk_scale  # (QB, BLOCK), in log2 units
+    if EDGE:
+        seen = keys[None, :] <= pos[:, None]
+        if WINDOW:
+            seen = seen & (keys[None, :] > pos[:, None] - window)
+        scores = tl.where(seen, scores, float("-inf"))
+    m_new = tl.maximum(m, tl.max(scores, axis=1))
+    if WINDOW:  # a row whose window starts past this tile has seen no key yet: m_new -inf, keep exp's 0
+        m_new = tl.where(m_new == float("-inf"), -1e30, m_new)
+    alpha = tl.exp2(m - m_new)
+    p = tl.exp2(scores - m_new[:, None])
+    denom = denom * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + _dot(_operand(p, DOTS), _operand(v, DOTS), DOTS)
+    return m_new, denom, acc
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, start, n_rows, n_blocks, window,
+    stride_qt, stride_qh, stride_kh, stride_ks, stride_vh, stride_vs, stride_ot, stride_oh, qk_scale,
+    G: tl.constexpr, R: tl.constexpr, QB: tl.constexpr, HD: tl.constexpr, BD: tl.constexpr,
+    BLOCK: tl.constexpr, DOTS: tl.constexpr, WINDOW: tl.constexpr,
+):  # fmt: skip
+    """Program (row block, KV head): rows first .. first + R - 1 of the chunk, G query heads each."""
+    block, kvh = n_blocks - 1 - tl.program_id(0), tl.program_id(1)  # the longest rows first
+    i = tl.arange(0, QB)
+    d = tl.arange(0, BD)
+    first = block * R
+    real = (i < R * G) & (first + i // G < n_rows)
+    # padding queries compute the block's last row again (it sees its own key), never stored
+    row = tl.minimum(first + tl.minimum(i // G, R - 1), n_rows - 1)
+    heads = kvh * G + i % G
+    pos = start + row  # (QB,) each query's position: it sees keys 0 .. pos
+    head_dims = (d < HD)[None, :]
+    q_at = q_ptr + row[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :]
+    q = tl.load(q_at, mask=head_dims, other=0.0)
+    q = _operand(q, DOTS)
+    m = tl.full((QB,), float("-inf"), tl.float32)
+    denom = tl.zeros((QB,), tl.float32)
+    acc = tl.zeros((QB, BD), tl.float32)
+    first_pos = start + first
+    n_keys = start + tl.minimum(first + R, n_rows)  # one past the block's last position
+    lo = 0
+    shared_end = (first_pos + 1) // BLOCK * BLOCK  # tiles every row of the block sees whole
+    if WINDOW:
+        lo = tl.maximum(first_pos - window + 1, 0) // BLOCK * BLOCK
+        shared_end = lo  # a window's lower edge moves with the row: every tile is an edge tile
+    k_head, v_head = k_ptr + kvh * stride_kh, v_ptr + kvh * stride_vh
+    for b in range(lo, shared_end, BLOCK):
+        m, denom, acc = _key_tile(
+            q, k_head, v_head, b, d, head_dims, n_keys, pos, m, denom, acc, qk_scale,
+            stride_ks, stride_vs, DOTS, BLOCK, False, WINDOW, window,
+        )  # fmt: skip
+    for b in range(shared_end, n_keys, BLOCK):
+        m, denom, acc = _key_tile(
+            q, k_head, v_head, b, d, head_dims, n_keys, pos, m, denom, acc, qk_scale,
+            stride_ks, stride_vs, DOTS, BLOCK, True, WINDOW, window,
+        )  # fmt: skip
+    outs = out_ptr + row[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :]
+    tl.store(outs, (acc / denom[:, None]).to(out_ptr.dtype.element_ty), mask=real[:, None] & head_dims)
+
+
+def prefill_attention(
+    q: torch.Tensor,  # (T, n_heads, head_dim), unit stride along head_dim
+    k_cache: torch.Tensor,  # (n_kv, slots, head_dim): the chunk's own K/V already at slots start ..
+    v_cache: torch.Tensor,
+    start: int,  # the chunk's first position (committed tokens before it), known on the host
+    scale: float,
+    window: int = 0,  # > 0: row at p attends to positions max(0, p - window + 1) .. p only
+) -> torch.Tensor:
+    """Causal softmax(q K^T * scale) V of a prefill chunk over the cache's positions 0 .. start + T - 1,
+    (T, n_heads, head_dim) in q's dtype."""
+    t, n_heads, hd = q.shape
+    n_kv = k_cache.shape[0]
+    group = n_heads // n_kv
+    bd = triton.next_power_of_2(hd)
+    queries, block, warps = tiles_for(hd)
+    queries = max(queries, triton.next_power_of_2(group))
+    rows = queries // group
+    n_blocks = triton.cdiv(t, rows)
+    out = torch.empty(t, n_heads, hd, dtype=q.dtype, device=q.device)
+    _prefill_kernel[(n_blocks, n_kv)](
+        q, k_cache, v_cache, out, start, t, n_blocks, window,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        out.stride(0), out.stride(1), scale * LOG2E,
+        G=group, R=rows, QB=queries, HD=hd, BD=bd, BLOCK=block, DOTS=dot_mode(q), WINDOW=window > 0,
+        num_warps=warps, num_stages=NUM_STAGES,
+    )  # fmt: skip
+    return out

@@ -1,0 +1,84 @@
+"""kernels/prefill_attention.py on CPU through Triton's interpreter: a prefill chunk's causal attention
+over the cache (its own K/V already written) equals the masked softmax of the torch path, with and
+without a window, for GQA groups of 1, 3 and 6 query heads, head sizes that are and are not powers of
+two, chunks that start at 0 and past several key tiles, and tiles smaller than the chunk (many row
+blocks, shared tiles and causal-edge tiles)."""
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are compiled: run them on CPU tensors
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from flashtree.kernels import prefill_attention as pa  # noqa: E402
+
+# (kv heads, query heads, head_dim, chunk start, chunk tokens, cache slots)
+SHAPES = {
+    "first-chunk": (2, 6, 32, 0, 45, 64),
+    "later-chunk": (1, 6, 16, 150, 37, 200),
+    "mha-odd-head": (3, 3, 24, 70, 30, 128),
+    "smollm2-group": (1, 3, 64, 20, 50, 80),
+}
+DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
+# fp32: rounding order only (and exp2 for exp); bf16: q, K, V, p as bf16 operands and the output's cast
+TOL = {"f32": 1e-5, "bf16": 2e-2}
+
+
+def case(shape, dtype, seed=0):
+    n_kv, n_heads, hd, start, t, slots = SHAPES[shape]
+    gen = torch.Generator().manual_seed(seed)
+    k, v = (torch.randn(n_kv, slots, hd, generator=gen).to(dtype) for _ in range(2))
+    q = torch.randn(t, n_heads, hd, generator=gen).to(dtype)
+    return q, k, v, start
+
+
+def reference(q, k, v, start, window=0):
+    """The torch path's masked SDPA in fp32: row t sees keys 0 .. start + t (within the window)."""
+    t, hd = q.shape[0], q.shape[-1]
+    pos = start + torch.arange(t)[:, None]
+    key = torch.arange(start + t)[None, :]
+    mask = key <= pos
+    if window:
+        mask &= key > pos - window
+    out = F.scaled_dot_product_attention(
+        q.float().transpose(0, 1)[None], k[None, :, : start + t].float(), v[None, :, : start + t].float(),
+        attn_mask=mask, scale=hd**-0.5, enable_gqa=True,
+    )  # fmt: skip
+    return out[0].transpose(0, 1)
+
+
+@pytest.fixture(params=["default", "small"])
+def tiles(request, monkeypatch):
+    """The default tiles, or 16-query, 16-key tiles: many row blocks and key tiles in one chunk."""
+    if request.param == "small":
+        monkeypatch.setattr(pa, "TILES", {64: (16, 16, 4), 128: (16, 16, 4), 256: (16, 16, 4)})
+    return request.param
+
+
+@pytest.mark.parametrize("window", [0, 1, 7, 40], ids=lambda w: f"window{w}")
+@pytest.mark.parametrize("dtype", DTYPES, ids=list(DTYPES))
+@pytest.mark.parametrize("shape", SHAPES, ids=list(SHAPES))
+def test_prefill_attention_is_the_causal_masked_softmax(shape, dtype, window, tiles):
+    q, k, v, start = case(shape, DTYPES[dtype])
+    got = pa.prefill_attention(q, k, v, start, q.shape[-1] ** -0.5, window)
+    assert got.dtype == q.dtype and got.shape == q.shape
+    tol = TOL[dtype]
+    torch.testing.assert_close(got.float(), reference(q, k, v, start, window), rtol=tol, atol=tol)
+
+
+def test_keys_past_the_chunk_are_never_read():
+    """Slots past start + T hold NaN (unused capacity): no output row sees them."""
+    q, k, v, start = case("later-chunk", torch.float32)
+    t = q.shape[0]
+    k[:, start + t :], v[:, start + t :] = float("nan"), float("nan")
+    got = pa.prefill_attention(q, k, v, start, q.shape[-1] ** -0.5)
+    torch.testing.assert_close(got, reference(q, k, v, start), rtol=1e-5, atol=1e-5)
+
+
+def test_a_window_wider_than_the_context_is_full_attention():
+    q, k, v, start = case("later-chunk", torch.float32)
+    scale = q.shape[-1] ** -0.5
+    full = pa.prefill_attention(q, k, v, start, scale)
+    torch.testing.assert_close(pa.prefill_attention(q, k, v, start, scale, window=10_000), full)
