@@ -37,13 +37,13 @@ def _index(key):
 
 
 @triton.jit
-def _ddtree_kernel(
-    logp_ptr, tok_ptr, root_ptr, tokens_ptr, parents_ptr, depths_ptr, visible_ptr,
-    score_buf, pick_buf, sort_buf, node_buf,
-    L: tl.constexpr, K: tl.constexpr, W: tl.constexpr, N: tl.constexpr, BONUS: tl.constexpr,
-    BW: tl.constexpr, BK: tl.constexpr, BLW: tl.constexpr, BT: tl.constexpr, GDC: tl.constexpr,
+def _best_per_depth(
+    logp_ptr, score_buf, pick_buf, sort_buf,
+    L: tl.constexpr, K: tl.constexpr, W: tl.constexpr, BONUS: tl.constexpr,
+    BW: tl.constexpr, BK: tl.constexpr,
 ):  # fmt: skip
-    wait_for_inputs(GDC)
+    """Per depth the W best (parent slot x rank) candidates: score_buf their scores (without the bonus),
+    pick_buf their candidate indices (slot * K + rank), both (L, W)."""
     slot = tl.arange(0, BW)
     rank = tl.arange(0, BK)
     flat = slot[:, None] * K + rank[None, :]  # the torch path's candidate index
@@ -72,6 +72,15 @@ def _ddtree_kernel(
         tl.store(pick_buf + d * W + slot, pick, mask=slot < W)
         tl.debug_barrier()
 
+
+@triton.jit
+def _best_nodes(
+    score_buf, sort_buf, node_buf,
+    L: tl.constexpr, W: tl.constexpr, N: tl.constexpr, BONUS: tl.constexpr,
+    BLW: tl.constexpr, BT: tl.constexpr,
+):  # fmt: skip
+    """The grid indices (depth * W + slot) of the N best candidates of all depths, node q + 1 at q, in
+    depth order; node_buf (L * W) cleared to -1."""
     # The N best of all depths (stable: a tie goes to the shallower node, so parents come first).
     i = tl.arange(0, BLW)
     in_grid = i < L * W
@@ -90,7 +99,33 @@ def _ddtree_kernel(
     tl.store(sort_buf + q, order)
     tl.store(node_buf + i, -1, mask=in_grid)
     tl.debug_barrier()
-    node = (tl.load(sort_buf + q, mask=q < N, other=0) & 0xFFFFF).to(tl.int32)  # grid index of node q + 1
+    return (tl.load(sort_buf + q, mask=q < N, other=0) & 0xFFFFF).to(tl.int32)
+
+
+@triton.jit
+def _ancestors(parents_ptr, visible_ptr, L: tl.constexpr, N: tl.constexpr, BT: tl.constexpr):
+    """visible[t, j]: j is t or an ancestor of t; walk the parent pointers L times."""
+    t = tl.arange(0, BT)
+    cur = tl.where(t < N + 1, t, -1)
+    seen = cur[:, None] == t[None, :]
+    for _ in range(L):
+        cur = tl.load(parents_ptr + tl.maximum(cur, 0), mask=cur >= 0, other=-1).to(tl.int32)
+        seen = seen | ((cur[:, None] == t[None, :]) & (cur[:, None] >= 0))
+    at = t[:, None] * (N + 1) + t[None, :]
+    tl.store(visible_ptr + at, seen.to(tl.int8), mask=(t[:, None] < N + 1) & (t[None, :] < N + 1))
+
+
+@triton.jit
+def _ddtree_kernel(
+    logp_ptr, tok_ptr, root_ptr, tokens_ptr, parents_ptr, depths_ptr, visible_ptr,
+    score_buf, pick_buf, sort_buf, node_buf,
+    L: tl.constexpr, K: tl.constexpr, W: tl.constexpr, N: tl.constexpr, BONUS: tl.constexpr,
+    BW: tl.constexpr, BK: tl.constexpr, BLW: tl.constexpr, BT: tl.constexpr, GDC: tl.constexpr,
+):  # fmt: skip
+    wait_for_inputs(GDC)
+    _best_per_depth(logp_ptr, score_buf, pick_buf, sort_buf, L, K, W, BONUS, BW, BK)
+    node = _best_nodes(score_buf, sort_buf, node_buf, L, W, N, BONUS, BLW, BT)  # grid index of node q + 1
+    q = tl.arange(0, BT)
     depth = node // W
     tl.store(node_buf + node, q + 1, mask=q < N)
     tl.debug_barrier()
@@ -105,15 +140,7 @@ def _ddtree_kernel(
     tl.store(parents_ptr, -1)
     tl.store(depths_ptr, 0)
     tl.debug_barrier()
-    # visible[t, j]: j is t or an ancestor of t; walk the parent pointers L times
-    t = tl.arange(0, BT)
-    cur = tl.where(t < N + 1, t, -1)
-    seen = cur[:, None] == t[None, :]
-    for _ in range(L):
-        cur = tl.load(parents_ptr + tl.maximum(cur, 0), mask=cur >= 0, other=-1).to(tl.int32)
-        seen = seen | ((cur[:, None] == t[None, :]) & (cur[:, None] >= 0))
-    at = t[:, None] * (N + 1) + t[None, :]
-    tl.store(visible_ptr + at, seen.to(tl.int8), mask=(t[:, None] < N + 1) & (t[None, :] < N + 1))
+    _ancestors(parents_ptr, visible_ptr, L, N, BT)
 
 
 def ddtree(
