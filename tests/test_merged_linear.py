@@ -19,7 +19,7 @@ from flashtree.kernels.qmatmul import k_splits, layout, quant_matmul
 from flashtree.models.attention import Attention
 from flashtree.models.layers import Linear, MergedLinear
 from flashtree.models.llama import unpermute_rows
-from flashtree.models.loader import Weights, load_target
+from flashtree.models.loader import load_target
 from flashtree.quant.formats import QT, block_size
 from flashtree.quant.pack import random_blocks
 
@@ -38,7 +38,7 @@ def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def build(rows: torch.Tensor, qtype: int | None, cols: int):
-    return Weights.linear_from(rows, qtype, cols)
+    return Linear(rows) if qtype is None else QuantLinear(rows, qtype, (rows.shape[0], cols))
 
 
 def test_dense_merge_equals_separate_products():

@@ -8,7 +8,7 @@ from torch import nn
 
 from flashtree import kernels
 from flashtree.errors import FlashtreeError
-from flashtree.kernels.qmatmul import MatmulInput, quant_matmul, repack, unpack
+from flashtree.kernels.qmatmul import MatmulInput, packed_fields, quant_matmul, repack, unpack
 from flashtree.kernels.tiles import ARITHMETICS, DEFAULT_KERNELS
 from flashtree.quant.dequant import dequantize
 from flashtree.quant.formats import type_name
@@ -21,11 +21,15 @@ class QuantLinear(nn.Module):
     batch; a one-row input may come with its int8 quantization, qmatmul.MatmulInput); any other device
     dequantizes with the reference decoder on every call."""
 
-    def __init__(self, raw: torch.Tensor, qtype: int, shape: tuple[int, int]):
-        """raw: the GGUF rows (out, row_bytes) uint8 on the layer's device; shape: (out, in)."""
+    def __init__(self, raw: torch.Tensor | None, qtype: int, shape: tuple[int, int], device=None):
+        """raw: the GGUF rows (out, row_bytes) uint8 on the layer's device, or None: fields allocated on
+        `device` for a loader to fill (qmatmul.repack_into); shape: (out, in)."""
         super().__init__()
         self.qtype, self.out_features, self.in_features = int(qtype), int(shape[0]), int(shape[1])
-        fields = repack(raw, qtype, self.in_features)
+        if raw is None:
+            fields = packed_fields(qtype, self.out_features, self.in_features, device)
+        else:
+            fields = repack(raw, qtype, self.in_features)
         for i, field in enumerate(fields):
             self.register_buffer(f"field{i}", field, persistent=False)
         self.n_fields = len(fields)

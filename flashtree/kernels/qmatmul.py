@@ -113,18 +113,38 @@ def repack(raw: torch.Tensor, qtype: int, n_cols: int) -> list[torch.Tensor]:
     per block becomes (n_blocks, k, n_rows, 4) int32 words (chunk c of block b of all rows side by side),
     a 2-byte one (n_blocks, n_rows) fp16. Threads that own consecutive rows then read consecutive
     16-byte chunks: one coalesced 512-byte transaction per warp instead of 32 scattered ones."""
-    lay = layout(qtype, n_cols)
+    fields = packed_fields(qtype, raw.shape[0], n_cols, raw.device)
+    repack_into(fields, raw, qtype, n_cols)
+    return fields
+
+
+def packed_fields(qtype: int, n_rows: int, n_cols: int, device) -> list[torch.Tensor]:
+    """`repack`'s fields of an (n_rows, n_cols) `qtype` matrix, allocated, not filled (repack_into)."""
+    n_blocks = n_cols // block_size(qtype)
+    return [
+        torch.empty(
+            (n_blocks, f.size // CHUNK, n_rows, CHUNK // 4) if f.size % CHUNK == 0 else (n_blocks, n_rows),
+            dtype=f.dtype,
+            device=device,
+        )
+        for f in layout(qtype, n_cols).fields
+    ]
+
+
+def repack_into(fields: list[torch.Tensor], raw: torch.Tensor, qtype: int, n_cols: int, row: int = 0) -> None:
+    """Write GGUF rows `raw` (r, row_bytes) uint8 (on the fields' device) as rows row..row + r of `fields`
+    (packed_fields), straight into their interleaved places: no full-size temporary, so a loader can
+    repack a matrix a few rows at a time."""
     n_rows = raw.shape[0]
     blocks = raw.reshape(n_rows, -1, block_bytes(qtype))  # (rows, n_blocks, block_bytes)
-    out = []
-    for f in lay.fields:
+    for f, dest in zip(layout(qtype, n_cols).fields, fields, strict=True):
         part = blocks[..., f.start : f.start + f.size]
         if f.size % CHUNK == 0:  # (n_blocks, chunks, rows, 16 bytes)
             part = part.reshape(n_rows, -1, f.size // CHUNK, CHUNK).permute(1, 2, 0, 3)
+            dest.view(torch.uint8)[:, :, row : row + n_rows].copy_(part)
         else:  # one fp16 per block: (n_blocks, rows, 2 bytes)
-            part = part.permute(1, 0, 2)
-        out.append(part.contiguous().view(f.dtype).squeeze(-1))
-    return out
+            bytes_ = dest.view(torch.uint8).view(dest.shape[0], dest.shape[1], 2)
+            bytes_[:, row : row + n_rows].copy_(part.permute(1, 0, 2))
 
 
 def unpack(fields: list[torch.Tensor], qtype: int, n_cols: int, rows: slice = slice(None)) -> torch.Tensor:
@@ -352,10 +372,8 @@ def _sum_splits_kernel(y_ptr, part_ptr, n, n_splits, BLOCK: tl.constexpr, GDC: t
 
 SUM_BLOCK = 128  # sums a program of `sum_splits` adds
 SUM_WARPS = 2
-# Swept at the 27B's verify 23 shapes on an H100 (bench/gpu_sum_splits.py, in
-# bench/results/sum-splits-2026-12-06): 128 x 2 warps sums a shape's partials in 2-6.5 us a launch where
-# 1024 x 4 took 5-11 (small blocks give 5120-row matrices more programs than SMs); 256 x 4, 128 x 4 and
-# 512 x 8 were as fast. The 27B's bf16 verify 23 went 17.15 -> 16.04 ms side by side.
+# Small blocks give the 27B's 5120-row matrices more programs than SMs (swept at its verify shapes:
+# bench/results/sum-splits-2026-12-06).
 
 
 def sum_splits(y: torch.Tensor, parts: torch.Tensor, block: int = SUM_BLOCK, warps: int = SUM_WARPS) -> None:

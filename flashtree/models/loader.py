@@ -19,8 +19,15 @@ from flashtree.gguf.reader import GGUFFile, open_gguf
 from flashtree.models.config import ModelConfig
 from flashtree.models.layers import Linear, MergedLinear, RMSNorm, Rotary, SwiGLU
 from flashtree.models.model import DecoderLayer, DecoderModel
+from flashtree.quant.dequant import dequantize
 
 ARCHITECTURES = {"llama": "llama", "qwen3": "qwen3", "qwen35": "qwen35"}  # GGUF arch -> family module
+
+
+# Bytes of a tensor's file rows converted at a time: a load streams every tensor through buffers this
+# size (raw rows on the device, their decoded or repacked form written straight into the resident
+# tensor), so its peak device memory is the resident weights plus temporaries of this order.
+LOAD_CHUNK_BYTES = 4 << 20
 
 
 class Weights:
@@ -28,52 +35,85 @@ class Weights:
 
     With `quantized` (see default_quantized), quantized matrices stay packed in `QuantLinear`s that
     run the Triton kernels; otherwise, and always for float tensors, a matrix becomes a dense `Linear`.
-    `merged` puts matrices that read the same input into as few matmuls as their storage allows."""
+    `merged` puts matrices that read the same input into as few matmuls as their storage allows.
 
-    def __init__(
-        self, gguf: GGUFFile, device: torch.device | str, dtype: torch.dtype, quantized: bool | None = None
-    ):
+    Every tensor is allocated once, in its resident form, and filled from the file a few rows at a time
+    (LOAD_CHUNK_BYTES): no whole-tensor copy, decoded or packed, ever sits next to it. On the `meta`
+    device nothing is read: the model built is the memory plan's (flashtree/plan.py), tensor for tensor
+    the one a load allocates; `gguf` may then be a header's tensor table alone (plan.TensorTable)."""
+
+    def __init__(self, gguf, device: torch.device | str, dtype: torch.dtype, quantized: bool | None = None):
         self.gguf, self.device, self.dtype = gguf, torch.device(device), dtype
         self.quantized = default_quantized(self.device, gguf) if quantized is None else quantized
 
-    def dense(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
-        return self.gguf.tensor(name, dtype=dtype or self.dtype, device=self.device)
-
-    def matrix(self, name: str) -> tuple[torch.Tensor, int | None]:
-        """A matrix's rows as its layer will hold them: (GGUF rows (out, row_bytes) uint8, GGUF type) when
-        it stays packed, else (dense (out, in) weight, None)."""
+    def kind(self, name: str) -> int | None:
+        """The GGUF type a matrix stays packed in, or None when it becomes a dense weight."""
         info = self.gguf.info(name)
         if self.quantized and len(info.shape) == 2:
             from flashtree.kernels.qmatmul import KERNEL_TYPES
 
             if info.qtype in KERNEL_TYPES:  # float tensors and types without a kernel stay dense
-                return torch.from_numpy(self.gguf.raw(name)).to(self.device), info.qtype
-        return self.dense(name), None
+                return info.qtype
+        return None
 
-    @staticmethod
-    def linear_from(rows: torch.Tensor, qtype: int | None, in_features: int) -> Linear:
-        """The layer holding rows in `matrix`'s form (or several matrices' rows concatenated)."""
-        if qtype is None:
-            return Linear(rows)
-        from flashtree.kernels.qlinear import QuantLinear
+    def _chunks(self, name: str, order: torch.Tensor | None = None):
+        """(first row, raw rows on the device) of tensor `name` (rows: all dims but the last), a chunk
+        of LOAD_CHUNK_BYTES at a time; `order`: the file row each row takes. Nothing on `meta`."""
+        if self.device.type == "meta":
+            return
+        info = self.gguf.info(name)
+        raw = self.gguf.raw(name)
+        step = max(1, LOAD_CHUNK_BYTES // raw.shape[1])
+        for r in range(0, raw.shape[0], step):
+            rows = raw[r : r + step] if order is None else raw[order[r : r + step].numpy()]
+            yield r, torch.from_numpy(rows).to(self.device), info
 
-        return QuantLinear(rows, qtype, (rows.shape[0], in_features))
+    def _fill_dense(self, dest: torch.Tensor, name: str, order: torch.Tensor | None = None) -> None:
+        """Decode tensor `name` into `dest` (its rows, as (rows, cols))."""
+        for r, raw, info in self._chunks(name, order):
+            n = raw.shape[0]
+            dest[r : r + n] = dequantize(raw, info.qtype, (n, info.shape[-1]), dest.dtype)
+
+    def dense(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        shape = self.gguf.info(name).shape
+        out = torch.empty(shape, dtype=dtype or self.dtype, device=self.device)
+        self._fill_dense(out.view(-1, shape[-1]), name)
+        return out
+
+    def _group(self, names: list[str], kind: int | None, orders: dict[str, torch.Tensor]) -> Linear:
+        """One layer holding the rows of matrices `names` (same input, same `kind`) in order."""
+        shape = (sum(self.gguf.info(n).shape[0] for n in names), self.gguf.info(names[0]).shape[-1])
+        if kind is None:
+            layer = Linear(torch.empty(shape, dtype=self.dtype, device=self.device))
+        else:
+            from flashtree.kernels.qlinear import QuantLinear
+            from flashtree.kernels.qmatmul import repack_into
+
+            layer = QuantLinear(None, kind, shape, self.device)
+        at = 0
+        for name in names:
+            if kind is None:
+                self._fill_dense(layer.weight.data[at:], name, orders.get(name))
+            else:
+                for r, raw, _ in self._chunks(name, orders.get(name)):
+                    repack_into(layer.fields, raw, kind, shape[1], at + r)
+            at += self.gguf.info(name).shape[0]
+        return layer
 
     def linear(self, name: str) -> Linear:
-        return self.linear_from(*self.matrix(name), self.gguf.info(name).shape[-1])
+        return self._group([name], self.kind(name), {})
 
     def merged(self, names: list[str], reorder: dict[str, Callable] | None = None) -> MergedLinear:
         """The matrices `names`, which read the same input, as one MergedLinear: one matmul for the dense
         ones, one per GGUF type for the packed ones. `reorder`: a function permuting a matrix's rows, per
-        name; it gets dense or GGUF rows alike."""
-        reorder = reorder or {}
-        rows, kinds = [], []
-        for name in names:
-            r, qtype = self.matrix(name)
-            rows.append(reorder[name](r) if name in reorder else r)
-            kinds.append(qtype)
-        in_features = self.gguf.info(names[0]).shape[-1]
-        return MergedLinear.from_rows(rows, kinds, lambda r, qtype: self.linear_from(r, qtype, in_features))
+        name (applied to the file's rows as they are read)."""
+        orders = {n: f(torch.arange(self.gguf.info(n).shape[0])) for n, f in (reorder or {}).items()}
+        kinds = [self.kind(name) for name in names]
+        order = list(dict.fromkeys(kinds))  # the kinds, in order of first appearance
+        groups = [self._group([n for n, k in zip(names, kinds, strict=True) if k == kind], kind, orders)
+                  for kind in order]  # fmt: skip
+        sizes = [self.gguf.info(name).shape[0] for name in names]
+        return MergedLinear(groups, [order.index(k) for k in kinds], sizes)
 
     def vector(self, name: str) -> torch.Tensor:
         """1-D parameters (norm weights, DeltaNet decay terms) stay fp32."""
@@ -129,9 +169,10 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     return resolved
 
 
-def default_quantized(device: torch.device, gguf: GGUFFile) -> bool:
+def default_quantized(device: torch.device, gguf, free: int | None = None) -> bool:
     """Keep weights packed (the quantized-matmul kernels) on CUDA for models computed in bf16
-    (FP32_MAX_PARAMS and up) and wherever dense bf16 would not fit. Why packed when dense fits: the
+    (FP32_MAX_PARAMS and up) and wherever dense bf16 would not fit in 0.8 of `free` bytes (default: the
+    device's free memory). Why packed when dense fits: the
     packed kernels are batch-invariant (a verify row equals the AR step bit for bit, so speculative
     output equals plain decoding), cuBLAS's bf16 GEMV and GEMM are not; and on the 27B the packed AR
     step is 1.85x faster (8.4 vs 15.5 ms, int8 arithmetic), the packed tree step 1.1x faster (21.6 vs
@@ -143,7 +184,8 @@ def default_quantized(device: torch.device, gguf: GGUFFile) -> bool:
     if sum(math.prod(t.shape) for t in gguf.tensors.values()) >= FP32_MAX_PARAMS:
         return True
     dense_bytes = 2 * sum(math.prod(t.shape) for t in gguf.tensors.values() if len(t.shape) == 2)
-    free, _ = torch.cuda.mem_get_info(device)
+    if free is None:
+        free, _ = torch.cuda.mem_get_info(device)
     return dense_bytes > 0.8 * free
 
 
@@ -168,22 +210,33 @@ def load_target(
 ):
     """Open a GGUF target and build its model on `device` (`quantized`: see Weights).
     Returns (DecoderModel, GGUFFile)."""
+    gguf, config = open_target(path)
+    device = resolve_device(device)
+    if device.type == "cuda":
+        kernels.require_triton()  # the GPU path runs Triton kernels: say so before reading any weight
+    return build_model(config, gguf, device, dtype, quantized), gguf
+
+
+def open_target(path: str | Path) -> tuple[GGUFFile, ModelConfig]:
+    """A target GGUF's header, checked (architecture, tensor table, tokenizer): no weight is read."""
     gguf = open_gguf(path)
-    family = ARCHITECTURES.get(gguf.arch)
-    if family is None:
+    if gguf.arch not in ARCHITECTURES:
         raise FlashtreeError(
             f"{gguf.path}: unsupported architecture {gguf.arch!r} (supported: {', '.join(ARCHITECTURES)})"
         )
     config = ModelConfig.from_gguf(gguf)
     check_tensors({name: t.shape for name, t in gguf.tensors.items()}, config, gguf.path)
     _check_tokenizer_fits(gguf, config)
-    device = resolve_device(device)
-    if device.type == "cuda":
-        kernels.require_triton()  # the GPU path runs Triton kernels: say so before reading any weight
-    module = importlib.import_module(f"flashtree.models.{family}")
-    n_params = sum(math.prod(t.shape) for t in gguf.tensors.values())
-    weights = Weights(gguf, device, dtype or default_dtype(device, n_params), quantized)
-    return module.build(config, weights), gguf
+    return gguf, config
+
+
+def build_model(
+    config: ModelConfig, tensors, device: torch.device, dtype: torch.dtype | None = None, quantized=None
+) -> DecoderModel:
+    """The target of `config` from `tensors` (a GGUFFile; on `meta`, any tensor table: see Weights)."""
+    module = importlib.import_module(f"flashtree.models.{ARCHITECTURES[config.arch]}")
+    n_params = sum(math.prod(t.shape) for t in tensors.tensors.values())
+    return module.build(config, Weights(tensors, device, dtype or default_dtype(device, n_params), quantized))
 
 
 def check_tensors(shapes: dict[str, tuple[int, ...]], config: ModelConfig, source: Path) -> None:
