@@ -1,10 +1,10 @@
 """Decode steps replayed from CUDA graphs.
 
 A decode step (AR, or draft + verify + accept + commit) is a few hundred to a few thousand small
-kernels; launched one by one from Python, the launches cost more than the GPU work (an eager 27B AR
-step took 106 ms for 23 ms of kernels). Every step function is written with fixed shapes for a given
-key and no host reads (positions and lengths are device tensors, the KV read length is a bucket), so
-the first run of a key is captured into a CUDA graph and every later run is one replay.
+kernels; launched one by one from Python, the launches cost more than the GPU work
+(bench/results/h200-launch-cuts-2026-12-03). Every step function is written with fixed shapes for a
+given key and no host reads (positions and lengths are device tensors, the KV read length is a bucket),
+so the first run of a key is captured into a CUDA graph and every later run is one replay.
 
 Step code keeps no host-side books: the caller advances ModelState.seq_len from the step's read-back
 result, the same way whether the step ran eagerly, was captured or was replayed.

@@ -208,8 +208,8 @@ def run_all(
     """Warm each runner up on the shortest and the longest prompt; then run every prompt through each.
     Why both: an engine captures a CUDA graph for each KV-length bucket its steps reach (and compiles
     kernels for new shapes); the longest prompt alone never reached the shortest prompts' buckets, so
-    the first dataset's first prompts paid captures inside their timed decode (session 10's H200 pair
-    run: HumanEval AR 571 tok/s, GSM8K and MATH-500 658 and 661)."""
+    the first dataset's first prompts paid captures inside their timed decode
+    (bench/results/h200-launch-cuts-2026-12-03)."""
     shortest, longest = min(encoded, key=len), max(encoded, key=len)
     warm_ups = [shortest] if shortest is longest else [shortest, longest]
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())

@@ -1,13 +1,12 @@
 """Cross-entropy over a chunk of LM-head logits and its gradient, in place, for draft training
 (train/loss.py FrozenHeadCrossEntropy).
 
-Why: the torch path turns each chunk of bf16 logits (rows x 49152) into fp32 and walks it ~10 times
-(cast, logsumexp's temporaries, argmax, subtract, exp, scale, cast back): ~16 GB of traffic a 1 GiB
-chunk, and the training step went from 98 to ~130 ms on the H200 when the loss became chunked
-(the fifth run's log, bench/results/draft-training). Here a chunk is read twice and written once in its
-own dtype: one program a row reduces (max, sum of exponentials, first argmax) in fp32, then a second
-kernel overwrites the logits with (softmax - onehot(label)) * w, the gradient rows the caller multiplies
-by the head. Same math as the torch path: fp32 exponentials and sums, one rounding to the logits' dtype.
+Why: the torch path casts each chunk of bf16 logits to fp32 and walks it about ten times (logsumexp's
+temporaries, argmax, subtract, exp, scale, cast back), and the loss is memory-bound
+(bench/results/draft-training). Here a chunk is read twice and written once in its own dtype: one
+program a row reduces (max, sum of exponentials, first argmax) in fp32, then a second kernel overwrites
+the logits with (softmax - onehot(label)) * w, the gradient rows the caller multiplies by the head. Same
+math as the torch path: fp32 exponentials and sums, one rounding to the logits' dtype.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
-"""spec/tree.py's DDTree build in one Triton program, where the torch path takes ~120 launches (a top-k,
-adds and gathers per depth, two sorts, the ancestor matrix by repeated squaring): launches bound a
-small model's tree step (bench/results/h200-step-2026-12-03/pair-b241d29). Its input, the draft's
-per-depth top-k log-probs, comes from `draft_topk` in two launches.
+"""spec/tree.py's DDTree build in one Triton program, where the torch path launches a top-k, adds and
+gathers per depth, two sorts and the ancestor matrix by repeated squaring: launches bound a small model's
+tree step (bench/results/h200-step-2026-12-03). Its input, the draft's per-depth top-k log-probs, comes
+from `draft_topk` in two launches.
 
 The same selection as the torch path: per depth the `width` best (parent slot x rank) candidates by
 score (the chain's bonus on slot 0 included), then the `n` best over all depths in a stable order,

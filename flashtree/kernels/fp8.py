@@ -1,16 +1,13 @@
 """fp8 (e4m3) matrices for the draft: y = x @ W^T with W and x rounded to fp8 per row, one library GEMM.
 
-Why the draft: its output only proposes tokens, the target's verify decides what is emitted, so its
-arithmetic may round more than the target's without changing a single output token (it can only change
-how many are accepted). The 27B's 5-layer draft reads 3.5 GB of bf16 weights at 16 rows a step, the
-largest part of a draft step that issue 6 wants at a quarter of the AR step; in fp8 it reads half.
+Why the draft: its output only proposes tokens and the target's verify decides what is emitted, so it
+may round more than the target without changing an output token; in fp8 its weights are half the bytes.
 
 Arithmetic: W (out, in) is rounded once, at load, to e4m3 with one fp32 scale per output row (amax / 448);
 x (M, in) per row at every call the same way (`quantize_rows`: one Triton launch on the GPU); then
 torch._scaled_mm (cuBLAS / CUTLASS on sm_89+, fp32 accumulation, bf16 out) multiplies them and applies
-both scales. Error against x @ W^T: ~3.6 % (relative, e4m3 has 3 mantissa bits). The default pair's
-draft keeps 98.5 % of its replayed tree accept length with its matrices in fp8 (4.92 vs 5.00), 98 % with
-the LM head too (4.90; bench/results/cpu-draft-fp8-2026-12-05).
+both scales (e4m3 keeps 3 mantissa bits). What it costs in accept length:
+bench/results/cpu-draft-fp8-2026-12-05.
 
 The Triton row quantizer writes the bytes torch's fp32 -> float8_e4m3fn cast writes (round to nearest,
 ties to even), encoded in integer ops: Triton's interpreter mis-rounds its own fp8 casts at binade edges

@@ -2,13 +2,12 @@
 followed by a SiLU gate) and a gate's activation times a value (SwiGLU's silu(gate) * up, the attention
 output's x * sigmoid(gate)), one Triton launch each.
 
-Why: a decode step at batch 1 is bound by kernel launches outside its matmuls. torch's RMSNorm on a
-bf16 row ran three (cast to fp32, the norm, cast back) at ~2 + 5 + 2 us on an H200 for a 5120-value
-row; the DeltaNet output norm with its gate five, SwiGLU's activation two (27B AR step profile,
-bench/results/h200-step-2026-12-03). Every row is one program reducing in a fixed order that depends on
-the row length only, so a row's result is the same bits whatever the number of rows (a verify pass
-agrees with the AR step). Against the torch path they differ by fp32 rounding order only (the tests
-bound it); the math is the same: fp32 norm, products in fp32, one rounding to the output dtype.
+Why: a decode step at batch 1 is bound by kernel launches outside its matmuls, and torch runs each of
+these as two to five (bench/results/h200-step-2026-12-03). Every row is one program reducing in a fixed
+order that depends on the row length only, so a row's result is the same bits whatever the number of
+rows (a verify pass agrees with the AR step). Against the torch path they differ by fp32 rounding order
+only (the tests bound it); the math is the same: fp32 norm, products in fp32, one rounding to the output
+dtype.
 """
 
 from __future__ import annotations

@@ -17,13 +17,12 @@ Commit by replay (`replay_path`): a verify's per-token states are only needed in
 rebuilt at commit by walking the accepted path again from the committed state, every layer in one
 launch, with the same per-token code (`_token_update`) on the same inputs: the conv output rows (kept by
 the conv) and each token's decay and beta (kept by the verify launch). So it equals the verify's node state
-bit for bit, and a 27B verify of 23 nodes keeps 186 MB pending instead of 3.5 GB of states.
+bit for bit, and a verify keeps its inputs pending, not every node's state.
 
 Both kernels compile without fp fusion: the same source line must round the same way in every variant
 (AR in place, verify with gates and restart states, replay), and whether the compiler contracts a
-multiply and an add into one fma depends on the code around it (the likely reason why a GPU check of one
-tile, (32, 1), lost the replay's bits when an unrelated argument was added:
-bench/results/h100-branches-2026-12-05).
+multiply and an add into one fma depends on the code around it (likely how a GPU check of one tile lost
+the replay's bits: bench/results/h100-branches-2026-12-05).
 """
 
 from __future__ import annotations
@@ -82,9 +81,8 @@ def _tree_gated_delta_rule_kernel(
     V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, KEEP_GATES: tl.constexpr,
     SOME_STATES: tl.constexpr, GDC: tl.constexpr,
 ):  # fmt: skip
-    """Token after token; token t + 1's inputs are loaded while token t computes. Why: on the H200 the
-    walk cost ~2 us a token, its state stores only ~20 % of that (bench/results/
-    h200-bf16mma-2026-12-03/NOTES.md); the overlap itself is not timed yet. KEEP_GATES: the programs of
+    """Token after token; token t + 1's inputs are loaded while token t computes: the walk is bound by
+    latency, not by its state stores (bench/results/h200-bf16mma-2026-12-03). KEEP_GATES: the programs of
     the first value slice also store each token's decay and beta (`_gates`) at gates_ptr (T, 2, H), for
     `replay_path`. SOME_STATES: only the states of the tokens with keep_ptr[t] != 0 are stored (the ones
     a sibling restarts from); the others' stores carry an all-false mask."""

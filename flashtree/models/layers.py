@@ -316,11 +316,9 @@ def grouped_attention(
 ) -> torch.Tensor:
     """Softmax attention with grouped-query heads: q (B, nh, T, hd), keys and values (B, n_kv, S, hd),
     mask (B, T, S) or (T, S) bool (True: attend), or None -> (B, nh, T, hd). The nh / n_kv query heads
-    that share a KV head become rows of one attention problem, so SDPA sees no grouping. Why: with a
-    mask and grouped heads, torch 2.11 ran the SmolLM2 draft's fp32 attention on its math path (most
-    likely: 5 strided-batched GEMVs, 0.55 ms of a 4.3 ms tree step on the H200, bench/results/
-    h200-step-2026-12-03/pair-b241d29), and transformers' batched decoding repeated the KV heads; SDPA's
-    fused kernels take a mask, not groups (at the draft's fp32)."""
+    that share a KV head become rows of one attention problem, so SDPA sees no grouping. Why: SDPA's
+    fused kernels take a mask but not grouped heads (at the draft's fp32), so torch fell back to its math
+    path (bench/results/h200-step-2026-12-03), and transformers' batched decoding repeated the KV heads."""
     *lead, n_heads, t, hd = q.shape
     n_kv = keys.shape[-3]
     group = n_heads // n_kv

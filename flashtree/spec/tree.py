@@ -5,10 +5,9 @@ log-probs. Because a child never scores above its parent, the `budget` best rank
 (prefix-closed), and the best nodes at depth d only extend the best nodes at depth d - 1. We build
 it level by level with fixed-size torch ops (no heap, no host sync, same shapes every step):
 keep the `budget` best candidates per depth, then take the `budget` best over all depths.
-With `chain_seed` the draft's greedy chain is inserted first (as the peer does), so the tree never
-accepts less than chain decoding would in a step. Off by default: over many steps it accepts less, the
-chain's deep nodes taking 15 of 22 nodes that likelier paths would use (the shipped pair's held-out
-tree AL: see bench/results/cpu-replay-2026-12-05/).
+With `chain_seed` the draft's greedy chain is inserted first (as the peer does), so a step never accepts
+less than chain decoding would. Off by default: the chain's deep nodes crowd out likelier paths, and the
+mean accept length falls (bench/results/cpu-replay-2026-12-05).
 """
 
 from __future__ import annotations

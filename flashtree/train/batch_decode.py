@@ -1,10 +1,9 @@
 """Batched decoding of thousands of prompts at once: the responses the draft trainer learns from.
 
-Transformers' `generate` decoded 14.4k tokens/s for 2048 prompts of a SmolLM2-shaped model on the
-H200, this loop 54.6k (bench/results/h200-batch-decode-2026-12-03): its dynamic cache copies every
-layer's whole KV cache at each step, grouped-query attention repeats K/V heads, and finished rows keep
-running until the longest one ends. This loop runs the same transformers modules (their projections,
-norms, MLPs and RoPE frequencies; RoPE itself is ours, layers.apply_rotary) with
+Why not transformers' `generate`: its dynamic cache copies every layer's whole KV cache at each step,
+grouped-query attention repeats K/V heads, and finished rows keep running until the longest one ends
+(bench/results/h200-batch-decode-2026-12-03). This loop runs the same transformers modules (their
+projections, norms, MLPs and RoPE frequencies; RoPE itself is ours, layers.apply_rotary) with
 - one preallocated KV cache per layer, written in place, attention reading only the slots filled so far;
 - grouped-query attention without repeating K/V (models.layers.grouped_attention);
 - finished rows dropped from the batch (cache included) once they are a quarter of it.
