@@ -185,8 +185,8 @@ def add_logit_gaps(rows: list[dict], mismatches: list[dict], target, prompt_ids:
 
 
 def make_row(prompt: Prompt, mode: str, ids: list[int], stats: GenerationStats, tokenizer) -> dict:
-    """One prompt's row under the runner's name `mode`: the plain baseline's engine is an AR engine, so
-    its stats say "ar" (session 12's runs with --baseline plain counted its rows as the AR mode's)."""
+    """One prompt's row under the runner's name `mode`: the plain baseline's engine is an AR engine whose
+    stats say "ar", and its rows must not count as the AR mode's."""
     total_s = stats.prefill_s + stats.decode_s
     return {
         "dataset": prompt.dataset,

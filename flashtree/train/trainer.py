@@ -279,7 +279,7 @@ def dev_sequences(hf, tokenizer, n_per_set: int, max_new_tokens: int, stop_ids: 
     """The target's greedy responses to up to n_per_set development prompts of each benchmark set
     (bench.datasets.dev_prompts: none of those the reports are on): their replayed AL is the benchmark's
     own figure, where the data's held-out responses read higher and can rise while it does not (the
-    twelfth run: held-out tree AL 6.34 -> 6.57, benchmark 4.89 -> 4.90)."""
+    twelfth run: bench/results/draft-training)."""
     from flashtree.bench.datasets import DATASETS, dev_prompts
 
     if n_per_set == 0:
