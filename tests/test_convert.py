@@ -492,14 +492,17 @@ def zlab_tensors() -> dict[str, torch.Tensor]:
 
 
 def test_dflash_draft(tmp_path):
+    """llama.cpp's layout (its convert_hf_to_gguf.py DFlashModel): arch `dflash`, target_layers = z-lab's
+    target_layer_ids + 1, the mask token as tokenizer.ggml.mask_token_id, sliding layers as a bool
+    pattern, hidden_norm as enc.output_norm; no tokenizer without a target to take it from."""
     src = tmp_path / "draft"
     src.mkdir()
     (src / "config.json").write_text(json.dumps(DRAFT_CONFIG))
     hf = zlab_tensors()
     save_file(hf, src / "model.safetensors")
     meta, tensors = convert(src, tmp_path)
-    assert meta["general.architecture"] == ("dflash-draft", [STR])
-    a = "dflash-draft."
+    assert meta["general.architecture"] == ("dflash", [STR])
+    a = "dflash."
     expected = {
         "vocab_size": (VOCAB, U32),
         "block_count": (2, U32),
@@ -513,20 +516,18 @@ def test_dflash_draft(tmp_path):
         "attention.layer_norm_rms_epsilon": (1e-6, F32),
         "rope.freq_base": (1e6, F32),
         "rope.dimension_count": (64, U32),
-        "dflash.block_size": (16, U32),
-        "dflash.mask_token_id": (VOCAB - 1, U32),
-        "dflash.target_layer_ids": ([1, 5], GGUFValueType.ARRAY),
-        "dflash.n_target_layers": (8, U32),
+        "block_size": (16, U32),
+        "target_layers": ([2, 6], GGUFValueType.ARRAY),
         "attention.sliding_window": (2048, U32),
     }
-    check_metadata(
-        {k: v for k, v in meta.items() if k != a + "layer_types"}, {a + k: v for k, v in expected.items()}
-    )
-    assert meta[a + "layer_types"] == (["sliding_attention", "full_attention"], [GGUFValueType.ARRAY, STR])
-    assert not any(k.startswith("tokenizer.") for k in meta)
+    pattern = a + "attention.sliding_window_pattern"
+    check_metadata({k: v for k, v in meta.items() if k != pattern}, {a + k: v for k, v in expected.items()})
+    assert meta[pattern] == ([True, False], [GGUFValueType.ARRAY, GGUFValueType.BOOL])
+    assert [k for k in meta if k.startswith("tokenizer.")] == ["tokenizer.ggml.mask_token_id"]
+    assert meta["tokenizer.ggml.mask_token_id"] == (VOCAB - 1, [U32])
     renames = {
         "fc.weight": "fc.weight",
-        "hidden_norm.weight": "hidden_norm.weight",
+        "enc.output_norm.weight": "hidden_norm.weight",
         "output_norm.weight": "norm.weight",
     }
     renames |= {

