@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import torch
@@ -19,6 +21,21 @@ def random_draft_dir(target_gguf: Path, root: Path, layers: int = 1, seed: int =
     if not (out / "config.json").exists():
         synth_draft(target_gguf, layers, out, seed)
     return out
+
+
+def sliding_draft_dir(target_gguf: Path, root: Path) -> Path:
+    """The random 2-layer draft with its first layer a sliding window's (10 positions)."""
+    src = root / f"{target_gguf.stem}-sliding-draft"
+    if not src.exists():
+        plain = random_draft_dir(target_gguf, root, layers=2)
+        src.mkdir()
+        cfg = json.loads((plain / "config.json").read_text())
+        cfg.update(
+            layer_types=["sliding_attention", "full_attention"], sliding_window=10, use_sliding_window=True
+        )
+        (src / "config.json").write_text(json.dumps(cfg))
+        shutil.copy(plain / "model.safetensors", src / "model.safetensors")
+    return src
 
 
 def random_draft(target_gguf: Path, target, root: Path, layers: int = 1, seed: int = 0):

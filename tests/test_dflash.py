@@ -6,13 +6,12 @@ import sys
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from flashtree.convert.hf import convert_checkpoint
 from flashtree.errors import FlashtreeError
 from flashtree.models.dflash import load_draft
 from flashtree.models.loader import load_target
-from tests.spec_util import random_draft, random_draft_dir
+from tests.spec_util import random_draft, random_draft_dir, sliding_draft_dir
 from tests.tiny import tiny_gguf
 
 
@@ -30,18 +29,7 @@ def target_features(target, draft, n):
 
 
 def sliding_draft(gguf, target, tiny_root):
-    """The random 2-layer draft with its first layer a sliding window's (10 positions)."""
-    src = tiny_root / "qwen3-sliding-draft"
-    if not src.exists():
-        plain = random_draft_dir(gguf, tiny_root, layers=2)
-        src.mkdir()
-        cfg = json.loads((plain / "config.json").read_text())
-        cfg.update(
-            layer_types=["sliding_attention", "full_attention"], sliding_window=10, use_sliding_window=True
-        )
-        (src / "config.json").write_text(json.dumps(cfg))
-        save_file(load_file(plain / "model.safetensors"), src / "model.safetensors")
-    return load_draft(src, target)
+    return load_draft(sliding_draft_dir(gguf, tiny_root), target)
 
 
 def propose_full(draft, features, root, block):
