@@ -196,11 +196,14 @@ def convert(
     src: Path = typer.Argument(..., help="Hugging Face checkpoint dir (or a DFlash draft dir)."),
     out: Path = typer.Argument(..., help="Output .gguf"),
     type: str = typer.Option("f16", "--type", help="f32 | f16 | bf16 | q8_0 | q4_k_m"),
+    target: Path | None = typer.Option(
+        None, "--target", help="A draft's target (GGUF or HF dir): its tokenizer, which llama.cpp needs."
+    ),
 ):
     """Convert a Hugging Face checkpoint (llama, qwen3, qwen3_5, DFlash draft) to GGUF."""
     from flashtree.convert.hf import convert_checkpoint
 
-    convert_checkpoint(src, out, type)
+    convert_checkpoint(src, out, type, target)
 
 
 @app.command()
