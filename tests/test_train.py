@@ -477,6 +477,10 @@ def test_train_draft_command_writes_a_loadable_draft(tiny, tmp_path):
     assert result.exit_code == 0, result.output
     draft = load_draft(out, model)
     assert draft.config.n_layers == 1 and draft.config.block_size == 8
+    gguf = load_draft(out / "draft.gguf", model)  # llama.cpp's layout: the same draft, bit for bit
+    assert gguf.config == replace(draft.config, n_target_layers=None)
+    ours, theirs = draft.state_dict(), gguf.state_dict()
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
     assert (out / "checkpoint.pt").is_file() and len(list((out / "data").glob("shard-*.pt"))) == 1
     # validated at the start and the end on held-out responses and on one development prompt per set
     assert "validation: 3 greedy responses to benchmark development prompts" in result.output, result.output

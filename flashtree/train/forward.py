@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
-from flashtree.convert.hf import hf_name
+from flashtree.convert.draft import draft_metadata, write_draft
+from flashtree.convert.hf import general_metadata, hf_name
 from flashtree.convert.shapes import gguf_tensors
 from flashtree.errors import FlashtreeError
 from flashtree.models.attention import Attention
@@ -25,6 +26,7 @@ from flashtree.models.config import DraftConfig
 from flashtree.models.dflash import DFlashDraft, DraftLayer
 from flashtree.models.layers import apply_rotary, rms_norm
 from flashtree.models.model import DecoderModel
+from flashtree.quant.formats import QT
 
 INIT_STD = 0.02  # random init of every matrix, as SpecForge's drafts (dflash.md §5)
 
@@ -116,17 +118,23 @@ def draft_tensors(draft: DFlashDraft) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def save_draft(draft: DFlashDraft, out_dir: Path) -> None:
-    """Write the z-lab format: config.json + model.safetensors (matrices bf16, norms fp32)."""
+def save_draft(draft: DFlashDraft, out_dir: Path, tokenizer: dict | None = None) -> None:
+    """Write the z-lab format: config.json + model.safetensors (matrices bf16, norms fp32); given the
+    target's `tokenizer` metadata, also draft.gguf: the same tensors in llama.cpp's layout."""
     tensors = draft_tensors(draft)
     out = {}
     for spec in gguf_tensors(draft.config):
         t = tensors[spec.name].detach().cpu()
-        out[hf_name(spec, "")] = t.float() if t.ndim == 1 else t.to(torch.bfloat16)
+        out[spec.name] = t.float() if t.ndim == 1 else t.to(torch.bfloat16)
     out_dir.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in out.items()}, out_dir / "model.safetensors")
+    zlab = {hf_name(spec, ""): out[spec.name].contiguous() for spec in gguf_tensors(draft.config)}
+    save_file(zlab, out_dir / "model.safetensors")
     config = json.dumps(draft.config.hf_config(), indent=2)
     (out_dir / "config.json").write_text(config + "\n", encoding="utf-8")
+    if tokenizer is not None:
+        metadata = draft_metadata(draft.config, general_metadata(out_dir.name, "bf16"), tokenizer)
+        gguf = ((name, t, QT.F32 if t.ndim == 1 else QT.BF16) for name, t in out.items())
+        write_draft(out_dir / "draft.gguf", draft.config, metadata, gguf, progress=False)
 
 
 def draft_hidden(
