@@ -236,6 +236,34 @@ def inspect(
     inspect_command(file, as_json)
 
 
+@app.command()
+@user_errors
+def plan(
+    target: Path | None = typer.Option(None, "--target", help="Target GGUF (only its header is read)."),
+    shape: str | None = typer.Option(None, "--shape", help="Or a synth shape (with --type), no file."),
+    type: str = typer.Option("q4_k_m", "--type", help="The synth shape's: f32 | f16 | bf16 | q8_0 | q4_k_m"),
+    draft: str | None = typer.Option(None, "--draft", help="DFlash draft dir/GGUF (only its header)."),
+    draft_layers: int | None = typer.Option(None, "--draft-layers", help="Or a random draft of N layers."),
+    draft_dtype: str = typer.Option("bf16", "--draft-dtype", help="bf16 | fp8 (the draft's matrices)."),
+    max_ctx: str = typer.Option(..., "--max-ctx", help="Context tokens, or 'auto': the largest that fits."),
+    kv_type: str | None = typer.Option(None, "--kv-type", help="KV cache type (default: the model's dtype)."),
+    kv_type_k: str | None = typer.Option(None, "--kv-type-k", help="K's type (overrides --kv-type)."),
+    kv_type_v: str | None = typer.Option(None, "--kv-type-v", help="V's type (overrides --kv-type)."),
+    budget: int = typer.Option(22, "--budget", help=BUDGET_HELP),
+    gpu_memory: float | None = typer.Option(
+        None, "--gpu-memory", help="GiB the run may use (default: this GPU's free memory)."
+    ),
+    as_json: bool = typer.Option(False, "--json", help="The same numbers as JSON, with total_bytes."),
+):
+    """The GPU memory a run would hold (weights, KV cache, state, workspace), without loading a weight."""
+    from flashtree.plan import plan_command
+
+    kv_types = (kv_type, kv_type_k, kv_type_v)
+    plan_command(
+        target, shape, type, draft, draft_layers, draft_dtype, max_ctx, kv_types, budget, gpu_memory, as_json
+    )
+
+
 @app.command("bench-step")
 @user_errors
 def bench_step(

@@ -199,11 +199,11 @@ def synth_model(shape_name: str, type: str, out: Path, seed: int = 0) -> None:
 # --- random DFlash drafts ---------------------------------------------------------------------------
 
 
-def draft_shape_for(target: GGUFFile, layers: int) -> DraftConfig:
+def draft_shape_for(target: GGUFFile | ModelConfig, layers: int) -> DraftConfig:
     """A `layers`-layer DFlash draft for `target`: its width, FFN, RoPE and vocab (dflash.md §2)."""
     if layers < 1:
         raise FlashtreeError(f"a draft needs at least 1 layer, got {layers}")
-    t = ModelConfig.from_gguf(target)
+    t = target if isinstance(target, ModelConfig) else ModelConfig.from_gguf(target)
     if t.arch == "qwen35":
         heads = QWEN35_DRAFT_HEADS
         layer_types = (SLIDING,) * (layers - 1) + (FULL,)

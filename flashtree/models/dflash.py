@@ -327,7 +327,7 @@ class _DraftFile(NamedTuple):
 
 
 def _zlab_tensors(path: Path) -> _DraftFile:
-    from safetensors.torch import load_file
+    from safetensors import safe_open
 
     cfg_path, st_path = path / "config.json", path / "model.safetensors"
     for f in (cfg_path, st_path):
@@ -339,8 +339,9 @@ def _zlab_tensors(path: Path) -> _DraftFile:
         raise FlashtreeError(f"{cfg_path}: invalid JSON ({e})") from None
     if not isinstance(cfg, DraftConfig):
         raise FlashtreeError(f"{cfg_path}: not a DFlash draft config (architecture {cfg.arch!r})")
-    try:
-        raw = load_file(str(st_path))
+    try:  # the header now, each tensor when read
+        raw = safe_open(str(st_path), "pt")
+        stored = set(raw.keys())
     except Exception as e:  # safetensors raises several types for damaged files
         raise FlashtreeError(f"{st_path}: cannot read safetensors ({e})") from None
     names = {
@@ -358,11 +359,11 @@ def _zlab_tensors(path: Path) -> _DraftFile:
     for i in range(cfg.n_layers):
         for hf, gg in per_layer.items():
             names[f"layers.{i}.{hf}.weight"] = f"blk.{i}.{gg}.weight"
-    missing = [n for n in names if n not in raw]
+    missing = [n for n in names if n not in stored]
     if missing:
         raise FlashtreeError(f"{st_path}: missing draft tensor(s) {', '.join(missing[:3])}")
-    tensors = {gg: raw[hf] for hf, gg in names.items()}
-    return _DraftFile(cfg, st_path, {name: tuple(t.shape) for name, t in tensors.items()}, lambda: tensors)
+    shapes = {gg: tuple(raw.get_slice(hf).get_shape()) for hf, gg in names.items()}
+    return _DraftFile(cfg, st_path, shapes, lambda: {gg: raw.get_tensor(hf) for hf, gg in names.items()})
 
 
 def _gguf_tensors(path: Path) -> _DraftFile:
@@ -380,15 +381,23 @@ def _gguf_tensors(path: Path) -> _DraftFile:
     return _DraftFile(ModelConfig.from_gguf(g), path, shapes, read)
 
 
-def load_draft(path: str | Path, target: DecoderModel, fp8_mode: str = "off") -> DFlashDraft:
-    """Load a z-lab draft dir or a draft GGUF, check it fits `target` and holds the tensors its config
-    implies, and build it next to it, in fp8 as fp8_mode says (fp8.MODES; Settings.draft_fp8)."""
+def open_draft(path: str | Path, target: DecoderModel) -> _DraftFile:
+    """A z-lab draft dir's or a draft GGUF's config and tensor shapes, checked against `target` and
+    its config: no weight is read."""
     path = Path(path)
     if not path.exists():
         raise FlashtreeError(f"{path}: draft not found")
-    cfg, source, shapes, read = _zlab_tensors(path) if path.is_dir() else _gguf_tensors(path)
-    check_fits(cfg, target, path)
-    check_tensors(shapes, cfg, source)
+    draft = _zlab_tensors(path) if path.is_dir() else _gguf_tensors(path)
+    check_fits(draft.config, target, path)
+    check_tensors(draft.shapes, draft.config, draft.source)
+    return draft
+
+
+def load_draft(path: str | Path, target: DecoderModel, fp8_mode: str = "off") -> DFlashDraft:
+    """Load a z-lab draft dir or a draft GGUF, check it fits `target` and holds the tensors its config
+    implies, and build it next to it, in fp8 as fp8_mode says (fp8.MODES; Settings.draft_fp8)."""
+    cfg, _, _, read = open_draft(path, target)
+    path = Path(path)
     tensors = read()
     fp8_mode = _fp8_mode(fp8_mode, cfg, tensors, target, path)
     return DFlashDraft(cfg, DraftTensors(tensors, target.device, target.dtype), target, fp8_mode).eval()

@@ -79,12 +79,15 @@ class Fp8Linear(nn.Module):
         super().__init__()
         rows_of = weight.dense_weight if isinstance(weight, nn.Module) else lambda _, rows: weight[rows]
         n_rows = weight.out_features if isinstance(weight, nn.Module) else weight.shape[0]
-        parts = [
-            fp8.quantize_rows_reference(rows_of(torch.float32, slice(r, r + self.CHUNK_ROWS)))
-            for r in range(0, n_rows, self.CHUNK_ROWS)
-        ]
-        self.register_buffer("codes", torch.cat([c for c, _ in parts]), persistent=False)
-        self.register_buffer("scales", torch.cat([s for _, s in parts])[:, 0], persistent=False)
+        first = rows_of(torch.float32, slice(0, 1))  # its width and device
+        # filled in place, chunk by chunk: no second copy of the codes while they are made
+        codes = torch.empty(n_rows, first.shape[1], dtype=torch.float8_e4m3fn, device=first.device)
+        scales = torch.empty(n_rows, dtype=torch.float32, device=first.device)
+        for r in range(0, n_rows, self.CHUNK_ROWS):
+            c, s = fp8.quantize_rows_reference(rows_of(torch.float32, slice(r, r + self.CHUNK_ROWS)))
+            codes[r : r + c.shape[0]], scales[r : r + c.shape[0]] = c, s[:, 0]
+        self.register_buffer("codes", codes, persistent=False)
+        self.register_buffer("scales", scales, persistent=False)
 
     @property
     def out_features(self) -> int:

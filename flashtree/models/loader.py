@@ -151,6 +151,14 @@ class Weights:
         return DecoderModel(config, embedding, layers, norm, self.lm_head(embedding), rotary)
 
 
+def copy_rows(dest: torch.Tensor, src: torch.Tensor) -> None:
+    """dest[:] = src (another device or dtype), LOAD_CHUNK_BYTES of src's rows at a time: a conversion
+    never makes a whole-tensor temporary on dest's device."""
+    step = max(1, LOAD_CHUNK_BYTES // max(1, src[:1].numel() * src.element_size()))
+    for r in range(0, src.shape[0], step):
+        dest[r : r + step] = src[r : r + step]
+
+
 def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
