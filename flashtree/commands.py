@@ -1,29 +1,50 @@
-"""`flashtree run`: one prompt in, a streamed reply out (or one JSON object with --json)."""
+"""`flashtree run`: one prompt in, a streamed reply out (or one JSON object with --json); `flashtree models`.
+
+torch comes in with the engine (generate.py), imported where a model loads: every option and name is
+checked before that."""
 
 from __future__ import annotations
 
 import json
 import sys
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 
-from flashtree.config import EngineConfig, SamplingParams, SpecConfig, check_request
-from flashtree.generate import Engine, GenerationStats
+from flashtree.config import AUTO, MODES, EngineConfig, SamplingParams, SpecConfig, check_request
+from flashtree.errors import FlashtreeError
+
+if TYPE_CHECKING:
+    from flashtree.generate import Engine
 
 
 def engine_config(
     target, draft, mode, max_ctx, device, *, block_size=None, budget=22, tree_top_k=8, chain_seed=False,
     draft_ctx=4096, draft_temperature=1.0,
 ) -> EngineConfig:  # fmt: skip
-    """The EngineConfig of a command's --target/--draft/--mode/... options (checked: nothing loads yet)."""
+    """The EngineConfig of a command's --target/--draft/--mode/... options (checked, the model names found
+    in their stores: nothing loads yet)."""
+    from flashtree.gguf.locate import resolve_model
+
     spec = SpecConfig(
-        mode=mode or "tree", block_size=block_size, budget=budget, tree_top_k=tree_top_k,
-        chain_seed=chain_seed, draft_ctx=draft_ctx, draft_temperature=draft_temperature,
+        mode=mode if mode in MODES else "tree", block_size=block_size, budget=budget,  # auto: EngineConfig
+        tree_top_k=tree_top_k, chain_seed=chain_seed, draft_ctx=draft_ctx,
+        draft_temperature=draft_temperature,
     )  # fmt: skip
-    return EngineConfig(target, draft, mode, spec, max_ctx, device)
+    config = EngineConfig(target, draft, mode, spec, max_ctx, device)
+    for name, what in ((target, "file"), (None if draft == "none" else draft, "draft")):
+        if name is not None and not resolve_model(name).exists():  # here, not after torch and a load
+            raise FlashtreeError(f"{name}: {what} not found")
+    return config
 
 
 def load_engine(config: EngineConfig) -> Engine:
+    from flashtree.generate import Engine
+
+    if config.target is None:  # the default model's first download shows its progress, outside the spinner
+        from flashtree.defaults import default_target_path
+
+        default_target_path()
     with Console(stderr=True).status("loading model…"):
         return Engine.from_config(config)
 
@@ -38,7 +59,9 @@ def run_command(
     prompt: str, config: EngineConfig, sampling: SamplingParams, max_tokens: int, chat: bool, as_json: bool
 ) -> None:
     """One prompt in, the reply streamed to stdout (or one JSON object), a summary line on stderr."""
-    check_request(max_tokens, config.max_ctx)  # every option checked before the model loads
+    check_request(max_tokens, config.max_ctx)  # every option checked before torch and the model load
+    from flashtree.generate import GenerationStats
+
     engine = load_engine(config)
     prompt_ids = engine.encode(prompt, chat=chat)
     stats = GenerationStats(engine.mode)
@@ -62,10 +85,45 @@ def run_command(
         )
         return
     sys.stdout.write("\n")
+    summary_line(stats, config.mode == AUTO, engine.device.type)
+
+
+def summary_line(stats, auto: bool, device: str) -> None:
+    """The run's one-line summary on stderr: never wrapped (a log or a pipe gets it whole); with --mode
+    auto, what auto chose and why."""
+    mode = stats.mode
+    if auto:
+        why = "a draft on CUDA" if mode != "ar" else ("the CPU" if device == "cpu" else "no draft")
+        mode += f" (auto: the fastest lossless mode for {why})"
     summary = (
-        f"\\[{stats.mode}] {stats.n_prompt} prompt tokens at {stats.prefill_tok_s:.1f} tok/s, "
+        f"[{mode}] {stats.n_prompt} prompt tokens at {stats.prefill_tok_s:.1f} tok/s, "
         f"{stats.n_generated} generated at {stats.decode_tok_s:.1f} tok/s"
     )
     if stats.mode != "ar":
         summary += f", mean acceptance length {stats.mean_accept_len:.2f}"
-    Console(stderr=True).print(summary, style="dim")
+    Console(stderr=True, soft_wrap=True, markup=False, highlight=False).print(summary, style="dim")
+
+
+def models_command(as_json: bool) -> None:
+    """`flashtree models`: what the Hugging Face cache, Ollama and LM Studio hold, by --target name."""
+    from flashtree.gguf.locate import find_models, size_text
+    from flashtree.settings import model_stores
+
+    stores = model_stores()
+    found = find_models(stores)
+    if as_json:
+        print(json.dumps([m.as_dict() for m in found]))
+        return
+    if not found:
+        places = [stores.hf_hub, *stores.ollama, *stores.lmstudio]
+        print(f"no models found in {', '.join(map(str, places))}")
+        return
+    from rich.table import Table
+
+    table = Table("name (--target)", "arch", "size", "quant", "path", box=None, pad_edge=False)
+    for m in found:
+        table.add_row(m.name, m.arch or "?", size_text(m.size), m.quant or "?", str(m.path))
+    console = Console()
+    if not console.is_terminal:  # a pipe or a file gets whole lines, not paths folded at 80 columns
+        console = Console(width=1 << 16)
+    console.print(table)

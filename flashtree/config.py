@@ -72,6 +72,14 @@ class SamplingParams:
 
 
 MODES = ("ar", "chain", "tree")
+AUTO = "auto"  # the commands' default mode: the fastest lossless one for the device (auto_mode)
+
+
+def auto_mode(cuda: bool, has_draft: bool) -> str:
+    """What --mode auto runs: tree where a draft and CUDA are (DDTree's verify costs the GPU little more
+    than one AR step), else AR: on the CPU a verify's extra rows cost nearly their full price, and tree
+    and chain decoded slower than AR there (issue #42)."""
+    return "tree" if cuda and has_draft else "ar"
 
 
 @dataclass(frozen=True)
@@ -109,9 +117,9 @@ class EngineConfig:
     """What an engine is built from; every command builds one from its options (commands.engine_config).
 
     target: a GGUF (None: the embedded default); draft: a DFlash draft, "none" for plain decoding (None:
-    the draft shipped for the default target); mode: ar, chain or tree (None: spec.mode with a draft, ar
-    without); max_ctx: tokens of context (None: the planner's choice); device: cuda or cpu (None: cuda
-    when there is one)."""
+    the draft shipped for the default target); mode: ar, chain, tree or auto (auto_mode), None: spec.mode
+    with a draft, ar without; max_ctx: tokens of context (None: the planner's choice); device: cuda or cpu
+    (None: cuda when there is one)."""
 
     target: str | Path | None = None
     draft: str | Path | None = None
@@ -121,5 +129,5 @@ class EngineConfig:
     device: str | None = None
 
     def __post_init__(self) -> None:
-        if self.mode is not None and self.mode not in MODES:
-            raise FlashtreeError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if self.mode is not None and self.mode not in (*MODES, AUTO):
+            raise FlashtreeError(f"mode must be one of {', '.join((AUTO, *MODES))}, got {self.mode!r}")

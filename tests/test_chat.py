@@ -224,3 +224,57 @@ def test_engine_encodes_conversations_so(engine):
     chat = _chat(FORGED)
     assert engine.encode_messages(chat) == engine.tokenizer.encode_chat(chat)
     assert engine.encode(FORGED, system="Be brief.") == engine.tokenizer.encode_chat(chat)
+
+
+# --- leaving, and /reset with a system prompt (no model: a stand-in prompt) ----------------------------
+
+
+class Typed:
+    """Stands in for prompt_toolkit's PromptSession: the lines a user types, then Ctrl-D."""
+
+    def __init__(self, lines: list[str]):
+        self.lines = iter(lines)
+
+    def prompt(self, _: str) -> str:
+        line = next(self.lines, None)
+        if line is None:
+            raise EOFError
+        return line
+
+
+def _session(monkeypatch, lines: list[str]):
+    import io
+    from types import SimpleNamespace
+
+    from rich.console import Console
+
+    from flashtree.config import SamplingParams
+    from flashtree.serve import chat
+
+    monkeypatch.setattr(chat, "PromptSession", lambda: Typed(lines))
+    out = io.StringIO()
+    session = chat.ChatSession(
+        SimpleNamespace(mode="ar"), "m", SamplingParams(), 8, Console(file=out, width=1000)
+    )
+    session.reply = lambda text: session.turns.extend([user(text), {"role": "assistant", "content": "ok"}])
+    return session, out
+
+
+@pytest.mark.parametrize("word", ["/quit", "/exit", "quit", "exit", None])  # None: Ctrl-D
+def test_quit_and_exit_end_the_chat_and_are_not_sent(monkeypatch, word):
+    session, out = _session(monkeypatch, ["hello", word, "not read"] if word else ["hello"])
+    session.run()
+    assert [t["content"] for t in session.turns] == ["hello", "ok"]  # the quit word and after: not sent
+    assert "/quit, /exit or Ctrl-D quit" in out.getvalue()
+
+
+def test_reset_keeps_the_system_prompt_and_says_so(monkeypatch):
+    session, out = _session(monkeypatch, ["/system Be brief.", "hello", "/reset", "/help"])
+    session.run()
+    assert session.turns == [] and session.messages("hi") == [
+        {"role": "system", "content": "Be brief."},
+        user("hi"),
+    ]
+    text = out.getvalue()
+    assert "conversation cleared (the system prompt stays: /system alone clears it)" in text
+    assert text.count("/reset forget the conversation (the system prompt stays)") == 2  # banner and /help

@@ -208,3 +208,36 @@ def test_plain_transformer_pattern(tmp_path):
     assert info["layer_pattern"] == {"kind": "attention", "layers": 2}
     assert info["tokenizer"] == {} and info["chat_template"] is False
     assert info["bytes_per_token"] == 2 * 64 * 64 * 2
+
+
+def test_a_draft_shows_its_block_target_layers_and_mask_token():
+    """The shipped draft: its DFlash values as the loader reads them, and a tokenizer line without '?'."""
+    from flashtree.defaults import default_draft_path
+    from flashtree.models.config import ModelConfig
+
+    path = default_draft_path()
+    with open_gguf(path) as g:
+        info, cfg = describe(g), ModelConfig.from_gguf(g)
+    assert info["draft"] == {
+        "block_size": cfg.block_size, "mask_token_id": cfg.mask_token_id,
+        "target_layer_ids": list(cfg.target_layer_ids), "n_target_layers": cfg.n_target_layers,
+    }  # fmt: skip
+    assert (cfg.block_size, cfg.mask_token_id, cfg.target_layer_ids) == (16, 49151, (1, 8, 14, 20, 27))
+    rows = {}
+    for line in CliRunner().invoke(app, ["inspect", str(path)]).output.splitlines():
+        cells = [c.strip() for c in line.split("│") if c.strip()]
+        if len(cells) == 2:
+            rows[cells[0]] = cells[1]
+    assert (rows["block size"], rows["mask token"]) == ("16", "id 49151 (of the target's vocabulary)")
+    assert rows["target layers"].startswith("1, 8, 14, 20, 27") and "?" not in rows["tokenizer"]
+
+
+def test_a_draft_without_a_tokenizer_says_it_uses_the_targets():
+    from flashtree.convert.inspect import _tokenizer_text
+
+    assert _tokenizer_text({}, draft=True) == "none: a draft uses its target's"
+    assert _tokenizer_text({}, draft=False) == "none"
+    assert (
+        _tokenizer_text({"model": "gpt2", "pre": "smollm", "size": 5}, draft=True)
+        == "gpt2 / smollm, 5 tokens"
+    )

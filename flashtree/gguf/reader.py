@@ -16,16 +16,17 @@ import struct
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 from gguf import GGUFReader, GGUFValueType
 from gguf.gguf_reader import ReaderField
 
 from flashtree.errors import FlashtreeError
-from flashtree.quant.dequant import dequantize
 from flashtree.quant.formats import SUPPORTED_TYPES, block_size, row_bytes, type_name
+
+if TYPE_CHECKING:
+    import torch
 
 _MISSING: Any = object()
 _MIN_TENSOR_INFO_BYTES = 8 + 4 + 8 + 4 + 8  # name length, n_dims, one dim, type, offset
@@ -328,9 +329,15 @@ class GGUFFile:
         return self._reader.data[offset : offset + info.nbytes].reshape(n_rows, bytes_per_row)
 
     def tensor(
-        self, name: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+        self, name: str, dtype: torch.dtype | None = None, device: str | torch.device = "cpu"
     ) -> torch.Tensor:
-        """Tensor `name` dequantized to `dtype` on `device` (the packed bytes are moved, then decoded)."""
+        """Tensor `name` dequantized to `dtype` (default float32) on `device` (the packed bytes are moved,
+        then decoded). torch is imported here: reading a header (inspect, models) does without it."""
+        import torch
+
+        from flashtree.quant.dequant import dequantize
+
+        dtype = torch.float32 if dtype is None else dtype
         info = self.info(name)
         raw = torch.from_numpy(self.raw(name)).to(device)  # (rows, bytes_per_row) uint8
         return dequantize(raw, info.qtype, info.shape, dtype)

@@ -52,20 +52,29 @@ class _Unlaunchable:
         raise FlashtreeError(MISSING_TRITON)
 
 
-try:
-    import triton
-    import triton.language as tl
-except ModuleNotFoundError as e:
-    if e.name != "triton":  # an installed triton that fails to import: its own error
-        raise
-    triton = tl = _NoTriton()
+@functools.cache
+def _triton() -> dict[str, object]:
+    try:
+        import triton
+        import triton.language as tl
+    except ModuleNotFoundError as e:
+        if e.name != "triton":  # an installed triton that fails to import: its own error
+            raise
+        triton = tl = _NoTriton()
+    return {"triton": triton, "tl": tl, "HAVE_TRITON": not isinstance(triton, _NoTriton)}
 
-HAVE_TRITON = not isinstance(triton, _NoTriton)
+
+def __getattr__(name: str):
+    """`triton`, `tl` and HAVE_TRITON, imported on first use (PEP 562): the settings import this package
+    for its tiles.py on every command, and triton brings torch, a second of `flashtree --help`."""
+    if name in ("triton", "tl", "HAVE_TRITON"):
+        return _triton()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def require_triton() -> None:
     """Raise FlashtreeError(MISSING_TRITON) unless Triton is installed."""
-    if not HAVE_TRITON:
+    if not _triton()["HAVE_TRITON"]:
         raise FlashtreeError(MISSING_TRITON)
 
 

@@ -6,7 +6,8 @@ docs/qwen35-gguf.md §3.2 for the byte layout of each block.
 
 from __future__ import annotations
 
-import torch
+import functools
+
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from flashtree.errors import FlashtreeError
@@ -19,8 +20,22 @@ SUPPORTED_TYPES: frozenset[int] = frozenset(
     int(t)
     for t in (QT.F32, QT.F16, QT.BF16, QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q4_K, QT.Q5_K, QT.Q6_K)
 )
-FLOAT_DTYPES: dict[int, torch.dtype] = {QT.F32: torch.float32, QT.F16: torch.float16, QT.BF16: torch.bfloat16}
-FLOAT_TYPES: frozenset[int] = frozenset(int(t) for t in FLOAT_DTYPES)
+FLOAT_TYPES: frozenset[int] = frozenset(int(t) for t in (QT.F32, QT.F16, QT.BF16))
+
+
+@functools.cache
+def _float_dtypes() -> dict:
+    import torch
+
+    return {QT.F32: torch.float32, QT.F16: torch.float16, QT.BF16: torch.bfloat16}
+
+
+def __getattr__(name: str):
+    """FLOAT_DTYPES ({float type: torch dtype}) on first use (PEP 562): the GGUF reader imports this module,
+    and `flashtree inspect` or a listing of models should not wait a second for torch."""
+    if name == "FLOAT_DTYPES":
+        return _float_dtypes()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def type_name(qtype: int) -> str:

@@ -1,7 +1,8 @@
 """`flashtree chat`: a terminal REPL that streams replies and keeps the conversation in the chat template.
 
-Commands: /reset (forget the conversation), /system TEXT (set the system prompt; /system alone clears it),
-/stats (the last reply's speed and acceptance), /help. Ctrl-C stops a reply, Ctrl-D quits.
+Commands: /reset (forget the conversation; the system prompt stays), /system TEXT (set the system prompt;
+/system alone clears it), /stats (the last reply's speed and acceptance), /help, /quit or /exit (also
+`quit` or `exit` alone on a line, as in psql, and Ctrl-D). Ctrl-C stops a reply.
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ from flashtree.errors import FlashtreeError
 from flashtree.generate import Engine, GenerationStats
 
 HELP = (
-    "/reset forget the conversation · /system TEXT set the system prompt · /stats last reply's speed · "
-    "Ctrl-C stop a reply · Ctrl-D quit"
+    "/reset forget the conversation (the system prompt stays) · /system TEXT set the system prompt · "
+    "/stats last reply's speed · Ctrl-C stop a reply · /quit, /exit or Ctrl-D quit"
 )
+QUIT = ("/quit", "/exit", "quit", "exit")
 
 
 class ChatSession:
@@ -44,6 +46,8 @@ class ChatSession:
                 continue
             except EOFError:
                 return
+            if line in QUIT:
+                return
             if line.startswith("/"):
                 self.command(line)
             elif line:
@@ -53,7 +57,8 @@ class ChatSession:
         name, _, arg = line.partition(" ")
         if name == "/reset":
             self.turns = []
-            self.console.print("conversation cleared", style="dim")
+            kept = " (the system prompt stays: /system alone clears it)" if self.system else ""
+            self.console.print(f"conversation cleared{kept}", style="dim")
         elif name == "/system":
             self.system = arg.strip() or None
             self.console.print(f"system prompt {'set' if self.system else 'cleared'}", style="dim")
