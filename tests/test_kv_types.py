@@ -98,3 +98,118 @@ def test_kv_tile_loads_dequantized_values(kind, trans):
     args = plane_args(plane)
     _tiles_kernel[(2,)](*args[:3], out, *args[3:9], N=16, HD=64, KIND=args[9], TRANS=trans)
     assert torch.equal(out, dequantize(plane)[:, ::2])
+
+
+def _rope(t: int, hd: int, rot: int, dtype):
+    angles = torch.randn(t, rot // 2, generator=torch.Generator().manual_seed(5))
+    return torch.cat([angles.cos()] * 2, -1).to(dtype), torch.cat([angles.sin()] * 2, -1).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("kinds", [("q8_0", "q4_0"), ("tq3_0", "tq3_0"), ("q4_0", "f16"), ("bf16", "q8_0")])
+def test_write_kernel_is_the_torch_write(kinds, dtype, monkeypatch):
+    """kernels/rotary.py's fused RoPE + store quantizes K and V as quantize does, bit for bit (every
+    field), and returns the same rotated q."""
+    from flashtree import kernels
+    from flashtree.models.state import KVStore
+
+    t, nq, n_kv, hd, slots = 5, 4, 2, 64, 12
+    gen = torch.Generator().manual_seed(3)
+    q, k = (torch.randn(t, n, hd, generator=gen).to(dtype) for n in (nq, n_kv))
+    v = torch.randn(t, n_kv, hd, generator=gen).to(dtype)
+    cos, sin = _rope(t, hd, 32, dtype)
+    at = torch.tensor([3, 7, 1, 10, 0])
+    caches = []
+    for use in (False, True):
+        monkeypatch.setattr(kernels, "triton_kernels_for", lambda x, use=use: use)
+        store = KVStore(1, n_kv, slots, hd, dtype, "cpu", kinds)
+        caches.append((store.layer(0).write_rotated(at, q, k, v, cos, sin), store))
+    (q_torch, torch_store), (q_kernel, kernel_store) = caches
+    assert torch.equal(q_torch, q_kernel)
+    for a, b in zip((*torch_store.k, *torch_store.v), (*kernel_store.k, *kernel_store.v), strict=True):
+        assert a == b if isinstance(a, str) or a is None else torch.equal(a, b)
+    assert kernel_store.k.kind == kinds[0] and kernel_store.v.kind == kinds[1]
+
+
+TREE = [-1, 0, 1, 0, 3, 1, 5, 2, 0]  # siblings, branches back up
+MIXED = [("q8_0", "q8_0"), ("q4_0", "q4_0"), ("tq3_0", "tq3_0"), ("bf16", "f16"), ("q4_0", "tq3_0")]
+
+
+def _kernel_case(kinds, dtype, n_kv=2, n_heads=6, hd=64, start=150, slots=200, seed=0):
+    """q (T, heads, hd), K and V planes (n_kv, slots, ...) of random vectors, the tree's layout."""
+    from flashtree.models.block import BlockLayout
+
+    gen = torch.Generator().manual_seed(seed)
+    layout = BlockLayout.from_parents(torch.tensor(TREE))
+    q = torch.randn(layout.size, n_heads, hd, generator=gen).to(dtype)
+    k, v = (quantize(torch.randn(n_kv, slots, hd, generator=gen), kind) for kind in kinds)
+    return q, k, v, start, layout
+
+
+def _kernel(q, k, v, start, layout, window=0, n_keys=None):
+    from flashtree.kernels.attention import tree_attention
+
+    path, depths = layout.paths().to(torch.int32), layout.depths.to(torch.int32)
+    n_keys = n_keys or start + layout.size
+    return tree_attention(
+        q, k, v, torch.tensor(start), path, depths, n_keys, q.shape[-1] ** -0.5, window=window
+    )
+
+
+def _reference(q, k, v, start, layout, window=0):
+    """The CPU path (KVCache.attend: dequantize, then SDPA) under the tree's mask by position."""
+    from flashtree.models.state import KVCache
+
+    t = layout.size
+    rel = torch.arange(start + t) - start
+    ancestor = layout.visible.gather(1, rel.clamp(0, t - 1)[None, :].expand(t, -1))
+    mask = (rel < 0)[None, :] | ((rel >= 0)[None, :] & ancestor)
+    if window:
+        depths = layout.depths
+        key_pos = torch.where(rel >= 0, start + depths[rel.clamp(0, t - 1)], rel + start)
+        mask &= key_pos[None, :] > (start + depths)[:, None] - window
+    return KVCache(k, v).attend(q, start + t, mask, q.shape[-1] ** -0.5)
+
+
+@pytest.mark.parametrize("window", [0, 70], ids=["full", "window70"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("kinds", MIXED, ids=["-".join(k) for k in MIXED])
+def test_kernel_reads_each_type_as_the_cpu_path(kinds, dtype, window):
+    """tree_attention over planes of each type (GQA 3, a branching tree, an optional window) against
+    dequantize-then-attend. fp32: rounding order only (tq3_0's rotations included); bf16: the kernel's
+    bf16 operands (each dequantized value rounded to bf16) and its bf16 output."""
+    q, k, v, start, layout = _kernel_case(kinds, dtype)
+    got = _kernel(q, k, v, start, layout, window)
+    assert got.dtype == q.dtype and got.shape == q.shape
+    tol = 2e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(
+        got.float(), _reference(q, k, v, start, layout, window).float(), rtol=tol, atol=tol
+    )
+
+
+def _commit_path(plane, start, path):
+    """The plane with the path's nodes moved to their positions (as KVStore.commit moves them)."""
+    moved = plane.map(torch.clone)
+    for field, src in zip(moved.fields, plane.fields, strict=True):
+        for j, node in enumerate(path):
+            field[:, start + j] = src[:, start + node]
+    return moved
+
+
+@pytest.mark.parametrize("window", [0, 70], ids=["full", "window70"])
+@pytest.mark.parametrize("kinds", MIXED, ids=["-".join(k) for k in MIXED])
+def test_verify_rows_are_the_ar_steps_for_each_type(kinds, window):
+    """Each node of a verify vs one AR step at its position after its path was committed: bit for bit,
+    whatever the type, and with more (empty) splits launched."""
+    from flashtree.models.block import BlockLayout
+
+    q, k, v, start, layout = _kernel_case(kinds, torch.bfloat16, seed=1)
+    got = _kernel(q, k, v, start, layout, window)
+    assert torch.equal(_kernel(q, k, v, start, layout, window, n_keys=start + 130), got)
+    paths = layout.paths()
+    for node in range(layout.size):
+        depth = int(layout.depths[node])
+        path = paths[node, : depth + 1].tolist()
+        ks, vs = _commit_path(k, start, path), _commit_path(v, start, path)
+        step = _kernel(q[node : node + 1], ks, vs, start + depth, BlockLayout.chain(1), window)
+        assert torch.equal(step[0], got[node]), node

@@ -31,8 +31,10 @@ from __future__ import annotations
 import torch
 
 from flashtree.kernels import tl, triton
+from flashtree.kernels.kv_tiles import kv_tile, plane_args
 from flashtree.kernels.launch import pdl_options, wait_for_inputs
 from flashtree.kernels.qmatmul import tile_counters
+from flashtree.quant.kv import KVPlane, as_plane, rotate, unrotate
 
 MAX_SPLIT = 512  # positions per split at most: a program's share of a long context
 SPLITS_PER_CACHE = 64  # a whole cache is cut into at most this many splits (unless a tile is longer)
@@ -179,28 +181,107 @@ def _tile_update(
 
 
 @triton.jit
+def _kv_tiles(
+    kd, ks, kh, skd, sks, skh, vd, vs, vh, svd, svs, svh, slot, d, ok, head_dims,
+    KIND_K: tl.constexpr, KIND_V: tl.constexpr,
+):  # fmt: skip
+    """The K^T tile (BD, BLOCK) and the V tile (BLOCK, BD) of cache slots `slot` (kernels/kv_tiles.py),
+    together: the V tile's load is in flight while the scores are computed. K^T as loaded: the
+    interpreter's matmul of a transposed view depends on the rows."""
+    kv_ok = ok[:, None] & head_dims
+    k = kv_tile(kd, ks, kh, slot[None, :], d[:, None], tl.trans(kv_ok), skd, sks, skh, KIND_K)
+    v = kv_tile(vd, vs, vh, slot[:, None], d[None, :], kv_ok, svd, svs, svh, KIND_V)
+    return k, v
+
+
+@triton.jit
+def _shared_tiles(
+    q, m, denom, acc, kd, ks, kh, skd, sks, skh, vd, vs, vh, svd, svs, svh, key_ok_ptr, stride_ok,
+    row, real, low, first, end, hi, d, head_dims, scale, BLOCK: tl.constexpr, DOTS: tl.constexpr,
+    KEY_MASK: tl.constexpr, WINDOW: tl.constexpr, KIND_K: tl.constexpr, KIND_V: tl.constexpr,
+):  # fmt: skip
+    """Tiles [first, end) of committed positions, every row's: loaded once, all queries at once. low:
+    (QB,) each query's first position in its window (WINDOW)."""
+    for b in range(first, end, BLOCK):
+        pos = b + tl.arange(0, BLOCK)
+        valid = pos < hi  # all true: the same mask a row's own tile applies
+        k, v = _kv_tiles(
+            kd, ks, kh, skd, sks, skh, vd, vs, vh, svd, svs, svh, pos, d, valid, head_dims, KIND_K, KIND_V
+        )
+        key_ok = valid[None, :]  # unused without KEY_MASK or WINDOW
+        if KEY_MASK:
+            key_ok = tl.load(key_ok_ptr + row[:, None] * stride_ok + pos[None, :]) != 0
+        if WINDOW:
+            key_ok = key_ok & (pos[None, :] >= low[:, None])
+        m, denom, acc = _tile_update(
+            q, k, v, key_ok, valid, real, m, denom, acc, scale, DOTS, KEY_MASK or WINDOW, False
+        )
+    return m, denom, acc
+
+
+@triton.jit
+def _row_tiles(
+    q, m, denom, acc, kd, ks, kh, skd, sks, skh, vd, vs, vh, svd, svs, svh, key_ok_ptr, stride_ok,
+    path_ptr, depth_ptr, group, start, block, n_rows, real, member, first, hi, split_end, window, d,
+    head_dims, scale, R: tl.constexpr, BLOCK: tl.constexpr, DOTS: tl.constexpr, KEY_MASK: tl.constexpr,
+    WINDOW: tl.constexpr, KIND_K: tl.constexpr, KIND_V: tl.constexpr,
+):  # fmt: skip
+    """Tiles [first, hi) that hold block positions of some rows: gathered row by row (each its own
+    ancestors, block node j at slot block + j), each row's queries taking only their own tile's update."""
+    for b in range(first, hi, BLOCK):
+        pos = b + tl.arange(0, BLOCK)
+        rel = pos - start  # >= 0: the block token at depth rel on the row's path
+        for r in range(R):
+            t = group * R + r
+            n_pos = start + tl.load(depth_ptr + tl.minimum(t, n_rows - 1)) + 1
+            reach = tl.minimum(split_end, n_pos)
+            low = n_pos - window  # the row's window (WINDOW)
+            take = (t < n_rows) & (b < reach)  # the tile holds a position of this row
+            if WINDOW:
+                take = take & (b + BLOCK > low)
+            if take:
+                ok = pos < reach
+                node = tl.load(path_ptr + t * n_rows + rel, mask=ok & (rel >= 0), other=0)
+                slot = tl.where(rel >= 0, block + node, pos)
+                k, v = _kv_tiles(
+                    kd, ks, kh, skd, sks, skh, vd, vs, vh, svd, svs, svh, slot, d, ok, head_dims,
+                    KIND_K, KIND_V,
+                )  # fmt: skip
+                key_ok = ok[None, :]  # unused without KEY_MASK or WINDOW
+                if KEY_MASK:
+                    row_ok = tl.load(key_ok_ptr + t * stride_ok + pos, mask=ok & (rel < 0), other=1)
+                    key_ok = (row_ok != 0)[None, :]
+                if WINDOW:
+                    key_ok = key_ok & (pos >= low)[None, :]
+                mine = real & (member == r)  # the row's queries
+                m, denom, acc = _tile_update(
+                    q, k, v, key_ok, ok, mine, m, denom, acc, scale, DOTS, KEY_MASK or WINDOW, True
+                )
+    return m, denom, acc
+
+
+@triton.jit
 def _split_kernel(
-    q_ptr, k_ptr, v_ptr, path_ptr, depth_ptr, start_ptr, block_ptr, key_ok_ptr, m_ptr, l_ptr, acc_ptr,
-    out_ptr, counter_ptr, n_rows, n_kv, n_heads, n_splits,
-    stride_qt, stride_qh, stride_kh, stride_ks, stride_vh, stride_vs, stride_ok, scale,
+    q_ptr, kd, ks, kh, skd_h, skd, sks_h, sks, skh_h, skh, vd, vs, vh, svd_h, svd, svs_h, svs, svh_h, svh,
+    path_ptr, depth_ptr, start_ptr, block_ptr, key_ok_ptr, m_ptr, l_ptr, acc_ptr, out_ptr, counter_ptr,
+    n_rows, n_kv, n_heads, n_splits, stride_qt, stride_qh, stride_ok, scale, window,
     G: tl.constexpr, R: tl.constexpr, QB: tl.constexpr, HD: tl.constexpr, BD: tl.constexpr,
     SPLIT_N: tl.constexpr, BLOCK: tl.constexpr, DOTS: tl.constexpr, KEY_MASK: tl.constexpr,
-    GDC: tl.constexpr,
+    WINDOW: tl.constexpr, KIND_K: tl.constexpr, KIND_V: tl.constexpr, GDC: tl.constexpr,
 ):  # fmt: skip
     """Program (row group, kv head, split): the G query heads of R rows (query i: row i // G, head i % G)
-    over the split's positions (committed position p at slot p, block node j at slot block + j). Tiles
-    wholly below the block's first tile are every row's: loaded once, all queries at once. The rest (at
-    most a few tiles past `start`) differ by row (each its own ancestors): gathered row by row, and
-    each row's queries take only their own tile's update. Writes the split's running max m, sum l and
-    unnormalized output acc (fp32) per (row, query head); the program of (row group, kv head) that
-    finishes last combines the splits into the output (`_combine`). KEY_MASK: committed positions p with
-    key_ok[t * stride_ok + p] false are left out of row t (stride_ok 0: one mask for every row; their
-    score -1e30, not -inf: a split of masked keys only then has a finite max and finite sums, which the
-    combine weighs by exp(-1e30 - max) = 0)."""
+    over the split's positions (committed position p at slot p, block node j at slot block + j): the
+    tiles wholly below the block's first tile are every row's (`_shared_tiles`), the rest (at most a few
+    past `start`) differ by row (`_row_tiles`). K and V are planes of any KV type (kd, ks, kh: K's data,
+    scale and high fields; s*_h / s*: their head and slot strides). KEY_MASK: committed positions p with
+    key_ok[t * stride_ok + p] false are left out of row t (stride_ok 0: one mask for every row); WINDOW:
+    row t at position p reads positions p - window + 1 .. p only. Left-out keys score -1e30, not -inf: a
+    split of such keys only then has a finite max and finite sums, which the combine weighs by
+    exp(-1e30 - max) = 0, and a tile of them adds exact zeros, so tiles visited for other rows change
+    no row's bits."""
     wait_for_inputs(GDC)
     group, kvh, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     start = tl.load(start_ptr)
-    block = tl.load(block_ptr)
     i = tl.arange(0, QB)
     d = tl.arange(0, BD)
     member = i // G  # the query's row in the group
@@ -209,55 +290,44 @@ def _split_kernel(
     row = tl.minimum(row, n_rows - 1)  # padding queries read row n_rows - 1, never stored
     heads = kvh * G + i % G
     n_pos = start + tl.load(depth_ptr + row) + 1  # (QB,) positions each query's row sees
-    q_ok = real[:, None] & (d < HD)[None, :]
-    q = tl.load(
-        q_ptr + row[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=q_ok, other=0.0
-    )
+    head_dims = (d < HD)[None, :]
+    q = tl.load(q_ptr + row[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :],
+                mask=real[:, None] & head_dims, other=0.0)  # fmt: skip
     q = _operand(q, DOTS)
     m = tl.full((QB,), float("-inf"), tl.float32)
     denom = tl.zeros((QB,), tl.float32)
     acc = tl.zeros((QB, BD), tl.float32)
     lo = s * SPLIT_N
-    split_end = lo + SPLIT_N
-    hi = tl.minimum(split_end, tl.max(tl.where(real, n_pos, 0)))  # the group's reach in this split
+    hi = tl.minimum(lo + SPLIT_N, tl.max(tl.where(real, n_pos, 0)))  # the group's reach in this split
     shared_end = tl.minimum(hi, start // BLOCK * BLOCK)  # tiles of committed positions only
-    head_dims = (d < HD)[None, :]
-    k_head, v_head = k_ptr + kvh * stride_kh, v_ptr + kvh * stride_vh
-    for b in range(lo, shared_end, BLOCK):
-        pos = b + tl.arange(0, BLOCK)
-        # K and V together: the V tile's load is in flight while the scores are computed
-        # K^T as loaded (BD, BLOCK): the interpreter's matmul of a transposed view depends on the rows
-        k = tl.load(k_head + pos[None, :] * stride_ks + d[:, None], mask=tl.trans(head_dims), other=0.0)
-        v = tl.load(v_head + pos[:, None] * stride_vs + d[None, :], mask=head_dims, other=0.0)
-        valid = pos < hi  # all true: the same mask a row's own tile applies
-        key_ok = valid  # unused without KEY_MASK
-        if KEY_MASK:
-            key_ok = tl.load(key_ok_ptr + row[:, None] * stride_ok + pos[None, :]) != 0
-        m, denom, acc = _tile_update(
-            q, k, v, key_ok, valid, real, m, denom, acc, scale, DOTS, KEY_MASK, False
-        )
-    for b in range(tl.maximum(lo, shared_end), hi, BLOCK):
-        pos = b + tl.arange(0, BLOCK)
-        rel = pos - start  # >= 0: the block token at depth rel on the row's path
-        for r in range(R):
-            t = group * R + r
-            reach = tl.minimum(split_end, start + tl.load(depth_ptr + tl.minimum(t, n_rows - 1)) + 1)
-            if (t < n_rows) & (b < reach):  # the tile holds a position of this row
-                ok = pos < reach
-                node = tl.load(path_ptr + t * n_rows + rel, mask=ok & (rel >= 0), other=0)
-                slot = tl.where(rel >= 0, block + node, pos)
-                kv_ok = ok[:, None] & head_dims
-                k = tl.load(k_head + slot[None, :] * stride_ks + d[:, None], mask=tl.trans(kv_ok), other=0.0)
-                v = tl.load(v_head + slot[:, None] * stride_vs + d[None, :], mask=kv_ok, other=0.0)
-                key_ok = ok[None, :]  # unused without KEY_MASK
-                if KEY_MASK:
-                    row_ok = tl.load(key_ok_ptr + t * stride_ok + pos, mask=ok & (rel < 0), other=1)
-                    key_ok = (row_ok != 0)[None, :]
-                mine = real & (member == r)  # the row's queries
-                m, denom, acc = _tile_update(
-                    q, k, v, key_ok, ok, mine, m, denom, acc, scale, DOTS, KEY_MASK, True
-                )
-    rows = row * n_heads + heads  # (row, head) of the output
+    low = n_pos - window  # each query's window
+    if WINDOW:  # from the tile of the group's first position in a window
+        lo = tl.maximum(lo, tl.maximum(tl.min(tl.where(real, low, hi)), 0) // BLOCK * BLOCK)
+    kd, ks, kh = kd + kvh * skd_h, ks + kvh * sks_h, kh + kvh * skh_h
+    vd, vs, vh = vd + kvh * svd_h, vs + kvh * svs_h, vh + kvh * svh_h
+    m, denom, acc = _shared_tiles(
+        q, m, denom, acc, kd, ks, kh, skd, sks, skh, vd, vs, vh, svd, svs, svh, key_ok_ptr, stride_ok,
+        row, real, low, lo, shared_end, hi, d, head_dims, scale, BLOCK, DOTS, KEY_MASK, WINDOW,
+        KIND_K, KIND_V,
+    )  # fmt: skip
+    m, denom, acc = _row_tiles(
+        q, m, denom, acc, kd, ks, kh, skd, sks, skh, vd, vs, vh, svd, svs, svh, key_ok_ptr, stride_ok,
+        path_ptr, depth_ptr, group, start, tl.load(block_ptr), n_rows, real, member,
+        tl.maximum(lo, shared_end), hi, s * SPLIT_N + SPLIT_N, window, d, head_dims, scale, R, BLOCK,
+        DOTS, KEY_MASK, WINDOW, KIND_K, KIND_V,
+    )  # fmt: skip
+    _finish(m, denom, acc, row * n_heads + heads, real, head_dims, d, m_ptr, l_ptr, acc_ptr, out_ptr,
+            counter_ptr + group * n_kv + kvh, s, n_splits, HD, BD)  # fmt: skip
+
+
+@triton.jit
+def _finish(
+    m, denom, acc, rows, real, head_dims, d, m_ptr, l_ptr, acc_ptr, out_ptr, tile, s, n_splits,
+    HD: tl.constexpr, BD: tl.constexpr,
+):  # fmt: skip
+    """Store the split's running max m, sum l and unnormalized output acc (fp32) of heads `rows`
+    (row, query head); the program of (row group, kv head) whose count at `tile` arrives last combines
+    the splits into the output (`_combine`) and zeroes the count for the next call."""
     out_ok = real[:, None] & head_dims
     outs = out_ptr + rows[:, None] * HD + d[None, :]
     if n_splits == 1:  # the combine of one split: weight exp(0) = 1, the same bits
@@ -268,7 +338,6 @@ def _split_kernel(
         tl.store(l_ptr + at, denom, mask=real)
         tl.store(acc_ptr + at[:, None] * BD + d[None, :], acc, mask=real[:, None])
         tl.debug_barrier()  # every thread's partial is stored before the count (released by it)
-        tile = counter_ptr + group * n_kv + kvh
         if tl.atomic_add(tile, 1, sem="acq_rel", scope="gpu") == n_splits - 1:
             combined = _combine(m_ptr, l_ptr, acc_ptr, rows, real, n_splits, BD)
             tl.store(outs, combined.to(out_ptr.dtype.element_ty), mask=out_ok)
@@ -337,8 +406,8 @@ def _split_terms(m_ptr, l_ptr, acc_at, first, head_ok, s, n_splits, top, BD: tl.
 
 def tree_attention(
     q: torch.Tensor,  # (T, n_heads, head_dim), unit stride along head_dim
-    k_cache: torch.Tensor,  # (n_kv, slots, head_dim)
-    v_cache: torch.Tensor,
+    k_cache: torch.Tensor | KVPlane,  # (n_kv, slots, head_dim) or a plane of fields (n_kv, slots, ...)
+    v_cache: torch.Tensor | KVPlane,
     start: torch.Tensor,  # 0-d long: committed tokens = the first block slot
     path: torch.Tensor,  # (T, T) int32: row t's ancestors and itself, root first (BlockLayout.paths)
     depths: torch.Tensor,  # (T,) int32
@@ -348,17 +417,24 @@ def tree_attention(
     # (None: all)
     block_at: torch.Tensor | None = None,  # 0-d long: the slot of block node 0 (None: start)
     split_for: int | None = None,  # the slot count the split size follows (None: the cache's)
+    window: int = 0,  # 0: every position; else row at position p reads p - window + 1 .. p only
 ) -> torch.Tensor:
     """softmax(q K^T * scale) V of every row over its committed keys (those of `key_ok`) and its
     ancestors (itself included), (T, n_heads, head_dim) in q's dtype. key_ok may be a row broadcast
     (stride 0 between rows: one mask for every row, read as such). The block's K/V sit at slots
-    start.. (the target's cache) or at block_at.. (the draft's ring keeps them past its slots)."""
+    start.. (the target's cache) or at block_at.. (the draft's ring keeps them past its slots). K and
+    V may be of any KV type (quant/kv.py), read in the kernel; tq3_0's are rotated, so q is rotated
+    for a tq3_0 K and the output rotated back for a tq3_0 V (`rotate`: each row alone, so a verify row
+    still equals the AR step)."""
+    k_cache, v_cache = as_plane(k_cache), as_plane(v_cache)
+    if k_cache.kind == "tq3_0":
+        q = rotate(q).to(q.dtype)
     t, n_heads, hd = q.shape
-    n_kv = k_cache.shape[0]
+    n_kv = k_cache.data.shape[0]
     group = n_heads // n_kv
     bd = triton.next_power_of_2(hd)
     rows, queries = row_group(group, t, n_keys)
-    split = split_positions(split_for or k_cache.shape[1])
+    split = split_positions(split_for or k_cache.data.shape[1])
     n_splits = triton.cdiv(n_keys, split)
     n_groups = triton.cdiv(t, rows)
     if key_ok is not None and key_ok.stride(-1) != 1:
@@ -366,18 +442,21 @@ def tree_attention(
     m = torch.empty(t, n_heads, n_splits, dtype=torch.float32, device=q.device)
     lsum = torch.empty_like(m)
     acc = torch.empty(t, n_heads, n_splits, bd, dtype=torch.float32, device=q.device)
-    out = torch.empty(t, n_heads, hd, dtype=q.dtype, device=q.device)
+    rotated_out = v_cache.kind == "tq3_0"  # rotated back from fp32: one rounding to q's dtype
+    out = torch.empty(t, n_heads, hd, dtype=torch.float32 if rotated_out else q.dtype, device=q.device)
+    *k_args, kind_k = plane_args(k_cache)
+    *v_args, kind_v = plane_args(v_cache)
     _split_kernel[(n_groups, n_kv, n_splits)](
-        q, k_cache, v_cache, path, depths, start, start if block_at is None else block_at,
+        q, *k_args, *v_args, path, depths, start, start if block_at is None else block_at,
         start if key_ok is None else key_ok.view(torch.uint8),
         m, lsum, acc, out, tile_counters(q.device, n_groups * n_kv), t, n_kv, n_heads, n_splits,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        0 if key_ok is None else key_ok.stride(0), scale,
+        q.stride(0), q.stride(1), 0 if key_ok is None else key_ok.stride(0), scale, window,
         G=group, R=rows, QB=queries, HD=hd, BD=bd, SPLIT_N=split, BLOCK=TILE_POSITIONS,
-        DOTS=dot_mode(q), KEY_MASK=key_ok is not None, num_warps=NUM_WARPS if bd >= 256 else 4,
-        num_stages=NUM_STAGES, enable_fp_fusion=False, **pdl_options(q),
+        DOTS=dot_mode(q), KEY_MASK=key_ok is not None, WINDOW=window > 0, KIND_K=kind_k, KIND_V=kind_v,
+        num_warps=NUM_WARPS if bd >= 256 else 4, num_stages=NUM_STAGES, enable_fp_fusion=False,
+        **pdl_options(q),
     )  # fmt: skip
-    return out
+    return unrotate(out).to(q.dtype) if rotated_out else out
 
 
 def block_attention(

@@ -9,12 +9,13 @@ tq3_0's values stay rotated (quant/kv.py): the caller rotates the query and unro
 from __future__ import annotations
 
 from flashtree.kernels import tl, triton
-from flashtree.quant.kv import BLOCK, CENTROIDS, KVPlane
+from flashtree.quant.kv import BLOCK, CENTROIDS, THRESHOLDS, KVPlane
 
 KINDS = {"bf16": 0, "f16": 0, "f32": 0, "q8_0": 1, "q4_0": 2, "tq3_0": 3}  # a plane's KIND constexpr
 QBLOCK = tl.constexpr(BLOCK)
 # tq3_0's centroid magnitudes, smallest first (CENTROIDS[4:]): index 4 + j is +C_j, index 3 - j is -C_j
 C0, C1, C2, C3 = (tl.constexpr(c) for c in CENTROIDS[4:])
+T0, T1, T2, T3, T4, T5, T6 = (tl.constexpr(t) for t in THRESHOLDS)
 
 
 def plane_args(plane: KVPlane) -> tuple:
@@ -57,3 +58,108 @@ def kv_tile(data, scale, high, slot, d, ok, s_data, s_scale, s_high, KIND: tl.co
             top = tl.load(high + slot * s_high + d // 8, mask=ok, other=0).to(tl.int32)
             q = centroid(((low >> ((d % 4) * 2)) & 3) | (((top >> (d % 8)) & 1) << 2))
         return q * d_scale
+
+
+@triton.jit
+def _pair_level(v, N: tl.constexpr, W: tl.constexpr):
+    """v (N, 2W) -> (N, W): the sums of adjacent pairs."""
+    a, b = tl.split(tl.reshape(v, (N, W, 2)))
+    return a + b
+
+
+@triton.jit
+def _block_sums(v, N: tl.constexpr):
+    """Sums of each row of v (N, 32) by adjacent pairs, level by level (quant/kv.py's pair_sum)."""
+    v = _pair_level(_pair_level(_pair_level(v, N, 16), N, 8), N, 4)
+    return tl.reshape(_pair_level(_pair_level(v, N, 2), N, 1), (N,))
+
+
+@triton.jit
+def _pack(v, N: tl.constexpr, LEVELS: tl.constexpr, BITS: tl.constexpr):
+    """Bytes of 2 ** LEVELS adjacent values of BITS bits each (v (N,) int32), the first lowest."""
+    for level in tl.static_range(LEVELS):
+        a, b = tl.split(tl.reshape(v, (N >> (level + 1), 2)))
+        v = a | (b << (BITS << level))
+    return v.to(tl.uint8)
+
+
+@triton.jit
+def _butterfly(x, BD: tl.constexpr, H: tl.constexpr):
+    """One Walsh-Hadamard level of x (BD,): (a, b) of each pair H apart becomes (a + b, a - b)."""
+    a, b = tl.split(tl.permute(tl.reshape(x, (BD // (2 * H), 2, H)), (0, 2, 1)))
+    return tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 2, 1)), (BD,))
+
+
+@triton.jit
+def rotate_row(x, signs, BD: tl.constexpr, R: tl.constexpr, RSCALE: tl.constexpr):
+    """quant/kv.py's `rotate` of a row x (BD,) fp32 in groups of R: signs[:R], the butterfly levels,
+    times RSCALE = 1 / sqrt(R), signs[R:] (signs: `rotation_signs`), the same operations in the same
+    order."""
+    d = tl.arange(0, BD)
+    x = x * tl.load(signs + d % R)
+    for level in tl.static_range(R.bit_length() - 1):
+        x = _butterfly(x, BD, 1 << level)
+    return x * RSCALE * tl.load(signs + R + d % R)
+
+
+@triton.jit
+def _inverse(d):
+    """1 / d, 0 where d is 0 (a block of zeros)."""
+    return tl.where(d == 0, 0.0, tl.div_rn(1.0, tl.where(d == 0, 1.0, d)))
+
+
+@triton.jit
+def _centroid_index(u):
+    """The index of the centroid nearest each u (quant/kv.py's THRESHOLDS, ties to the lower one)."""
+    idx = (u > T0).to(tl.int32) + (u > T1).to(tl.int32) + (u > T2).to(tl.int32) + (u > T3).to(tl.int32)
+    return idx + (u > T4).to(tl.int32) + (u > T5).to(tl.int32) + (u > T6).to(tl.int32)
+
+
+@triton.jit
+def _scaled_blocks(x, NB: tl.constexpr, KIND: tl.constexpr):
+    """Codes (NB, 32) int32 and fp16 scales (NB,) of the blocks of x (NB, 32) fp32 in type KIND
+    (quant/kv.py's `quantize`, operation for operation: q8_0 signed codes, q4_0 nibbles, tq3_0 indices)."""
+    if KIND == 1:  # q8_0
+        d = tl.div_rn(tl.max(tl.abs(x), axis=1), 127.0).to(tl.float16)
+        q = tl.floor(x * _inverse(d.to(tl.float32))[:, None] + 0.5)
+        return tl.minimum(tl.maximum(q, -127.0), 127.0).to(tl.int32), d
+    elif KIND == 2:  # q4_0: the first value of the largest magnitude maps to -8
+        col = tl.arange(0, QBLOCK)[None, :]
+        big = tl.abs(x) == tl.max(tl.abs(x), axis=1)[:, None]
+        first = tl.min(tl.where(big, col, QBLOCK), axis=1)
+        d = tl.div_rn(tl.sum(tl.where(col == first[:, None], x, 0.0), axis=1), -8.0).to(tl.float16)
+        n = tl.floor(x * _inverse(d.to(tl.float32))[:, None] + 8.0 + 0.5)
+        return tl.minimum(tl.maximum(n, 0.0), 15.0).to(tl.int32), d
+    else:  # tq3_0: nearest centroids of x / rms, their least-squares scale, nearest again against it
+        rms = tl.sqrt_rn(tl.div_rn(_block_sums(x * x, NB), 32.0))
+        c = centroid(_centroid_index(x * _inverse(rms)[:, None]))
+        norm = tl.where(rms == 0, 1.0, _block_sums(c * c, NB))
+        d = tl.div_rn(_block_sums(x * c, NB), norm).to(tl.float16)
+        return _centroid_index(x * _inverse(d.to(tl.float32))[:, None]), d
+
+
+@triton.jit
+def store_row(x, data, scale, high, signs, D: tl.constexpr, BD: tl.constexpr, R: tl.constexpr,
+              RSCALE: tl.constexpr, KIND: tl.constexpr):  # fmt: skip
+    """One K or V vector x (BD,) (its first D values; fp32 holding the values `quantize` is given)
+    stored in type KIND at its slot's fields data, scale, high (float types: data's dtype). tq3_0 rotates
+    it first (`rotate_row`)."""
+    d = tl.arange(0, BD)
+    if KIND == 0:
+        tl.store(data + d, x.to(data.dtype.element_ty), mask=d < D)
+    else:
+        if KIND == 3:
+            x = rotate_row(x, signs, BD, R, RSCALE)
+        codes, d_scale = _scaled_blocks(tl.reshape(x, (BD // QBLOCK, QBLOCK)), BD // QBLOCK, KIND)
+        codes = tl.reshape(codes, (BD,))
+        nb = tl.arange(0, BD // QBLOCK)
+        tl.store(scale + nb, d_scale, mask=nb < D // QBLOCK)
+        if KIND == 1:
+            tl.store(data + d, codes.to(tl.int8), mask=d < D)
+        elif KIND == 2:
+            half = tl.arange(0, BD // 2)
+            tl.store(data + half, _pack(codes, BD, 1, 4), mask=half < D // 2)
+        else:
+            quarter, eighth = tl.arange(0, BD // 4), tl.arange(0, BD // 8)
+            tl.store(data + quarter, _pack(codes & 3, BD, 2, 2), mask=quarter < D // 4)
+            tl.store(high + eighth, _pack(codes >> 2, BD, 3, 1), mask=eighth < D // 8)

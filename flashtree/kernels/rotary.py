@@ -14,7 +14,9 @@ from __future__ import annotations
 import torch
 
 from flashtree.kernels import tl, triton
+from flashtree.kernels.kv_tiles import plane_args, store_row
 from flashtree.kernels.launch import pdl_options, wait_for_inputs
+from flashtree.quant.kv import KVPlane, as_plane, rotation_scale, rotation_signs, rotation_size
 
 
 @triton.jit
@@ -73,12 +75,16 @@ def _rotary_kernel(
 
 @triton.jit
 def _rotary_store_kernel(
-    q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, qw_ptr, kw_ptr,
-    q_st, q_sh, k_st, k_sh, v_st, v_sh, cache_sh, cache_ss, NQ, eps, D: tl.constexpr, ROT: tl.constexpr,
-    BD: tl.constexpr, BF16: tl.constexpr, NORM: tl.constexpr, GDC: tl.constexpr,
+    q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_out_ptr, kd, ks, kh, skd_h, skd, sks_h, sks, skh_h, skh,
+    vd, vs, vh, svd_h, svd, svs_h, svs, svh_h, svh, signs, slots_ptr, qw_ptr, kw_ptr,
+    q_st, q_sh, k_st, k_sh, v_st, v_sh, NQ, eps, D: tl.constexpr, ROT: tl.constexpr, BD: tl.constexpr,
+    BF16: tl.constexpr, NORM: tl.constexpr, KIND_K: tl.constexpr, KIND_V: tl.constexpr, R: tl.constexpr,
+    RSCALE: tl.constexpr, GDC: tl.constexpr,
 ):  # fmt: skip
     """Program (t, h): query head h of token t (h < NQ), else KV head h - NQ: its rotated K and its V
-    stored at the token's cache slot. NORM: q and k RMSNorm-ed per head first (weights qw_ptr, kw_ptr)."""
+    stored at the token's cache slot, each in its plane's type (kernels/kv_tiles.py's store_row; kd, ks,
+    kh: K's data, scale and high fields, s*_h / s* their head and slot strides). NORM: q and k
+    RMSNorm-ed per head first (weights qw_ptr, kw_ptr)."""
     wait_for_inputs(GDC)
     t = tl.program_id(0)
     h = tl.program_id(1)
@@ -90,13 +96,17 @@ def _rotary_store_kernel(
         tl.store(q_out_ptr + (t * NQ + h) * D + d, out.to(q_out_ptr.dtype.element_ty), mask=d < D)
     else:
         j = h - NQ
-        at = j * cache_sh + tl.load(slots_ptr + t) * cache_ss + d
+        slot = tl.load(slots_ptr + t)
         k = _rotated_row(
             k_ptr + t * k_st + j * k_sh, cos_ptr, sin_ptr, t, kw_ptr, eps, D, ROT, BD, BF16, NORM
         )
-        tl.store(k_cache_ptr + at, k.to(k_cache_ptr.dtype.element_ty), mask=d < D)
+        k_fields = kd + j * skd_h + slot * skd, ks + j * sks_h + slot * sks, kh + j * skh_h + slot * skh
+        store_row(k, *k_fields, signs, D, BD, R, RSCALE, KIND_K)
         v = tl.load(v_ptr + t * v_st + j * v_sh + d, mask=d < D)
-        tl.store(v_cache_ptr + at, v, mask=d < D)
+        if KIND_V != 0:  # quantized from fp32, as `quantize` is given it
+            v = v.to(tl.float32)
+        v_fields = vd + j * svd_h + slot * svd, vs + j * svs_h + slot * svs, vh + j * svh_h + slot * svh
+        store_row(v, *v_fields, signs, D, BD, R, RSCALE, KIND_V)
 
 
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -115,15 +125,16 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 def rotary_store(
     q: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-    k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+    k_cache: torch.Tensor | KVPlane, v_cache: torch.Tensor | KVPlane, slots: torch.Tensor,
     norms: tuple[torch.Tensor, torch.Tensor, float] | None = None,
 ) -> torch.Tensor | None:  # fmt: skip
     """One launch for an attention layer's RoPE and cache write: q (T, heads, hd) rotated into a new
     tensor (returned; None without q), k (T, n_kv, hd) rotated and v as it is stored at `slots` (T,) of
-    the caches (n_kv, max_ctx, hd), unit stride along hd and slots. The same bits as two `rotary` calls
-    and two index copies (four launches: a small model's decode step is bound by launches). norms (q's
-    weight, k's, eps): q and k RMSNorm-ed per head first, as two fused.rms_norm launches would (qwen3's
-    and qwen3.5's q / k norms: 2 launches fewer per attention layer and step)."""
+    the caches (n_kv, max_ctx, hd) or planes of any KV type (quantized as quant/kv.py's `quantize`
+    does, bit for bit), unit stride along hd and slots. The same bits as two `rotary` calls and two
+    index copies (four launches: a small model's decode step is bound by launches). norms (q's weight,
+    k's, eps): q and k RMSNorm-ed per head first, as two fused.rms_norm launches would (qwen3's and
+    qwen3.5's q / k norms: 2 launches fewer per attention layer and step)."""
     if q is None:  # keys and values only (the draft's context): no query programs
         rotary_store(k[:, :0], k, v, cos, sin, k_cache, v_cache, slots, norms)
         return None
@@ -131,13 +142,16 @@ def rotary_store(
     n_kv = k.shape[1]
     q_out = torch.empty(t, nq, d, dtype=q.dtype, device=q.device)
     q_weight, k_weight, eps = norms or (q, q, 0.0)
+    *k_args, kind_k = plane_args(as_plane(k_cache))
+    *v_args, kind_v = plane_args(as_plane(v_cache))
+    r = rotation_size(d)
     # one warp when norming: fused.rms_norm's launch for a head row of this width, so the same sum order
     warps = 1 if norms else 4
     _rotary_store_kernel[(t, nq + n_kv)](
-        q, k, v, cos.contiguous(), sin.contiguous(), q_out, k_cache, v_cache, slots, q_weight, k_weight,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        k_cache.stride(0), k_cache.stride(1), nq, eps, D=d, ROT=cos.shape[-1], BD=triton.next_power_of_2(d),
-        BF16=q.dtype == torch.bfloat16, NORM=norms is not None, num_warps=warps, enable_fp_fusion=False,
-        **pdl_options(q),
+        q, k, v, cos.contiguous(), sin.contiguous(), q_out, *k_args, *v_args, rotation_signs(r, q.device),
+        slots, q_weight, k_weight, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
+        v.stride(1), nq, eps, D=d, ROT=cos.shape[-1], BD=triton.next_power_of_2(d),
+        BF16=q.dtype == torch.bfloat16, NORM=norms is not None, KIND_K=kind_k, KIND_V=kind_v, R=r,
+        RSCALE=rotation_scale(r), num_warps=warps, enable_fp_fusion=False, **pdl_options(q),
     )  # fmt: skip
     return q_out

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from flashtree import kernels
@@ -56,16 +55,8 @@ class Attention(nn.Module):
         if kernels.triton_kernels_for(q) and decode and not torch.is_grad_enabled():
             # every row computed as the AR step computes it (see kernels/attention.py)
             out = tree_attention(q, kv.k, kv.v, fp.start, *fp.attention_paths, fp.n_keys, hd**-0.5)
-        else:
-            keys, values = kv.read(fp.n_keys)  # (n_kv, S, hd)
-            out = F.scaled_dot_product_attention(
-                q.transpose(0, 1)[None],  # (1, nh, T, hd)
-                keys[None],
-                values[None],
-                attn_mask=fp.attn_mask,  # (T, S) bool: all past + ancestors in the block
-                scale=hd**-0.5,
-                enable_gqa=True,
-            )[0].transpose(0, 1)
+        else:  # all past + ancestors in the block, by a (T, S) bool mask
+            out = kv.attend(q, fp.n_keys, fp.attn_mask, hd**-0.5)
         out = out.reshape(t, self.n_heads * hd)
         if gate is not None:
             return self.o(sigmoid_gate(out, gate, self.o.takes_int8))

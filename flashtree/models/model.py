@@ -17,6 +17,7 @@ from flashtree.models.deltanet import GatedDeltaNet
 from flashtree.models.layers import Linear, RMSNorm, Rotary, SwiGLU, add_rms_norm
 from flashtree.models.pass_ import ForwardPass
 from flashtree.models.state import DeltaNetState, DeltaNetStore, KVCache, KVStore, ModelState
+from flashtree.quant.kv import check_kv_type, resolve_kv_type, vector_bytes
 
 
 class DecoderLayer(nn.Module):
@@ -61,6 +62,7 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList(layers)
         self.norm, self.lm_head, self.rotary = norm, lm_head, rotary
         self.kernels = DEFAULT_KERNELS  # models.layers.use_kernels
+        self.kv_types: tuple[str | None, str | None] = (None, None)  # K's, V's (`set_kv_types`)
 
     @property
     def device(self) -> torch.device:
@@ -79,7 +81,7 @@ class DecoderModel(nn.Module):
         for shape in dict.fromkeys(shapes):  # first-seen order
             n_layers = shapes.count(shape)
             if shape[0] == "kv":
-                stores[shape] = KVStore(n_layers, shape[1], max_ctx, shape[2], dt, dev)
+                stores[shape] = KVStore(n_layers, shape[1], max_ctx, shape[2], dt, dev, self.kv_types)
             else:
                 stores[shape] = DeltaNetStore(n_layers, *shape[1:], dt, dev, self.kernels.delta_tile)
         taken: Counter = Counter()
@@ -100,13 +102,30 @@ class DecoderModel(nn.Module):
         """Each layer's attention or Gated DeltaNet."""
         return [layer.mixer for layer in self.layers]
 
+    def set_kv_types(self, k: str | None, v: str | None) -> None:
+        """The KV cache types (quant/kv.py) of the states `new_state` makes from now on, K's and V's (None:
+        the compute dtype's); a FlashtreeError if a type cannot hold this model's heads."""
+        for kind in (k, v):
+            for m in self.mixers:
+                if kind is not None and isinstance(m, Attention):
+                    check_kv_type(kind, m.head_dim)
+        self.kv_types = (k, v)
+
+    @property
+    def resolved_kv_types(self) -> tuple[str, str]:
+        """The KV cache types `new_state` allocates, K's and V's."""
+        k, v = self.kv_types
+        return resolve_kv_type(k, self.dtype), resolve_kv_type(v, self.dtype)
+
     def state_bytes(self, max_ctx: int) -> int:
-        """Bytes `new_state(max_ctx)` allocates: KV slots plus fixed DeltaNet and conv state."""
+        """Bytes `new_state(max_ctx)` allocates: KV slots (every field of their types) plus fixed DeltaNet
+        and conv state."""
         elem = self.dtype.itemsize
+        kinds = self.resolved_kv_types
         total = 0
         for m in self.mixers:
             if isinstance(m, Attention):
-                total += 2 * m.n_kv_heads * max_ctx * m.head_dim * elem
+                total += m.n_kv_heads * max_ctx * sum(vector_bytes(kind, m.head_dim) for kind in kinds)
             else:
                 total += m.n_v_heads * m.k_dim * m.v_dim * 4 + (m.kernel - 1) * m.conv_weight.shape[0] * elem
         return total

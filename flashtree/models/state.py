@@ -16,10 +16,22 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 
 from flashtree.errors import FlashtreeError
 from flashtree.models.deltanet import replay_accepted
 from flashtree.models.layers import apply_rotary, rms_norm, rotary_kernel_fits
+from flashtree.quant.kv import (
+    FLOAT_TYPES,
+    KVPlane,
+    as_plane,
+    dequantize,
+    empty_plane,
+    quantize,
+    resolve_kv_type,
+    rotate,
+    unrotate,
+)
 
 
 class CommitPlan(NamedTuple):
@@ -34,15 +46,22 @@ class CommitPlan(NamedTuple):
 
 
 class KVCache:
-    """K/V of one attention layer, (n_kv, max_ctx, head_dim) each: views into a KVStore."""
+    """K/V of one attention layer: planes (quant/kv.py) of fields (n_kv, max_ctx, ...), views into a
+    KVStore (or plain (n_kv, max_ctx, head_dim) float tensors, as the draft's ring keeps them)."""
 
-    def __init__(self, k: torch.Tensor, v: torch.Tensor):
-        self.k, self.v = k, v
+    def __init__(self, k: torch.Tensor | KVPlane, v: torch.Tensor | KVPlane):
+        self.k, self.v = as_plane(k), as_plane(v)
+
+    @property
+    def quantized(self) -> bool:
+        return self.k.kind not in FLOAT_TYPES or self.v.kind not in FLOAT_TYPES
 
     def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """k, v: (T, n_kv, head_dim) written at slots (T,) (a device tensor: no host value needed)."""
-        self.k.index_copy_(1, slots, k.transpose(0, 1))
-        self.v.index_copy_(1, slots, v.transpose(0, 1))
+        """k, v: (T, n_kv, head_dim) written at slots (T,) (a device tensor: no host value needed), each
+        quantized once to its plane's type."""
+        for plane, x in ((self.k, k), (self.v, v)):
+            for field, new in zip(plane.fields, quantize(x, plane.kind).fields, strict=True):
+                field.index_copy_(1, slots, new.transpose(0, 1))
 
     def write_rotated(
         self, slots: torch.Tensor, q: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor, cos, sin,
@@ -50,9 +69,10 @@ class KVCache:
     ) -> torch.Tensor | None:  # fmt: skip
         """RoPE on q (T, heads, hd) and k, then k and v written at slots; returns the rotated q (None
         without q). norms (q's weight, k's, eps): q and k RMSNorm-ed per head before. On the GPU one
-        Triton launch (kernels/rotary.py) computes the same bits as the torch path's four (six)."""
+        Triton launch (kernels/rotary.py) computes the same bits as the torch path's four (six), and
+        quantizes k and v as `quantize` does."""
         fits = (q is None or rotary_kernel_fits(q, cos)) and rotary_kernel_fits(k, cos) and v.stride(-1) == 1
-        if fits and k.dtype == self.k.dtype and v.dtype == self.v.dtype:
+        if fits and all(p.kind not in FLOAT_TYPES or p.data.dtype == k.dtype for p in (self.k, self.v)):
             from flashtree.kernels.rotary import rotary_store
 
             return rotary_store(q, k, v, cos, sin, self.k, self.v, slots, norms)
@@ -64,28 +84,50 @@ class KVCache:
         return None if q is None else apply_rotary(q, cos, sin)
 
     def read(self, n_keys: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K/V of slots [0, n_keys): (n_kv, n_keys, head_dim) each."""
-        return self.k[:, :n_keys], self.v[:, :n_keys]
+        """K/V of slots [0, n_keys): (n_kv, n_keys, head_dim) each, as stored for a float cache, else
+        dequantized to fp32 (tq3_0's still rotated)."""
+        k, v = (p.map(lambda f: f[:, :n_keys]) for p in (self.k, self.v))
+        if not self.quantized:
+            return k.data, v.data
+        return dequantize(k), dequantize(v)
+
+    def attend(self, q: torch.Tensor, n_keys: int, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+        """softmax(q K^T * scale) V over slots [0, n_keys) by SDPA (q (T, heads, hd); mask (T, n_keys)
+        bool or None), the reference path. A quantized cache is dequantized one layer at a time (the
+        CPU's memory, not the GPU's: its kernels read the planes) and attended in its own domain: q
+        rotated for a tq3_0 K, the output rotated back for a tq3_0 V."""
+        keys, values = self.read(n_keys)  # (n_kv, S, hd)
+        query = rotate(q) if self.k.kind == "tq3_0" else q
+        if not query.dtype == keys.dtype == values.dtype:  # a cache in another type than the model's
+            query, keys, values = query.float(), keys.float(), values.float()
+        out = F.scaled_dot_product_attention(
+            query.transpose(0, 1)[None], keys[None], values[None], attn_mask=mask, scale=scale,
+            enable_gqa=True,
+        )[0].transpose(0, 1)  # fmt: skip
+        return (unrotate(out) if self.v.kind == "tq3_0" else out).to(q.dtype)
 
 
 class KVStore:
-    """K/V of every attention layer of one shape, preallocated for `max_ctx` tokens as two tensors
-    (layers, n_kv, max_ctx, head_dim): a speculative step's commit moves the accepted slots of all
-    layers in one gather and one scatter per tensor (it was 4 launches per layer)."""
+    """K/V of every attention layer of one shape, preallocated for `max_ctx` tokens as two planes
+    (quant/kv.py: K's type, V's), each field (layers, n_kv, max_ctx, ...): a speculative step's commit
+    moves the accepted slots of all layers in one gather and one scatter per field."""
 
-    def __init__(self, n_layers: int, n_kv: int, max_ctx: int, head_dim: int, dtype: torch.dtype, device):
-        self.k = torch.zeros(n_layers, n_kv, max_ctx, head_dim, dtype=dtype, device=device)
-        self.v = torch.zeros(n_layers, n_kv, max_ctx, head_dim, dtype=dtype, device=device)
+    def __init__(
+        self, n_layers: int, n_kv: int, max_ctx: int, head_dim: int, dtype: torch.dtype, device,
+        kinds: tuple[str | None, str | None] = (None, None),
+    ):  # fmt: skip
+        lead = (n_layers, n_kv, max_ctx)
+        self.k, self.v = (empty_plane(resolve_kv_type(kind, dtype), lead, head_dim, device) for kind in kinds)
 
     def layer(self, i: int) -> KVCache:
-        return KVCache(self.k[i], self.v[i])
+        return KVCache(self.k.map(lambda f: f[i]), self.v.map(lambda f: f[i]))
 
     def commit(self, plan: CommitPlan) -> None:
-        """Keep the accepted nodes: move slots src[i] to dst[i] in every layer (src is increasing and
-        src >= dst, and the gather completes before the scatter)."""
+        """Keep the accepted nodes: move slots src[i] to dst[i] in every layer and field (src is
+        increasing and src >= dst, and the gather completes before the scatter)."""
         src, dst = plan.src, plan.dst
-        self.k[:, :, dst] = self.k[:, :, src]
-        self.v[:, :, dst] = self.v[:, :, src]
+        for field in (*self.k.fields, *self.v.fields):
+            field[:, :, dst] = field[:, :, src]
 
     def reset(self) -> None:
         """Nothing to clear: slots past the committed length are never read."""

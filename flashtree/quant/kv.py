@@ -122,11 +122,15 @@ def rotation_size(head_dim: int) -> int:
 
 
 @cache
-def _signs(r: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The rotation's two fixed ±1 vectors (fp32) for groups of r values."""
+def rotation_signs(r: int, device: torch.device) -> torch.Tensor:
+    """The rotation's two fixed ±1 vectors (fp32) for groups of r values, one after the other (2r,)."""
     g = torch.Generator().manual_seed(ROTATION_SEED + r)
-    first, second = (torch.randint(0, 2, (r,), generator=g) * 2 - 1 for _ in range(2))
-    return first.float().to(device), second.float().to(device)
+    return (torch.randint(0, 2, (2 * r,), generator=g) * 2 - 1).float().to(device)
+
+
+def rotation_scale(r: int) -> float:
+    """The orthonormal transform's factor, applied after the butterfly levels."""
+    return 1.0 / math.sqrt(r)
 
 
 def _hadamard(x: torch.Tensor, r: int) -> torch.Tensor:
@@ -141,7 +145,7 @@ def _hadamard(x: torch.Tensor, r: int) -> torch.Tensor:
         a, b = v[..., 0, :], v[..., 1, :]
         x = torch.stack((a + b, a - b), dim=-2).reshape(shape)
         h *= 2
-    return x * (1.0 / math.sqrt(r))
+    return x * rotation_scale(r)
 
 
 def _grouped(x: torch.Tensor, r: int) -> torch.Tensor:
@@ -151,7 +155,7 @@ def _grouped(x: torch.Tensor, r: int) -> torch.Tensor:
 def rotate(x: torch.Tensor) -> torch.Tensor:
     """tq3_0's rotation of vectors x (..., hd), in fp32: signs, Walsh-Hadamard, signs, per group."""
     r = rotation_size(x.shape[-1])
-    first, second = _signs(r, x.device)
+    first, second = rotation_signs(r, x.device).split(r)
     y = _hadamard((_grouped(x.float(), r) * first).reshape(x.shape), r)
     return (_grouped(y, r) * second).reshape(x.shape)
 
@@ -159,7 +163,7 @@ def rotate(x: torch.Tensor) -> torch.Tensor:
 def unrotate(y: torch.Tensor) -> torch.Tensor:
     """The inverse of `rotate` (the transform is symmetric and orthonormal), in fp32."""
     r = rotation_size(y.shape[-1])
-    first, second = _signs(r, y.device)
+    first, second = rotation_signs(r, y.device).split(r)
     x = _hadamard((_grouped(y.float(), r) * second).reshape(y.shape), r)
     return (_grouped(x, r) * first).reshape(y.shape)
 
@@ -247,3 +251,11 @@ def dequantize(plane: KVPlane) -> torch.Tensor:
         q = torch.tensor(CENTROIDS, device=idx.device)[idx.long()]
     blocks = q.reshape(*q.shape[:-1], q.shape[-1] // BLOCK, BLOCK)
     return (blocks * plane.scale.float()[..., None]).reshape(q.shape)
+
+
+def as_plane(x: torch.Tensor | KVPlane) -> KVPlane:
+    """x itself, or a float tensor as the plane of its type (a cache kept as a plain tensor)."""
+    if isinstance(x, KVPlane):
+        return x
+    kinds = {dtype: kind for kind, dtype in FLOAT_TYPES.items()}
+    return KVPlane(kinds[x.dtype], x)
