@@ -508,11 +508,12 @@ def test_disconnect_while_waiting_for_a_whole_reply(client, http):
 
 
 def test_default_speculative_server_is_lossless(tmp_path, engine):
-    """`flashtree serve` as a new user starts it: the shipped draft, tree mode. Greedy replies are the
-    plain decoder's exactly, and the speculative stats are in the response and the metrics."""
+    """`flashtree serve` as a new user starts it on a GPU (--mode auto's pick there): the shipped draft,
+    tree mode. Greedy replies are the plain decoder's exactly, and the speculative stats are in the
+    response and the metrics."""
     messages = [{"role": "user", "content": "Write a haiku about the sea."}]
     text, _, _ = chat_reference(engine, messages, 16)
-    with running_server(tmp_path / "serve.log") as url:
+    with running_server(tmp_path / "serve.log", "--mode", "tree") as url:
         assert httpx.get(url + "/health").json()["mode"] == "tree"
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300)
         r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0)
