@@ -213,3 +213,102 @@ def test_verify_rows_are_the_ar_steps_for_each_type(kinds, window):
         ks, vs = _commit_path(k, start, path), _commit_path(v, start, path)
         step = _kernel(q[node : node + 1], ks, vs, start + depth, BlockLayout.chain(1), window)
         assert torch.equal(step[0], got[node]), node
+
+
+FAMILIES = ["llama", "qwen3", "qwen35"]
+QUANTIZED = ["q8_0", "q4_0", "tq3_0", "f16"]
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def target32(request, tiny_root):
+    """A tiny target of each family with heads of 32 values (the quantized types' blocks), fp32."""
+    from flashtree.models.loader import load_target
+    from tests.tiny import tiny_gguf
+
+    target, _ = load_target(
+        tiny_gguf(request.param, 0, tiny_root, head_dim=32), device="cpu", dtype=torch.float32
+    )
+    return target
+
+
+def _generate(target, kinds, draft, prompt, n, **spec):
+    from flashtree.config import SamplingParams, SpecConfig
+    from flashtree.generate import Engine
+
+    target.set_kv_types(*kinds)
+    mode = spec.pop("mode", "ar")
+    engine = Engine(target, None, draft, SpecConfig(mode=mode, **spec), max_ctx=160)
+    target.set_kv_types(None, None)
+    store = next(s for s in engine.state.stores if hasattr(s, "k"))
+    assert (store.k.kind, store.v.kind) == kinds
+    return [t for step in engine.generate(prompt, n, SamplingParams(), stop_ids=()) for t in step]
+
+
+@pytest.mark.parametrize("kind", QUANTIZED)
+def test_speculative_output_is_ar_output_for_each_type(target32, kind):
+    """Losslessness per KV type: chain and tree greedy outputs equal AR's with the same type (an oracle
+    draft that is often right and sometimes wrong, so accepted paths span lengths and branch), for K
+    and V of the type, and for K of the type with V in another (seeded prompts)."""
+    import random
+
+    from tests.spec_util import OracleDraft
+
+    rng = random.Random(QUANTIZED.index(kind))
+    vocab = target32.config.vocab
+    for i, kinds in enumerate([(kind, kind), (kind, "q8_0" if kind != "q8_0" else "tq3_0")]):
+        prompt = [rng.randrange(vocab) for _ in range(rng.randint(3, 30))]
+        ar = _generate(target32, kinds, None, prompt, 32)
+        for mode, spec in (("chain", dict(block_size=8)), ("tree", dict(block_size=8, budget=12))):
+            oracle = OracleDraft(prompt + ar, vocab, 8, 0.25, seed=i)
+            assert _generate(target32, kinds, oracle, prompt, 32, mode=mode, **spec) == ar, (kinds, mode)
+
+
+def test_kernel_path_is_lossless_with_quantized_types(tiny_root, monkeypatch):
+    """The GPU path (the fused quantizing write, tree_attention over the planes) run in the interpreter
+    inside a model: tree output equals AR's, with a tq3_0 K and a q4_0 V."""
+    from flashtree import kernels
+    from flashtree.models.loader import load_target
+    from tests.spec_util import OracleDraft
+    from tests.tiny import tiny_gguf
+
+    monkeypatch.setattr(kernels, "triton_kernels_for", lambda x: True)
+    target, _ = load_target(tiny_gguf("llama", 0, tiny_root, head_dim=32), device="cpu", dtype=torch.float32)
+    kinds, prompt = ("tq3_0", "q4_0"), [5, 77, 190]
+    ar = _generate(target, kinds, None, prompt, 8)
+    oracle = OracleDraft(prompt + ar, target.config.vocab, 4, 0.3, seed=1)
+    assert _generate(target, kinds, oracle, prompt, 8, mode="tree", block_size=4, budget=6) == ar
+
+
+@pytest.mark.parametrize("kinds", [("q4_0", "tq3_0"), ("q8_0", "bf16")])
+def test_commit_moves_every_fields_slots(kinds):
+    """A verify's accepted nodes (block slots 5 + path) move to their positions in every layer, every
+    field of K and V (codes, scales, high bits); the committed slots before them stay."""
+    from flashtree.models.state import CommitPlan, KVStore
+
+    store = KVStore(2, 3, 16, 64, torch.float32, "cpu", kinds)
+    gen = torch.Generator().manual_seed(4)
+    for i in range(2):
+        x = torch.randn(16, 3, 64, generator=gen)
+        store.layer(i).write(torch.arange(16), x, -x)
+    before = [f.clone() for f in (*store.k.fields, *store.v.fields)]
+    path = torch.tensor([0, 2, 5])  # block nodes 0, 2, 5 accepted: slots 5, 7, 10 -> 5, 6, 7
+    src, dst = 5 + path, 5 + torch.arange(3)
+    store.commit(CommitPlan(path, torch.tensor([3]), path[2:], src, dst))
+    assert len(before) == (5 if kinds[0] == "q4_0" else 3)  # every field: codes, scales, high bits
+    for old, new in zip(before, (*store.k.fields, *store.v.fields), strict=True):
+        assert torch.equal(new[:, :, dst], old[:, :, src]) and torch.equal(new[:, :, :5], old[:, :, :5])
+
+
+@pytest.mark.parametrize("kinds", [("tq3_0", "q4_0"), ("q8_0", "f16"), (None, None)])
+def test_state_bytes_count_every_field(target32, kinds):
+    target32.set_kv_types(*kinds)
+    try:
+        state = target32.new_state(40)
+        tensors = [t for s in state.stores for t in vars(s).values() if isinstance(t, torch.Tensor)]
+        planes = [f for s in state.stores if hasattr(s, "k") for f in (*s.k.fields, *s.v.fields)]
+        allocated = sum(t.numel() * t.element_size() for t in tensors + planes)
+        assert allocated == target32.state_bytes(40)
+    finally:
+        target32.set_kv_types(None, None)
+    with pytest.raises(FlashtreeError, match="tq3_0"):
+        target32.set_kv_types("tq3_0", "q7")

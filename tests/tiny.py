@@ -60,8 +60,9 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
                 p.copy_(torch.randn(p.shape, generator=g) * (0.6 / p.shape[-1] ** 0.5))
 
 
-def hf_model(family: str, seed: int = 0, vocab: int = 320):
-    """A tiny random transformers model of `family` (llama | qwen3 | qwen35), fp32, eval mode."""
+def hf_model(family: str, seed: int = 0, vocab: int = 320, head_dim: int | None = None):
+    """A tiny random transformers model of `family` (llama | qwen3 | qwen35), fp32, eval mode. head_dim:
+    the attention heads' size where not the family's tiny default (32 for the quantized KV types)."""
     import transformers as tf
 
     torch.manual_seed(seed)
@@ -69,18 +70,20 @@ def hf_model(family: str, seed: int = 0, vocab: int = 320):
                   num_key_value_heads=2, max_position_embeddings=1024, rms_norm_eps=1e-5)  # fmt: skip
     if family == "llama":
         cfg = tf.LlamaConfig(
-            **common, num_hidden_layers=2, rope_theta=10000.0, tie_word_embeddings=seed % 2 == 0
-        )
+            **common, num_hidden_layers=2, rope_theta=10000.0, tie_word_embeddings=seed % 2 == 0,
+            head_dim=head_dim or 16,
+        )  # fmt: skip
         model = tf.LlamaForCausalLM(cfg)
     elif family == "qwen3":
         cfg = tf.Qwen3Config(
-            **common, num_hidden_layers=2, head_dim=24, rope_theta=1e6, tie_word_embeddings=False
+            **common, num_hidden_layers=2, head_dim=head_dim or 24, rope_theta=1e6, tie_word_embeddings=False
         )
         model = tf.Qwen3ForCausalLM(cfg)
     elif family == "qwen35":
         cfg = tf.Qwen3_5TextConfig(
-            **common, num_hidden_layers=4, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=6,
-            linear_key_head_dim=16, linear_value_head_dim=12, linear_conv_kernel_dim=4,
+            **common, num_hidden_layers=4, head_dim=head_dim or 32, linear_num_key_heads=2,
+            linear_num_value_heads=6, linear_key_head_dim=16, linear_value_head_dim=12,
+            linear_conv_kernel_dim=4,
             rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25},
         )  # fmt: skip
         model = tf.Qwen3_5ForCausalLM(cfg)
@@ -91,13 +94,14 @@ def hf_model(family: str, seed: int = 0, vocab: int = 320):
 
 
 @cache
-def tiny_gguf(family: str, seed: int, root: Path, vocab: int = 320) -> Path:
-    """Convert hf_model(family, seed, vocab) to an f32 GGUF under `root` (cached per test session).
-    Vocabularies too small for a byte-level BPE get no tokenizer."""
-    src = root / f"{family}-{seed}-{vocab}"
-    out = root / f"{family}-{seed}-{vocab}.gguf"
+def tiny_gguf(family: str, seed: int, root: Path, vocab: int = 320, head_dim: int | None = None) -> Path:
+    """Convert hf_model(family, seed, vocab, head_dim) to an f32 GGUF under `root` (cached per test
+    session). Vocabularies too small for a byte-level BPE get no tokenizer."""
+    name = f"{family}-{seed}-{vocab}" + (f"-hd{head_dim}" if head_dim else "")
+    src = root / name
+    out = root / f"{name}.gguf"
     if not out.exists():
-        model = hf_model(family, seed, vocab)
+        model = hf_model(family, seed, vocab, head_dim)
         model.save_pretrained(src, safe_serialization=True)
         if vocab >= 300:
             _write_tokenizer(src, vocab)
