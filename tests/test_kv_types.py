@@ -152,7 +152,15 @@ def _kernel(q, k, v, start, layout, window=0, n_keys=None):
     path, depths = layout.paths().to(torch.int32), layout.depths.to(torch.int32)
     n_keys = n_keys or start + layout.size
     return tree_attention(
-        q, k, v, torch.tensor(start), path, depths, n_keys, q.shape[-1] ** -0.5, window=window
+        q,
+        k,
+        v,
+        torch.tensor(start, device=q.device),
+        path,
+        depths,
+        n_keys,
+        q.shape[-1] ** -0.5,
+        window=window,
     )
 
 
