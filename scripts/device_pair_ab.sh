@@ -1,18 +1,20 @@
 #!/usr/bin/env bash
-# The default pair (SmolLM2-135M-Instruct Q4_1 + the shipped draft) at HEAD and at a base commit side by
-# side, from git-archive copies (.stage/head, .stage/base, as scripts/device_ab.sh). The 98 MB target comes
-# in 25 MB pieces (split -b 25M FILE .stage/pair/smollm2.part.), one a call, stashed in /root/stash:
-#   PIECE=aa|ab|ac bash scripts/device_pair_ab.sh        (carry .stage/pair/smollm2.part.$PIECE)
-#   PIECE=ad BASE=<sha> HEAD_SHA=<sha> bash scripts/device_pair_ab.sh   (the last piece, then the benchmark;
-#       carry .wheels/issue6 .stage/pair/smollm2.part.ad .stage/pair/datasets .stage/base .stage/head)
-# The shipped draft is stashed from the first call's tree (STASH_DRAFT=1). Results under $OUT.
+# The default pair (SmolLM2-135M-Instruct Q4_1 + the shipped draft as it was at BASE, which both sides
+# read) at HEAD and at a base commit side by side, from git-archive copies (.stage/head, .stage/base, as
+# scripts/device_ab.sh). The target and that draft, concatenated, come in pieces .stage/pair/p1..p4 (each
+# call carries at most 64 MiB with the tree), one a call, stashed in /root/stash:
+#   PIECE=p1|p2|p3 bash scripts/device_pair_ab.sh                     (carry .stage/pair/$PIECE)
+#   PIECE=p4 BASE=<sha> HEAD_SHA=<sha> bash scripts/device_pair_ab.sh  (the last piece, then the benchmark;
+#       carry .wheels/issue6 .stage/pair/p4 .stage/pair/datasets .stage/base .stage/head)
+# TARGET_BYTES: the target's size (the rest is the draft). Results under $OUT.
 set -u
 stash=/root/stash; mkdir -p $stash/cache
-cp ".stage/pair/smollm2.part.$PIECE" $stash/
-[ "${STASH_DRAFT:-0}" = 1 ] && cp flashtree/drafts/smollm2-135m-instruct.gguf $stash/draft.gguf
-[ "$PIECE" = ad ] || { ls -la $stash; exit 0; }
-cat $stash/smollm2.part.a? > $stash/target.gguf
-echo "md5 $(md5sum $stash/target.gguf | cut -d' ' -f1) (want ${GGUF_MD5:-a1231443440b107ff29f02bdb38c9d0a})" | tee "$OUT/pair_md5.txt"
+cp ".stage/pair/$PIECE" $stash/
+[ "$PIECE" = p4 ] || { ls -la $stash; exit 0; }
+cat $stash/p1 $stash/p2 $stash/p3 $stash/p4 > $stash/blob
+head -c "${TARGET_BYTES:-98362432}" $stash/blob > $stash/target.gguf
+tail -c +$((${TARGET_BYTES:-98362432} + 1)) $stash/blob > $stash/draft.gguf
+md5sum $stash/target.gguf $stash/draft.gguf | tee "$OUT/pair_md5.txt"
 cp -r .stage/pair/datasets $stash/cache/
 pip install -q --no-index --no-deps --target /tmp/site .wheels/issue6/*.whl 2>/dev/null
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader > "$OUT/device.txt"
