@@ -1,29 +1,25 @@
 """Decode and verify attention over the KV cache in Triton, computing every query row alone in the order
 of its positions, so that a verify row equals the AR step at the same position bit for bit.
 
-Why: speculative decoding is lossless only if the verify pass computes what plain decoding would. With
-int8-quantized activations a last-bit difference in an attention output can round to another int8 and
-flip a greedy near-tie downstream: on the H200, torch's SDPA (other kernels for 1 and for 23 query
-rows) made greedy chain/tree outputs of tiny q4_k_m targets differ from AR on 2 of 6 prompts
-(bench/results/h200-step-2026-12-03). Besides the kernel choice, a tree stores its nodes' K/V at slots
-in block order, not at their positions: summing keys by slot would group them differently than the AR
-step, where the same keys sit at their positions.
+Why: speculative decoding is lossless only if the verify pass computes what plain decoding would; with
+int8-quantized activations a last-bit difference can flip a greedy near-tie downstream, as torch's SDPA
+(other kernels for 1 and for 23 rows) did (bench/results/h200-step-2026-12-03). And a tree stores its
+nodes' K/V at slots in block order, not at their positions: summing keys by slot would group them
+differently than the AR step.
 
 So row t (at position start + depth[t]) walks its positions 0 .. start + depth[t]: committed ones at
 their own slots, its ancestors' at start + path[t][position - start]. Positions are cut into splits
 (position-aligned, of a size fixed by the cache: the same for every call of an engine, split_positions),
-each split in blocks of TILE_POSITIONS positions (online softmax in fp32, the same tiles for
-every row); the program of a (row, KV head) that finishes its split last combines the splits in order
-(an arrival counter, as the matmuls' K-splits: one launch a layer, the combine was a second one). A
-split past a row's last position is empty (m = -inf, l = 0) and adds exact zeros, so the number of
-splits launched (from the fixed key bucket of a CUDA graph) does not matter either.
-Query heads of one KV head (GQA) share a program: (G padded to 16, head_dim) x (head_dim, block) dots.
-A verify's program takes the rows whose query heads fill the tile one row pads to (2 at most at short
-contexts), or a wider one (`row_group`): they read each committed K/V tile once. Without that every row
-of a verify read its KV head's whole cache again: at 32K cached tokens on the 27B, 30 of the verify
-23's 48 ms (bench/results/h100-replay-2026-12-05).
-Compiled without fp fusion: the AR step (one row a program) and the verify (the rows of a group) are two
-variants of the kernel, and whether a multiply and an add become one fma depends on the code around them.
+each split in tiles of TILE_POSITIONS positions (online softmax in fp32, the same tiles for every row);
+the program of a (row group, KV head) that finishes its split last combines the splits in order (an
+arrival counter: one launch a layer). A split past a row's last position adds exact zeros, so the number
+of splits launched (a CUDA graph's fixed key bucket) does not matter either.
+Query heads of one KV head (GQA) share a program, and a verify's program takes several rows (`row_group`)
+that read each committed K/V tile once (bench/results/h100-replay-2026-12-05).
+K and V are planes of any KV cache type (quant/kv.py), their tiles dequantized in registers
+(kernels/kv_tiles.py): no dequantized copy of the cache.
+Compiled without fp fusion: the AR step and the verify are two variants of the kernel, and whether a
+multiply and an add become one fma depends on the code around them.
 """
 
 from __future__ import annotations
@@ -38,37 +34,25 @@ from flashtree.quant.kv import KVPlane, as_plane, rotate, unrotate
 
 MAX_SPLIT = 512  # positions per split at most: a program's share of a long context
 SPLITS_PER_CACHE = 64  # a whole cache is cut into at most this many splits (unless a tile is longer)
-# Why 512 and 64 (27B heads, H100, bench/results/h100-attention-splits-2026-12-05): an 8K context's cache
-# keeps 256-position splits (512 cost its AR step 20 us a layer), a 32K one takes 512 (its AR step 116 ->
-# 94 us a layer, the verify 23 969 -> 964: 256 left 128 splits for the combine to add). A verify writes
-# rows x heads x splits partial outputs, so more splits cost it bytes.
+# Why: long contexts want long splits, short ones many (bench/results/h100-attention-splits-2026-12-05);
+# a verify writes rows x heads x splits partial outputs, so more splits cost it bytes.
 TILE_POSITIONS = 64  # positions per inner step, whatever the head size
 BF16_DOTS = True  # bf16 models: dots on bf16 operands (`dot_mode`)
 NUM_WARPS = 8  # warps a program for heads of 256 values (4 for smaller heads)
 NUM_STAGES = 2  # the software pipeline's depth over the committed K/V tiles: two tiles of K and V in flight
-# Why 64, bf16 and 2 (27B heads, H100, bench/results/h100-attention-tiles64-2026-12-06): the 16-position
-# steps of 256-dim heads in tf32 were a serial walk of small dots; at 32K cached tokens the verify 23's
-# attention took 967 us a layer, 657 with bf16 dots, 471 in 64-position steps too (the AR step's 94 -> 74).
-# Three stages of 64 x 256 tiles did not fit an SM's shared memory under the device's Triton 3.6 (303 KB).
+# Why: 64-position steps of bf16 dots instead of a serial walk of small tf32 dots; three stages did not
+# fit an SM's shared memory (bench/results/h100-attention-tiles64-2026-12-06).
 COMBINE_ROUND = tl.constexpr(16)  # splits whose maxima the combine loads at once
 MAX_ROWS = 16  # rows of a tree a program takes at most
 SHORT_ROWS = 2  # ... and below ROWS_FROM_KEYS key positions at most this many
 ROWS_FROM_KEYS = 2048
-# Why (bench/results/h100-default-pair-2026-12-06, H100): at a few hundred keys a program's serial part is
-# its rows' own tiles and their combine, not the committed tiles they share. SmolLM2's 3 heads a KV head
-# (5 rows a program) in the default pair's 8K cache: a verify 23's attention 18.7 / 18.1 / 18.1 / 18.8 us a
-# layer at 64 / 256 / 512 / 1024 keys, 9.3 / 12.8 / 13.0 / 15.7 in 2 rows; from 2048 keys 5 rows win
-# (30.4 vs 33.8 us, 8K 39.8 vs 72.1, 32K 106.7 vs 135.2). The pair's tree 2081 -> 2438 tok/s side by side.
-# The AR step's program takes its one row alone (padding it to the tile's rows only cost): the 27B's heads
-# 8.5 -> 7.9 us a layer at 512 keys, 15.2 -> 13.7 at 2048, 26.7 -> 24.7 at 8K, 72.0 -> 69.3 at 32K.
+# Why: at a few hundred keys a program's serial part is its rows' own tiles and their combine, not the
+# committed tiles they share; the AR step's row alone, as padding it only cost
+# (bench/results/h100-default-pair-2026-12-06).
 VERIFY_QUERIES = 32  # a verify's wider query tile, where it pays (`row_group`)
 WIDE_FROM_KEYS = 4096  # key positions from which a verify may take the wider tile
-# Why (bench/results/attention-rows-2026-12-06): 5 rows in 32 queries instead of 2 in 16 read each KV head's
-# cache 5 times for a verify 23, not 12, and pad 30 of 32 queries, not 12 of 16. The 27B's verify 23 at
-# 32K cached tokens (H200): its attention 474 -> 320 us a layer, the step 23.6 -> 21.1 ms. Per layer (H100),
-# 16 vs 32 queries: 26 vs 36 us at 512 keys (fewer programs than the SMs hold), 74 vs 75 at 2048, 96 vs 89
-# at 4096, 140 vs 115 at 8K, 452 vs 323 at 32K. SmolLM2's 3 heads (5 rows in 16, 10 in 32) lost at every
-# length on the H200 (20 -> 44 us at 512, 102 -> 133 at 32K): more query slots than it saves.
+# Why: the wider tile reads each KV head's cache fewer times for a long verify, but pads more queries, which
+# costs at short contexts and for few heads a KV head (bench/results/attention-rows-2026-12-06).
 
 
 def row_group(group: int, rows: int, n_keys: int) -> tuple[int, int]:
@@ -95,10 +79,9 @@ def row_group(group: int, rows: int, n_keys: int) -> tuple[int, int]:
 def split_positions(slots: int) -> int:
     """Positions per split for a KV cache of `slots` slots: a power of two from one tile to MAX_SPLIT
     cutting the whole cache into at most SPLITS_PER_CACHE splits. It depends on the cache only, so the
-    AR step and every verify of an engine split alike (their rows agree bit for bit). Why not always
-    MAX_SPLIT: at a few hundred keys a step's attention was then a handful of programs each walking
-    4 tiles in turn (SmolLM2, 3 KV heads, on the H200: ~10 us a layer, 27% of the AR step's kernel time).
-    """
+    AR step and every verify of an engine split alike (their rows agree bit for bit). Not always
+    MAX_SPLIT: at a few hundred keys a step's attention would be a handful of programs each walking
+    several tiles in turn."""
     want = triton.next_power_of_2(triton.cdiv(slots, SPLITS_PER_CACHE))
     return min(MAX_SPLIT, max(TILE_POSITIONS, want))
 
@@ -349,8 +332,7 @@ def _combine(m_ptr, l_ptr, acc_ptr, rows, head_ok, n_splits, BD: tl.constexpr):
     """The output (before its cast) of heads `rows`: their splits combined in split order, the max,
     then the rescaled sums. The reads bypass L1: other SMs wrote them. They go in rounds whose loads are
     in flight together (COMBINE_ROUND splits' maxima, then four splits' sums and outputs,
-    `_add_split_terms`): the 27B AR step's attention combines ~20 splits, one L2 round trip each when
-    loaded one after another."""
+    `_add_split_terms`): loaded one after another, each split would cost an L2 round trip."""
     first = rows * n_splits
     d = tl.arange(0, BD)
     r = tl.arange(0, COMBINE_ROUND)
@@ -472,9 +454,8 @@ def block_attention(
     block), (B, n_heads, head_dim). It is tree_attention with each row's "path"
     the whole block, its splits those of S + B slots. The block's K/V sit in the draft's ring past its
     context slots (written there with the rotary, one launch), not in a concatenation of the context
-    and the block (two copies of the whole context a layer). Why not SDPA: its fp32 kernel for the
-    SmolLM2 draft's 16 rows x ~500 keys took 38 us a layer on the H200 (0.19 ms of a 2.7 ms tree step,
-    bench/results/h200-dense-matmul-2026-12-04)."""
+    and the block (two copies of the whole context a layer). Not SDPA: its fp32 kernel for a draft
+    block's few rows was slow (bench/results/h200-dense-matmul-2026-12-04)."""
     b, s = q.shape[0], key_ok.shape[1]
     start, block, path, depths = _whole_block(b, s, block_at, q.device)
     return tree_attention(q, keys, values, start, path, depths, s + b, scale, key_ok, block, split_for=s + b)
