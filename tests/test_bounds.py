@@ -126,7 +126,8 @@ def test_a_draft_file_with_a_huge_block_size_is_one_error_line(llama, tiny_root,
     shutil.copytree(random_draft_dir(path, tiny_root), draft)
     config = json.loads((draft / "config.json").read_text())
     (draft / "config.json").write_text(json.dumps({**config, "block_size": 10**6}))
-    result = CliRunner().invoke(app, ["run", "-p", "hi", "--target", str(path), "--draft", str(draft)])
+    argv = ["run", "-p", "hi", "--target", str(path), "--draft", str(draft), "--mode", "tree"]  # auto: ar
+    result = CliRunner().invoke(app, argv)
     assert result.exit_code == 1, result.output
     assert result.stderr.startswith("error: ") and result.stderr.count("\n") == 1, result.stderr
     assert "block_size" in result.stderr and "1000000" in result.stderr
