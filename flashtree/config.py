@@ -107,6 +107,18 @@ class SpecConfig:
         check_range("draft-ctx", self.draft_ctx, 1, MAX_CONTEXT)
 
 
+def check_attn_window(window: int) -> int:
+    """--attn-window: 0 (off, full attention) or the positions a decode step's attention reads."""
+    check_range("--attn-window", window, 0, MAX_CONTEXT)
+    return window
+
+
+def lossy_label(attn_window: int) -> str | None:
+    """What every report of a run says makes its output differ from the full-attention model's (the
+    summary line, bench JSON's "lossy", the server's system_fingerprint), or None: lossless."""
+    return f"attn-window {attn_window}" if attn_window else None
+
+
 def check_block_size(name: str, value: int) -> None:
     """A draft block: the root and at least one drafted token, at most MAX_BLOCK_SIZE tokens."""
     check_range(name, value, 2, MAX_BLOCK_SIZE)
@@ -127,7 +139,9 @@ class EngineConfig:
     spec: SpecConfig = SpecConfig()
     max_ctx: int | None = None
     device: str | None = None
+    attn_window: int = 0  # > 0: decode steps attend to the last N positions only (lossy; prefill stays full)
 
     def __post_init__(self) -> None:
+        check_attn_window(self.attn_window)
         if self.mode is not None and self.mode not in (*MODES, AUTO):
             raise FlashtreeError(f"mode must be one of {', '.join((AUTO, *MODES))}, got {self.mode!r}")

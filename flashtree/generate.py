@@ -14,17 +14,16 @@ from pathlib import Path
 
 import torch
 
-from flashtree.config import EngineConfig, SamplingParams, SpecConfig
+from flashtree.config import EngineConfig, SamplingParams, SpecConfig, check_attn_window, lossy_label
 from flashtree.cuda_graphs import StepRunner, graphs_wanted
 from flashtree.errors import FlashtreeError
-from flashtree.memory import plan_context
+from flashtree.memory import free_bytes, plan_context
 from flashtree.models.model import DecoderModel
+from flashtree.prefill import prefill_chunk
 from flashtree.sampling import SEED_MASK, sample
 from flashtree.settings import Settings
 from flashtree.settings import current as current_settings
 from flashtree.spec.accept import Accepted
-
-PREFILL_CHUNK = {"cpu": 256, "cuda": 2048}
 
 
 @dataclass
@@ -45,6 +44,7 @@ class GenerationStats:
     decode_s: float = 0.0
     steps: int = 0  # decode steps after the first token
     accept_hist: list[int] = field(default_factory=list)  # accept_hist[n] = steps that emitted n tokens
+    lossy: str | None = None  # the engine's `lossy`: what makes the output differ from the model's
 
     def record_step(self, n_emitted: int) -> None:
         self.steps += 1
@@ -77,6 +77,7 @@ class GenerationStats:
             "steps": self.steps,
             "mean_accept_len": self.mean_accept_len,
             "accept_hist": list(self.accept_hist),
+            "lossy": self.lossy,
         }
 
 
@@ -96,17 +97,21 @@ class Engine:
         spec: SpecConfig | None = None,
         max_ctx: int | None = None,
         settings: Settings | None = None,
+        attn_window: int = 0,
     ):
+        """attn_window > 0: the decode steps' attention reads each row's last attn_window positions only
+        (--attn-window: lossy, `lossy`); the prefill stays full attention."""
         self.target, self.tokenizer, self.draft = target, tokenizer, draft
         self.settings = settings or current_settings()  # the process's FLASHTREE_* unless given
         self.spec = spec or SpecConfig(mode="tree" if draft is not None else "ar")
         if self.spec.mode != "ar" and draft is None:
             raise FlashtreeError(f"mode {self.spec.mode!r} needs a draft (--draft)")
+        self.attn_window = check_attn_window(attn_window)
         self.decoder = None
         if self.spec.mode != "ar":
             from flashtree.spec.decoder import SpecDecoder
 
-            self.decoder = SpecDecoder(target, draft, self.spec)
+            self.decoder = SpecDecoder(target, draft, self.spec, window=attn_window)
         # Spare slots past max_ctx so a verify block near the end of the context still fits.
         headroom = self.decoder.max_block if self.decoder else 1
         self.max_ctx = plan_context(target, max_ctx, headroom, verify_tokens=headroom if self.decoder else 0)
@@ -126,6 +131,11 @@ class Engine:
     def mode(self) -> str:
         return self.spec.mode
 
+    @property
+    def lossy(self) -> str | None:
+        """What makes this engine's output differ from the full-attention model's, or None (lossless)."""
+        return lossy_label(self.attn_window)
+
     @classmethod
     def load(
         cls,
@@ -136,6 +146,7 @@ class Engine:
         max_ctx: int | None = None,
         device: str | None = None,
         settings: Settings | None = None,
+        attn_window: int = 0,
     ) -> Engine:
         """Load a target GGUF and a draft ('none' for plain decoding), each a path or a model store's name
         (gguf/locate.py). With no target: the embedded default, SmolLM2-135M-Instruct, and (unless a draft
@@ -167,13 +178,13 @@ class Engine:
         spec = replace(spec, mode=mode)
         speculative = draft_model is not None and mode != "ar"
         use_kernels(model, settings.kernels, speculative)
-        return cls(model, tokenizer, draft_model, spec, max_ctx, settings)
+        return cls(model, tokenizer, draft_model, spec, max_ctx, settings, attn_window)
 
     @classmethod
     def from_config(cls, config: EngineConfig, settings: Settings | None = None) -> Engine:
         """Engine.load of an EngineConfig (the commands build one from their options)."""
         c = config
-        return cls.load(c.target, c.draft, c.mode, c.spec, c.max_ctx, c.device, settings)
+        return cls.load(c.target, c.draft, c.mode, c.spec, c.max_ctx, c.device, settings, c.attn_window)
 
     def encode(self, text: str, chat: bool = True, system: str | None = None) -> list[int]:
         """Prompt ids for `text`, through the chat template unless chat=False."""
@@ -202,7 +213,7 @@ class Engine:
         stats = stats if stats is not None else GenerationStats(self.mode)
         self._check_prompt(prompt_ids, max_tokens)
         budget = min(max_tokens, self.max_ctx - len(prompt_ids))
-        stats.n_prompt = len(prompt_ids)
+        stats.n_prompt, stats.lossy = len(prompt_ids), self.lossy
 
         t0 = time.perf_counter()
         token = self._prefill(prompt_ids, sampling)
@@ -248,7 +259,10 @@ class Engine:
         if self.decoder:
             self.decoder.reset()
         ids = torch.tensor(prompt_ids, dtype=torch.long, device=self.device)
-        chunk = PREFILL_CHUNK.get(self.device.type, 2048)
+        free = free_bytes(self.device)
+        chunk = prefill_chunk(
+            self.target.config, len(prompt_ids), free, self.device.type, self.settings.prefill_chunk
+        )
         capture = self.decoder.capture_layers if self.decoder else ()
         for s in range(0, len(prompt_ids), chunk):
             part, last = ids[s : s + chunk], s + chunk >= len(prompt_ids)
@@ -280,7 +294,9 @@ class Engine:
         return [token]
 
     def _ar_step(self, sampling: SamplingParams, n_keys: int | None) -> torch.Tensor:
-        out = self.target(self.root.view(1), self.state, logits="last", n_keys=n_keys)
+        out = self.target(
+            self.root.view(1), self.state, logits="last", n_keys=n_keys, window=self.attn_window
+        )
         # (1,): sampled for the position the token takes
         return sample(out.logits, sampling, self.state.position.view(1), self.seed)
 

@@ -38,6 +38,7 @@ class Settings:
     pdl: bool = True
     quant_kernels: bool | None = None  # None: packed on CUDA for bf16-sized models (models/loader.py)
     draft_fp8: str = "off"
+    prefill_chunk: int | None = None  # None: by the prompt's length and free memory (flashtree/prefill.py)
     kernels: KernelConfig = field(default_factory=KernelConfig)
     git_commit: str | None = None
 
@@ -109,6 +110,15 @@ def _dense_tiles(text: str) -> Mapping[str, DenseTiles]:
     return MappingProxyType({**DEFAULT_DENSE_TILES, **chosen})
 
 
+def _chunk(text: str) -> int:
+    from flashtree.config import MAX_CONTEXT
+
+    tokens = int(text)
+    if not 1 <= tokens <= MAX_CONTEXT:
+        raise ValueError(f"1 to {MAX_CONTEXT}")
+    return tokens
+
+
 def _path(text: str) -> Path:
     return Path(text) if text else Settings().cache
 
@@ -144,6 +154,9 @@ VARIABLES: dict[str, Variable] = {
     "FLASHTREE_DRAFT_FP8": Variable(
         "draft_fp8", _choice(DRAFT_FP8_MODES), "off", "off, matrices or all",
         "matrices: the draft's matrices in fp8 e4m3; all: also an fp8 copy of the LM head (sm_89+)"),
+    "FLASHTREE_PREFILL_CHUNK": Variable(
+        "prefill_chunk", _chunk, "by prompt and memory", "a token count",
+        "tokens per prefill chunk (default: flashtree/prefill.py's rule)"),
     "FLASHTREE_QMM_ARITH": Variable(
         "kernels.arithmetic", _choice(ARITHMETICS), "per engine", "one of int8, bf16",
         "the packed matmuls' arithmetic (default: bf16 when speculating, int8 for plain decoding)"),

@@ -21,13 +21,14 @@ def pair(tmp_path_factory):
 
 def test_bench_step_measures_everything(pair, monkeypatch):
     monkeypatch.setattr(step, "DRAFT_RING", 16)  # the draft's ring keeps the last 16 of the 24 positions
-    monkeypatch.setitem(step.PREFILL_CHUNK, "cpu", 10)  # the context prefilled in 3 chunks
+    monkeypatch.setenv("FLASHTREE_PREFILL_CHUNK", "10")  # the context prefilled in 3 chunks
     target, draft = pair
     r = step.run_bench_step(
-        target, draft, 6, 4, None, 1, verify_sizes=(4, 7), prefill_sizes=(16, 40), context=24
-    )
+        target, draft, 6, 4, None, 1, verify_sizes=(4, 7), prefill_sizes=(16, 40), context=24,
+        contexts=(24, 40), kv_type="q8_0",
+    )  # fmt: skip
     json.dumps(r)  # JSON-ready
-    assert r["context_tokens"] == 24
+    assert r["context_tokens"] == 24 and r["lossy"] is None
     assert r["weights"] == "dense" and r["quant_linears"] == 0  # CPU: the dense path
     assert r["ceilings"]["copy_gb_s"] > 0 and r["ceilings"]["matmul_tflops"] > 0
     assert r["ar"]["eager_ms"] > 0 and r["ar"]["graph_ms"] is None  # no CUDA graphs on CPU
@@ -48,7 +49,20 @@ def test_bench_step_measures_everything(pair, monkeypatch):
     assert {"ar_step", "verify_7", "draft_step", "draft_step_fp8_matrices", "draft_step_fp8_all"} <= set(
         r["profile"]
     )
+    copy = r["ceilings"]["copy_gb_s"] * 1e9
+    for row, n in zip(r["contexts"], (24, 40), strict=True):  # the long-context rows, in q8_0
+        # tiny-qwen35: 2 attention layers of 2 KV heads, K and V each 64 int8 values + 2 fp16 scales
+        assert row["context"] == n and row["kv_type"] == "q8_0" and row["prefill_chunk"] == 10
+        assert row["kv_bytes"] == 2 * 2 * 2 * (64 + 4) * n
+        assert row["ar_prefill_tok_s"] > 0 and row["tree_prefill_tok_s"] > 0
+        weights = r["target"]["bytes_per_token"]
+        assert row["ar_roofline_ms"] == pytest.approx((weights + row["kv_bytes"]) / copy * 1e3)
+        assert row["tree_roofline_ms"] > row["ar_roofline_ms"]  # the draft's weights too
+        for mode in ("ar", "tree"):
+            ratio = row[f"{mode}_roofline_ms"] / row[f"{mode}_ms"]
+            assert row[f"{mode}_roofline_ratio"] == pytest.approx(ratio)
     lines = step.summary_lines(r)
+    assert sum(line.startswith("context ") for line in lines) == 2
     assert any(line.startswith("AR roofline") for line in lines)
     assert any("verify N=7" in line for line in lines)
     assert any(line.startswith("draft, fp8 all") for line in lines)
@@ -62,5 +76,11 @@ def test_bench_step_refuses_missing_files_and_unknown_weights(tmp_path):
     with pytest.raises(FlashtreeError, match="--weights must be one of auto, packed, dense"):
         step.bench_step_command(tmp_path / "no.gguf", tmp_path, 22, 16, tmp_path / "o.json", "quant", 3)
     (tmp_path / "t.gguf").touch()
-    with pytest.raises(FlashtreeError, match="--context must be >= 1, got 0"):
+    with pytest.raises(FlashtreeError, match="--context must be >= 1 and <= 1048576, got 0"):
         step.bench_step_command(tmp_path / "t.gguf", tmp_path, 22, 16, tmp_path / "o.json", "auto", 3, 0)
+    with pytest.raises(FlashtreeError, match="--context must be a token count or a comma-separated list"):
+        step.bench_step_command(tmp_path / "t.gguf", tmp_path, 22, 16, tmp_path / "o.json", "auto", 3, "8K")
+    with pytest.raises(FlashtreeError, match="--attn-window must be between 0 and"):
+        step.bench_step_command(
+            tmp_path / "t.gguf", tmp_path, 22, 16, tmp_path / "o.json", "auto", 3, "8", -1
+        )

@@ -82,3 +82,18 @@ def test_a_window_wider_than_the_context_is_full_attention():
     scale = q.shape[-1] ** -0.5
     full = pa.prefill_attention(q, k, v, start, scale)
     torch.testing.assert_close(pa.prefill_attention(q, k, v, start, scale, window=10_000), full)
+
+
+@pytest.mark.parametrize("kind", ["q8_0", "q4_0", "tq3_0"])
+@pytest.mark.parametrize("shape", ["first-chunk", "smollm2-group"])
+def test_a_quantized_cache_is_read_as_its_dequantized_values(shape, kind):
+    """K and V quantized (quant/kv.py): the kernel reads them in-kernel and computes the attention of
+    their dequantized values (tq3_0's rotated: q rotated to read K, the output rotated back), in fp32."""
+    from flashtree.quant.kv import dequantize, quantize, rotate, unrotate
+
+    q, k, v, start = case(shape, torch.float32, seed=3)
+    k_plane, v_plane = quantize(k, kind), quantize(v, kind)
+    got = pa.prefill_attention(q, k_plane, v_plane, start, q.shape[-1] ** -0.5, window=9)
+    rotated = kind == "tq3_0"
+    want = reference(rotate(q) if rotated else q, dequantize(k_plane), dequantize(v_plane), start, 9)
+    torch.testing.assert_close(got, unrotate(want) if rotated else want, rtol=1e-5, atol=1e-5)

@@ -21,6 +21,7 @@ def test_every_variable_is_parsed_into_its_field(tmp_path):
         "FLASHTREE_PDL": "0",
         "FLASHTREE_QUANT_KERNELS": "1",
         "FLASHTREE_DRAFT_FP8": "matrices",
+        "FLASHTREE_PREFILL_CHUNK": "512",
         "FLASHTREE_QMM_ARITH": "bf16",
         "FLASHTREE_QMM_TILES": '{"m1": [128, 4, 1, 2], "b32:Q6_K": [64, 4, 1, 1, 0]}',
         "FLASHTREE_QMM_SPLITS": '{"int8:Q4_K:5120x6144": 32768}',
@@ -47,7 +48,7 @@ def test_every_variable_is_parsed_into_its_field(tmp_path):
         32, 64, 4, 2, 9
     )
     assert k.dense_tiles["960x576"] == DEFAULT_DENSE_TILES["960x576"]
-    assert s.git_commit == "bd1996c"
+    assert s.git_commit == "bd1996c" and s.prefill_chunk == 512
     assert "FLASHTREE_CACHE" not in s.explicit(env) and s.explicit(env)["FLASHTREE_PDL"] == "0"
 
 
@@ -61,6 +62,7 @@ def test_an_empty_cache_variable_is_the_default():
         ("FLASHTREE_QMM_ARITH", "fp8", "FLASHTREE_QMM_ARITH='fp8': expected one of int8, bf16"),
         ("FLASHTREE_PDL", "yes", "FLASHTREE_PDL='yes': expected 0 or 1"),
         ("FLASHTREE_DRAFT_FP8", "1", "FLASHTREE_DRAFT_FP8='1': expected off, matrices or all"),
+        ("FLASHTREE_PREFILL_CHUNK", "0", "FLASHTREE_PREFILL_CHUNK='0': expected a token count .1 to"),
         ("FLASHTREE_DELTA_TILE", "12,4", "FLASHTREE_DELTA_TILE='12,4'.*power of two"),
         ("FLASHTREE_DELTA_TILE", "16", "FLASHTREE_DELTA_TILE='16': expected BV,WARPS"),
         ("FLASHTREE_DELTA_TILE", "16,3", "FLASHTREE_DELTA_TILE"),

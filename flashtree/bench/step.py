@@ -9,6 +9,13 @@ graphs on CUDA, exactly as `flashtree run` does them); prefill tok/s at 512 and 
 engine's chunks); peak memory; and a kernel-time profile of the AR step, the 23-token verify and the draft
 steps, so a missed target says what bounds it. Times are medians of CUDA-event timings after warm-up.
 AR roofline ratio = (weight bytes read per token / copy bandwidth) / AR step time.
+
+Long context (`--context 8192,65536,262144`): the suite above runs at the first length, and each length
+gets a row: the engine's prefill of a prompt that long (tok/s of the whole prompt, in its chunks), then
+its AR step and tree step there, each against its own roofline: the bytes that step must read (the
+target's weights, the draft's for the tree step, and the KV cache at that length in its type,
+`quant/kv.py: vector_bytes`) at the measured copy bandwidth. With --attn-window the decode steps attend
+to that many positions only, and the JSON says "lossy".
 """
 
 from __future__ import annotations
@@ -22,17 +29,21 @@ from pathlib import Path
 
 import torch
 
-from flashtree.bench.roofline import measure_ceilings
+from flashtree.bench.roofline import measure_ceilings, weight_bytes
 from flashtree.bench.run import device_info, provenance, versions
-from flashtree.config import SpecConfig
+from flashtree.config import MAX_CONTEXT, SpecConfig, check_attn_window, lossy_label
 from flashtree.convert.inspect import describe
 from flashtree.cuda_graphs import kv_bucket
 from flashtree.errors import FlashtreeError
-from flashtree.generate import PREFILL_CHUNK, Engine
+from flashtree.generate import Engine, GenerationStats
 from flashtree.kernels import fp8
+from flashtree.memory import free_bytes
+from flashtree.models.attention import Attention
 from flashtree.models.dflash import load_draft
 from flashtree.models.layers import use_dense_kernel, use_kernels
 from flashtree.models.loader import default_device, load_target
+from flashtree.prefill import prefill_chunk
+from flashtree.quant.kv import check_kv_type, vector_bytes
 from flashtree.settings import current as current_settings
 from flashtree.spec.tree import build_tree
 
@@ -141,13 +152,38 @@ def _category(name: str) -> str:
     return "elementwise/other"
 
 
+def kv_cache_bytes(model, n_tokens: int, k_type: str = "bf16", v_type: str = "bf16") -> int:
+    """Bytes of every attention layer's K and V of `n_tokens` positions, in those KV cache types: what a
+    decode step at that length reads of the cache."""
+    return sum(
+        m.n_kv_heads * n_tokens * (vector_bytes(k_type, m.head_dim) + vector_bytes(v_type, m.head_dim))
+        for m in model.mixers
+        if isinstance(m, Attention)
+    )
+
+
+def parse_contexts(text: str) -> tuple[int, ...]:
+    """--context: one length or a comma-separated list, each 1 to MAX_CONTEXT."""
+    try:
+        contexts = tuple(int(part) for part in str(text).split(","))
+    except ValueError:
+        raise FlashtreeError(
+            f"--context must be a token count or a comma-separated list, not {text!r}"
+        ) from None
+    for n in contexts:
+        if not 1 <= n <= MAX_CONTEXT:
+            raise FlashtreeError(f"--context must be >= 1 and <= {MAX_CONTEXT}, got {n}")
+    return contexts
+
+
 class StepBench:
     """The measurements, sharing one loaded target + draft."""
 
     def __init__(
         self, target: Path, draft: Path, quantized: bool, budget: int, block_size: int, repeats: int,
-        context: int = DEFAULT_CONTEXT,
+        context: int = DEFAULT_CONTEXT, longest: int = 0, attn_window: int = 0,
     ):  # fmt: skip
+        """longest: the longest prompt a context row prefills; attn_window: the decode steps' window."""
         self.device = default_device()
         self.model, self.gguf = load_target(target, device=self.device, quantized=quantized)
         # the settings' kernels; the arithmetic theirs or int8, decode rows of fp32 matrices in our kernel
@@ -160,21 +196,26 @@ class StepBench:
         self.fp8_drafts = {mode: load_draft(draft, self.model, fp8_mode=mode) for mode in modes}
         self.n_quant_linears = sum(type(m).__name__ == "QuantLinear" for m in self.model.modules())
         self.budget, self.block_size, self.repeats, self.context = budget, block_size, repeats, context
+        self.attn_window = attn_window
         self.vocab = self.model.config.vocab
         self.capture = self.draft.config.target_layer_ids
         gen = torch.Generator(device="cpu").manual_seed(0)
-        self.prompt = torch.randint(0, self.vocab, (max(*PREFILL_SIZES, context),), generator=gen).to(
-            self.device
-        )
+        n_prompt = max(*PREFILL_SIZES, context, longest)
+        self.prompt = torch.randint(0, self.vocab, (n_prompt,), generator=gen).to(self.device)
 
     def time(self, fn: Callable[[], object], repeats: int | None = None) -> float:
         return time_ms(fn, self.device, repeats or self.repeats)
+
+    def chunk(self, n_prompt: int) -> int:
+        """The engine's prefill chunk for a prompt of n_prompt tokens here (flashtree/prefill.py)."""
+        free, fixed = free_bytes(self.device), current_settings().prefill_chunk
+        return prefill_chunk(self.model.config, n_prompt, free, self.device.type, fixed)
 
     def decode_state(self):
         """A state holding `context` prompt tokens (prefilled in the engine's chunks), and the draft
         features of the last DRAFT_RING of them."""
         state = self.model.new_state(self.context + 4 * self.repeats + 256)
-        chunk = PREFILL_CHUNK.get(self.device.type, 2048)
+        chunk = self.chunk(self.context)
         features = []
         for s in range(0, self.context, chunk):
             end = min(s + chunk, self.context)
@@ -197,7 +238,7 @@ class StepBench:
         def step():
             state.seq_len = self.context  # every call (and replay) decodes at the same position
             state.position.fill_(self.context)
-            return self.model(token, state, logits="last", n_keys=n_keys)
+            return self.model(token, state, logits="last", n_keys=n_keys, window=self.attn_window)
 
         return step, self.time(step)
 
@@ -209,7 +250,7 @@ class StepBench:
         tokens, layout = tree_block(n_tokens, self.block_size, self.vocab, self.device, seed=n_tokens)
         n_keys = self.n_keys(state)
         step = lambda: self.model(  # noqa: E731
-            tokens, state, layout, commit=False, capture=self.capture, n_keys=n_keys
+            tokens, state, layout, commit=False, capture=self.capture, n_keys=n_keys, window=self.attn_window
         )
         found = {"eager_ms": self.time(step, max(3, self.repeats // 4))}
         if self.device.type == "cuda":
@@ -230,34 +271,60 @@ class StepBench:
             found["graph_ms"] = _try(lambda: self.graph_ms(lambda: (propose(), tree())))
         return lambda: (propose(), tree()), found
 
-    def engine_steps(self) -> dict:
+    def engine_steps(self, context: int | None = None) -> dict:
         """Per-step time of the engine's own decoding (Engine.generate, greedy, stop tokens off) from
-        `context` prompt tokens: AR, and tree mode with this draft (random weights accept little, so
-        the tree step costs what it costs whatever the acceptance)."""
+        `context` prompt tokens (default: the suite's): AR, and tree mode with this draft (random
+        weights accept little, so the tree step costs what it costs whatever the acceptance); and each
+        engine's prefill of the prompt (`{mode}_prefill_ms`). One engine at a time holds a cache."""
         found = {}
-        prompt = self.prompt[: self.context].tolist()
         for mode in ("ar", "tree"):
-            spec = SpecConfig(mode=mode, budget=self.budget, block_size=self.block_size)
-            steps = 2 + self.repeats
-            max_ctx = self.context + (steps + 2) * (self.budget + 1)
-            draft = self.draft if mode == "tree" else None
-            engine = Engine(self.model, None, draft, spec, max_ctx=max_ctx, settings=current_settings())
-            tokens = engine.generate(prompt, max_tokens=steps * (self.budget + 1), stop_ids=())
-            next(tokens)  # prefill
-            found[f"{mode}_ms"] = _try(lambda: self.time(lambda: next(tokens)))  # noqa: B023
+            found |= self._engine_step(mode, context or self.context)
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()  # the next engine's cache where this one's was
         return found
+
+    def _engine_step(self, mode: str, context: int) -> dict:
+        spec = SpecConfig(mode=mode, budget=self.budget, block_size=self.block_size)
+        steps = 2 + self.repeats
+        max_ctx = context + (steps + 2) * (self.budget + 1)
+        draft = self.draft if mode == "tree" else None
+        engine = Engine(self.model, None, draft, spec, max_ctx, current_settings(), self.attn_window)
+        stats = GenerationStats(mode)
+        prompt = self.prompt[:context].tolist()
+        tokens = engine.generate(prompt, max_tokens=steps * (self.budget + 1), stop_ids=(), stats=stats)
+        next(tokens)  # prefill
+        step_ms = _try(lambda: self.time(lambda: next(tokens)))
+        return {f"{mode}_prefill_ms": stats.prefill_s * 1e3, f"{mode}_ms": step_ms}
+
+    def context_row(self, n_tokens: int, copy_gb_s: float, weights: int, kv_type: str) -> dict:
+        """Prefill of an n_tokens prompt, then the engine's AR and tree steps there, each against its
+        roofline: (the weights it reads + the KV cache at n_tokens) / copy bandwidth."""
+        steps = self.engine_steps(n_tokens)
+        kv = kv_cache_bytes(self.model, n_tokens, kv_type, kv_type)
+        ar_roofline = (weights + kv) / (copy_gb_s * 1e9) * 1e3
+        tree_roofline = ar_roofline + weight_bytes(self.draft) / (copy_gb_s * 1e9) * 1e3
+        row = {"context": n_tokens, "kv_type": kv_type, "kv_bytes": kv, "prefill_chunk": self.chunk(n_tokens)}
+        for mode in ("ar", "tree"):
+            prefill_ms = steps[f"{mode}_prefill_ms"]
+            row[f"{mode}_prefill_tok_s"] = n_tokens / prefill_ms * 1e3 if prefill_ms else None
+        row |= {"ar_ms": steps["ar_ms"], "ar_roofline_ms": ar_roofline}
+        row |= {"tree_ms": steps["tree_ms"], "tree_roofline_ms": tree_roofline}
+        for mode, roofline in (("ar", ar_roofline), ("tree", tree_roofline)):
+            ms = steps[f"{mode}_ms"]
+            row[f"{mode}_roofline_ratio"] = roofline / ms if isinstance(ms, float) else None
+        return row
 
     def prefill(self, n_tokens: int) -> dict:
         state = self.model.new_state(n_tokens + 1)
-        chunk = PREFILL_CHUNK.get(self.device.type, 2048)
+        chunk = self.chunk(n_tokens)
 
         def run():
             state.reset()
             for s in range(0, n_tokens, chunk):
                 last = s + chunk >= n_tokens
-                self.model(
-                    self.prompt[s : min(s + chunk, n_tokens)], state, logits="last" if last else "none"
-                )
+                part = self.prompt[s : min(s + chunk, n_tokens)]
+                self.model(part, state, logits="last" if last else "none")
+                state.advance(part.shape[0])  # the next chunk reads this one's keys, as the engine's does
 
         ms = time_ms(run, self.device, repeats=3, warmup=1)
         return {"tokens": n_tokens, "ms": ms, "tok_s": n_tokens / ms * 1e3}
@@ -287,15 +354,24 @@ def run_bench_step(
     verify_sizes: tuple[int, ...] = VERIFY_SIZES,
     prefill_sizes: tuple[int, ...] = PREFILL_SIZES,
     context: int = DEFAULT_CONTEXT,
+    contexts: tuple[int, ...] = (),
+    kv_type: str = "bf16",
+    attn_window: int = 0,
 ) -> dict:
-    """Every measurement of one run, as a JSON-ready dict (`quantized`: see loader.Weights)."""
+    """Every measurement of one run, as a JSON-ready dict (`quantized`: see loader.Weights); a row per
+    length of `contexts` (StepBench.context_row) in KV cache type kv_type."""
     made_by = provenance()
     device = default_device()
     ceilings = measure_ceilings(device)
-    bench = StepBench(target, draft, quantized, budget, block_size, repeats, context)
+    longest = max(contexts, default=0)
+    bench = StepBench(target, draft, quantized, budget, block_size, repeats, context, longest, attn_window)
+    check_kv_type(kv_type, bench.model.config.head_dim)
     results = _measure(bench, device, verify_sizes, prefill_sizes)
     info = describe(bench.gguf)
     results["ratios"] = _ratios(results, bench, info["bytes_per_token"] / (ceilings.copy_gb_s * 1e9) * 1e3)
+    weights = info["bytes_per_token"]
+    results["contexts"] = [bench.context_row(n, ceilings.copy_gb_s, weights, kv_type) for n in contexts]
+    results["lossy"] = lossy_label(attn_window)
     if bench.n_quant_linears:
         results["tiles"] = {key: list(astuple(tile)) for key, tile in bench.kernels.tiles.items()}
         results["arithmetic"] = bench.kernels.arithmetic_for(speculative=False)
@@ -360,6 +436,16 @@ def _ratios(results: dict, bench: StepBench, roofline_ms: float) -> dict:
     return ratios
 
 
+def _context_line(row: dict) -> str:
+    ratios = [row[f"{mode}_roofline_ratio"] for mode in ("ar", "tree")]
+    ar_ratio, tree_ratio = (f"{x:.2f}" if isinstance(x, float) else "-" for x in ratios)
+    prefill = row["ar_prefill_tok_s"]
+    return (
+        f"context {row['context']:>7} ({row['kv_type']}): prefill {prefill or 0:8.0f} tok/s,"
+        f" AR {_ms(row['ar_ms'])} ({ar_ratio} of roofline), tree {_ms(row['tree_ms'])} ({tree_ratio})"
+    )
+
+
 def _ms(value) -> str:
     return f"{value:8.3f} ms" if isinstance(value, float) else str(value)
 
@@ -395,6 +481,9 @@ def summary_lines(r: dict) -> list[str]:
     lines += [f"prefill {p['tokens']:>5}     {p['tok_s']:8.0f} tok/s" for p in r["prefill"]]
     if r["peak_memory_gb"] is not None:
         lines.append(f"peak memory       {r['peak_memory_gb']:.1f} GB")
+    lines += [_context_line(row) for row in r.get("contexts", [])]
+    if r.get("lossy"):
+        lines.append(f"LOSSY: {r['lossy']} (the decode steps' attention is not the full model's)")
     for name, prof in r["profile"].items():
         if isinstance(prof, dict):
             cats = ", ".join(f"{k} {v:.2f}" for k, v in prof["by_category_ms"].items())
@@ -410,8 +499,10 @@ WEIGHTS = {"auto": None, "packed": True, "dense": False}  # --weights -> load_ta
 
 def bench_step_command(
     target: Path, draft: Path, budget: int, block_size: int, out: Path, weights: str, repeats: int,
-    context: int = DEFAULT_CONTEXT,
+    context: str | int = DEFAULT_CONTEXT, attn_window: int = 0,
 ) -> None:  # fmt: skip
+    """context: a length or a comma-separated list of them: the suite runs at the first, and each gets a
+    long-context row."""
     if weights not in WEIGHTS:
         raise FlashtreeError(f"--weights must be one of {', '.join(WEIGHTS)}, got {weights!r}")
     for path in (target, draft):
@@ -419,11 +510,14 @@ def bench_step_command(
             raise FlashtreeError(f"{path}: not found")
     if repeats < 1:
         raise FlashtreeError(f"--repeats must be >= 1, got {repeats}")
-    if context < 1:
-        raise FlashtreeError(f"--context must be >= 1, got {context}")
-    result = run_bench_step(target, draft, budget, block_size, WEIGHTS[weights], repeats, context=context)
+    contexts = parse_contexts(str(context))
+    check_attn_window(attn_window)
+    result = run_bench_step(
+        target, draft, budget, block_size, WEIGHTS[weights], repeats, context=contexts[0], contexts=contexts,
+        attn_window=attn_window,
+    )  # fmt: skip
     flags = ["--budget", str(budget), "--block-size", str(block_size), "--weights", weights]
-    flags += ["--context", str(context)]
+    flags += ["--context", ",".join(map(str, contexts)), "--attn-window", str(attn_window)]
     result["command"] = " ".join(
         ["flashtree", "bench-step", "--target", str(target), "--draft", str(draft), *flags]
         + ["--repeats", str(repeats), "--out", str(out)]

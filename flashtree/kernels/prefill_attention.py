@@ -9,7 +9,9 @@ decode kernel lays them), so each K/V tile it loads serves G x R queries; it wal
 one of its rows sees without a mask, then the few tiles on the causal edge with one, and never a tile
 past its last row's position (nor, with a window, before its first row's window). Online softmax in
 fp32, dots as kernels/attention.py takes them (`dot_mode`). The row blocks are launched last first:
-the longest rows start first and the short ones fill in behind.
+the longest rows start first and the short ones fill in behind. K and V are planes of any KV cache
+type (quant/kv.py), their tiles dequantized in registers (kernels/kv_tiles.py); a tq3_0 cache holds
+rotated vectors, so q is rotated for a tq3_0 K and the output rotated back for a tq3_0 V.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import torch
 
 from flashtree.kernels import tl, triton
 from flashtree.kernels.attention import _dot, _operand, dot_mode
+from flashtree.kernels.kv_tiles import kv_tile, plane_args
+from flashtree.quant.kv import KVPlane, as_plane, rotate, unrotate
 
 LOG2E = 1.4426950408889634
 # (query slots a program, key positions a step, warps) by head size: FlashAttention-2's tiles for these
@@ -34,19 +38,18 @@ def tiles_for(head_dim: int) -> tuple[int, int, int]:
 
 @triton.jit
 def _key_tile(
-    q, k_head, v_head, b, d, head_dims, n_keys, pos, m, denom, acc, qk_scale,
-    stride_ks, stride_vs, DOTS: tl.constexpr, BLOCK: tl.constexpr, EDGE: tl.constexpr,
-    WINDOW: tl.constexpr, window,
+    q, kd, ks, kh, skd, sks, skh, vd, vs, vh, svd, svs, svh, b, d, head_dims, n_keys, pos,
+    m, denom, acc, qk_scale, DOTS: tl.constexpr, BLOCK: tl.constexpr, EDGE: tl.constexpr,
+    WINDOW: tl.constexpr, window, KIND_K: tl.constexpr, KIND_V: tl.constexpr,
 ):  # fmt: skip
     """Keys b .. b + BLOCK - 1 added to the online softmax (base 2) of the queries at positions `pos`.
-    EDGE: the tile crosses some row's causal edge (or window): keys a row does not see are masked."""
+    K^T (BD, BLOCK) and V (BLOCK, BD) as kv_tile loads them (K^T as loaded: the interpreter's matmul of
+    a transposed view depends on the rows). EDGE: the tile crosses some row's causal edge (or window):
+    keys a row does not see are masked."""
     keys = b + tl.arange(0, BLOCK)
-    in_cache = keys < n_keys
-    k_ok = in_cache[None, :] & tl.trans(head_dims)
-    k = tl.load(k_head + keys[None, :] * stride_ks + d[:, None], mask=k_ok, other=0.0)
-    v = tl.load(
-        v_head + keys[:, None] * stride_vs + d[None, :], mask=in_cache[:, None] & head_dims, other=0.0
-    )
+    kv_ok = (keys < n_keys)[:, None] & head_dims
+    k = kv_tile(kd, ks, kh, keys[None, :], d[:, None], tl.trans(kv_ok), skd, sks, skh, KIND_K)
+    v = kv_tile(vd, vs, vh, keys[:, None], d[None, :], kv_ok, svd, svs, svh, KIND_V)
     scores = _dot(q, _operand(k, DOTS), DOTS) * qk_scale  # (QB, BLOCK), in log2 units
     if EDGE:
         seen = keys[None, :] <= pos[:, None]
@@ -65,12 +68,14 @@ def _key_tile(
 
 @triton.jit
 def _prefill_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, start, n_rows, n_blocks, window,
-    stride_qt, stride_qh, stride_kh, stride_ks, stride_vh, stride_vs, stride_ot, stride_oh, qk_scale,
+    q_ptr, kd, ks, kh, skd_h, skd, sks_h, sks, skh_h, skh, vd, vs, vh, svd_h, svd, svs_h, svs, svh_h, svh,
+    out_ptr, start, n_rows, n_blocks, window, stride_qt, stride_qh, stride_ot, stride_oh, qk_scale,
     G: tl.constexpr, R: tl.constexpr, QB: tl.constexpr, HD: tl.constexpr, BD: tl.constexpr,
-    BLOCK: tl.constexpr, DOTS: tl.constexpr, WINDOW: tl.constexpr,
+    BLOCK: tl.constexpr, DOTS: tl.constexpr, WINDOW: tl.constexpr, KIND_K: tl.constexpr,
+    KIND_V: tl.constexpr,
 ):  # fmt: skip
-    """Program (row block, KV head): rows first .. first + R - 1 of the chunk, G query heads each."""
+    """Program (row block, KV head): rows first .. first + R - 1 of the chunk, G query heads each. K and
+    V: planes (kd, ks, kh: K's data, scale and high fields; s*_h / s*: their head and slot strides)."""
     block, kvh = n_blocks - 1 - tl.program_id(0), tl.program_id(1)  # the longest rows first
     i = tl.arange(0, QB)
     d = tl.arange(0, BD)
@@ -94,16 +99,17 @@ def _prefill_kernel(
     if WINDOW:
         lo = tl.maximum(first_pos - window + 1, 0) // BLOCK * BLOCK
         shared_end = lo  # a window's lower edge moves with the row: every tile is an edge tile
-    k_head, v_head = k_ptr + kvh * stride_kh, v_ptr + kvh * stride_vh
+    kd, ks, kh = kd + kvh * skd_h, ks + kvh * sks_h, kh + kvh * skh_h
+    vd, vs, vh = vd + kvh * svd_h, vs + kvh * svs_h, vh + kvh * svh_h
     for b in range(lo, shared_end, BLOCK):
         m, denom, acc = _key_tile(
-            q, k_head, v_head, b, d, head_dims, n_keys, pos, m, denom, acc, qk_scale,
-            stride_ks, stride_vs, DOTS, BLOCK, False, WINDOW, window,
+            q, kd, ks, kh, skd, sks, skh, vd, vs, vh, svd, svs, svh, b, d, head_dims, n_keys, pos,
+            m, denom, acc, qk_scale, DOTS, BLOCK, False, WINDOW, window, KIND_K, KIND_V,
         )  # fmt: skip
     for b in range(shared_end, n_keys, BLOCK):
         m, denom, acc = _key_tile(
-            q, k_head, v_head, b, d, head_dims, n_keys, pos, m, denom, acc, qk_scale,
-            stride_ks, stride_vs, DOTS, BLOCK, True, WINDOW, window,
+            q, kd, ks, kh, skd, sks, skh, vd, vs, vh, svd, svs, svh, b, d, head_dims, n_keys, pos,
+            m, denom, acc, qk_scale, DOTS, BLOCK, True, WINDOW, window, KIND_K, KIND_V,
         )  # fmt: skip
     outs = out_ptr + row[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :]
     tl.store(outs, (acc / denom[:, None]).to(out_ptr.dtype.element_ty), mask=real[:, None] & head_dims)
@@ -111,28 +117,34 @@ def _prefill_kernel(
 
 def prefill_attention(
     q: torch.Tensor,  # (T, n_heads, head_dim), unit stride along head_dim
-    k_cache: torch.Tensor,  # (n_kv, slots, head_dim): the chunk's own K/V already at slots start ..
-    v_cache: torch.Tensor,
+    k_cache: torch.Tensor | KVPlane,  # (n_kv, slots, head_dim) or a plane of fields (n_kv, slots, ...):
+    v_cache: torch.Tensor | KVPlane,  # the chunk's own K/V already at slots start ..
     start: int,  # the chunk's first position (committed tokens before it), known on the host
     scale: float,
     window: int = 0,  # > 0: row at p attends to positions max(0, p - window + 1) .. p only
 ) -> torch.Tensor:
     """Causal softmax(q K^T * scale) V of a prefill chunk over the cache's positions 0 .. start + T - 1,
     (T, n_heads, head_dim) in q's dtype."""
+    k_cache, v_cache = as_plane(k_cache), as_plane(v_cache)
+    dtype = q.dtype
+    if k_cache.kind == "tq3_0":
+        q = rotate(q).to(dtype)
     t, n_heads, hd = q.shape
-    n_kv = k_cache.shape[0]
+    n_kv = k_cache.data.shape[0]
     group = n_heads // n_kv
     bd = triton.next_power_of_2(hd)
     queries, block, warps = tiles_for(hd)
     queries = max(queries, triton.next_power_of_2(group))
     rows = queries // group
     n_blocks = triton.cdiv(t, rows)
-    out = torch.empty(t, n_heads, hd, dtype=q.dtype, device=q.device)
+    rotated_out = v_cache.kind == "tq3_0"  # rotated back from fp32: one rounding to q's dtype
+    out = torch.empty(t, n_heads, hd, dtype=torch.float32 if rotated_out else dtype, device=q.device)
+    *k_args, kind_k = plane_args(k_cache)
+    *v_args, kind_v = plane_args(v_cache)
     _prefill_kernel[(n_blocks, n_kv)](
-        q, k_cache, v_cache, out, start, t, n_blocks, window,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        q, *k_args, *v_args, out, start, t, n_blocks, window, q.stride(0), q.stride(1),
         out.stride(0), out.stride(1), scale * LOG2E,
         G=group, R=rows, QB=queries, HD=hd, BD=bd, BLOCK=block, DOTS=dot_mode(q), WINDOW=window > 0,
-        num_warps=warps, num_stages=NUM_STAGES,
+        KIND_K=kind_k, KIND_V=kind_v, num_warps=warps, num_stages=NUM_STAGES,
     )  # fmt: skip
-    return out
+    return unrotate(out).to(dtype) if rotated_out else out

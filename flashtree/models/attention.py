@@ -7,6 +7,7 @@ from torch import nn
 
 from flashtree import kernels
 from flashtree.kernels.attention import tree_attention
+from flashtree.kernels.prefill_attention import prefill_attention
 from flashtree.kernels.qmatmul import MatmulInput
 from flashtree.models.layers import Linear, MergedLinear, sigmoid_gate
 from flashtree.models.pass_ import ForwardPass
@@ -52,9 +53,13 @@ class Attention(nn.Module):
         cos, sin = fp.rope()
         q = kv.write_rotated(fp.slots, q, k, v, cos, sin, norms)
         decode = t == 1 or not fp.commit  # an AR step or a verify (any size); prefill is the rest
-        if kernels.triton_kernels_for(q) and decode and not torch.is_grad_enabled():
+        ours = kernels.triton_kernels_for(q) and not torch.is_grad_enabled()
+        if ours and decode:
             # every row computed as the AR step computes it (see kernels/attention.py)
-            out = tree_attention(q, kv.k, kv.v, fp.start, *fp.attention_paths, fp.n_keys, hd**-0.5)
+            paths = fp.attention_paths
+            out = tree_attention(q, kv.k, kv.v, fp.start, *paths, fp.n_keys, hd**-0.5, window=fp.window)
+        elif ours and fp.exact:  # a prefill chunk: causal over slots 0 .. start + T - 1, no mask tensor
+            out = prefill_attention(q, kv.k, kv.v, fp.n_keys - t, hd**-0.5, fp.window)
         else:  # all past + ancestors in the block, by a (T, S) bool mask
             out = kv.attend(q, fp.n_keys, fp.attn_mask, hd**-0.5)
         out = out.reshape(t, self.n_heads * hd)

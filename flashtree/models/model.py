@@ -153,16 +153,19 @@ class DecoderModel(nn.Module):
         logits: str = "all",  # "all" | "last" | "none"
         capture: tuple[int, ...] = (),
         n_keys: int | None = None,
+        window: int = 0,
     ) -> ForwardOutput:
         """n_keys: KV slots attention reads (default exactly seq_len + T; a CUDA-graph step passes a
-        fixed bucket at least that large, so its shapes do not change from step to step). A committing
-        forward advances the state's device position; its caller then calls state.advance(T)."""
+        fixed bucket at least that large, so its shapes do not change from step to step). window > 0:
+        each row attends to its last `window` positions only (--attn-window: the decode steps pass it,
+        prefill does not). A committing forward advances the state's device position; its caller then
+        calls state.advance(T)."""
         t = tokens.shape[0]
         layout = layout if layout is not None else BlockLayout.chain(t, tokens.device)
         state.check_room(t)
         exact = n_keys is None
         n_keys = state.seq_len + t if exact else n_keys
-        fp = ForwardPass(state.position, n_keys, exact, layout, commit, self.rotary, self.dtype)
+        fp = ForwardPass(state.position, n_keys, exact, layout, commit, self.rotary, self.dtype, window)
         x, pending = self.embed(tokens), None
         captured = {}
         for i, layer in enumerate(self.layers):

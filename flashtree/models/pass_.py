@@ -19,6 +19,7 @@ class ForwardPass:
     commit: bool  # True: prefill/AR, state advances; False: verify, per-token state kept pending
     rotary: Rotary | None
     dtype: torch.dtype
+    window: int = 0  # > 0: attention reads the last `window` positions of each row only (--attn-window)
     _cache: dict = field(default_factory=dict)
 
     @property
@@ -36,17 +37,23 @@ class ForwardPass:
 
     @property
     def attn_mask(self) -> torch.Tensor | None:
-        """(T, n_keys) bool: every committed key, the token's ancestors in the block and itself; None
-        when that is every key read (a single token over an exact-length read)."""
+        """(T, n_keys) bool: every committed key, the token's ancestors in the block and itself (with a
+        window, those of them at the row's last `window` positions); None when that is every key read (a
+        single token over an exact-length read, no window). n_keys is start + T for a prefill chunk: the
+        mask never spans the cache's unused capacity."""
         if "mask" not in self._cache:
             t = self.layout.size
             mask = None
-            if not (self.exact and t == 1):
+            if not (self.exact and t == 1 and not self.window):
                 key = torch.arange(self.n_keys, device=self.layout.parents.device)
                 rel = key - self.start  # (S,) index of key in the block, when 0 <= rel < T
                 in_block = (rel >= 0) & (rel < t)
                 ancestor = self.layout.visible.gather(1, rel.clamp(0, t - 1)[None, :].expand(t, -1))
                 mask = (rel < 0)[None, :] | (in_block[None, :] & ancestor)
+                if self.window:  # by position: a block key's is its depth's, as the AR step sees it
+                    depths = self.layout.depths
+                    key_pos = torch.where(in_block, self.start + depths[rel.clamp(0, t - 1)], key)
+                    mask &= key_pos[None, :] > (self.start + depths)[:, None] - self.window
             self._cache["mask"] = mask
         return self._cache["mask"]
 

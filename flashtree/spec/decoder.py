@@ -21,8 +21,9 @@ def ring_bytes(draft: DFlashDraft, slots: int) -> int:
 
 
 class SpecDecoder:
-    def __init__(self, target: DecoderModel, draft: DFlashDraft, spec: SpecConfig):
-        self.target, self.draft, self.spec = target, draft, spec
+    def __init__(self, target: DecoderModel, draft: DFlashDraft, spec: SpecConfig, window: int = 0):
+        """window: the verify's attention window (--attn-window), the AR step's: 0 is full attention."""
+        self.target, self.draft, self.spec, self.window = target, draft, spec, window
         if spec.block_size is None:  # the draft's own, from its config file: checked before it sizes anything
             check_block_size("the draft's block_size (--block-size overrides it)", draft.config.block_size)
         self.block_size = spec.block_size or draft.config.block_size
@@ -74,8 +75,9 @@ class SpecDecoder:
         commit is the caller's, from the result): returns Accepted.packed, the step's one read-back."""
         tree = self.draft_tree(root, n_keys)
         out = self.target(
-            tree.tokens, state, tree.layout, commit=False, capture=self.capture_layers, n_keys=n_keys
-        )
+            tree.tokens, state, tree.layout, commit=False, capture=self.capture_layers, n_keys=n_keys,
+            window=self.window,
+        )  # fmt: skip
         samples = sample(out.logits, sampling, state.position + tree.layout.depths + 1, seed)
         accepted = accept_path(tree.tokens, tree.layout, samples)
         state.commit_path(accepted.path, accepted.n)
