@@ -158,6 +158,7 @@ class Engine:
         from flashtree.gguf.tokenizer import Tokenizer
         from flashtree.models.layers import use_kernels
         from flashtree.models.loader import load_target, resolve_device
+        from flashtree.plan import plan_load
 
         settings = settings or current_settings()
         if target is None:
@@ -165,13 +166,16 @@ class Engine:
             draft = defaults.default_draft_path() if draft is None else draft
         cuda = resolve_device(device).type == "cuda"
         forced = settings.quant_kernels if cuda else None
-        model, gguf = load_target(resolve_model(target), device=device, quantized=forced)
+        draft = resolve_model(draft) if draft not in (None, "none") else draft
+        target = resolve_model(target)
+        max_ctx = plan_load(target, draft, mode, spec, max_ctx, resolve_device(device), settings)
+        model, gguf = load_target(target, device=device, quantized=forced)
         tokenizer = Tokenizer.from_gguf_metadata(gguf.metadata)
         draft_model = None
         if draft not in (None, "none"):
             from flashtree.models.dflash import load_draft
 
-            draft_model = load_draft(resolve_model(draft), model, settings.draft_fp8)
+            draft_model = load_draft(draft, model, settings.draft_fp8)
         spec = spec or SpecConfig()
         mode = auto_mode(cuda, draft_model is not None) if mode == AUTO else mode
         mode = mode or ("ar" if draft_model is None else spec.mode)

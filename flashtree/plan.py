@@ -235,19 +235,21 @@ def context_for(planner: Planner, requested: int | str | None, budget: int | Non
 
 
 def check_fits(plan: MemoryPlan, budget: int) -> None:
-    """A FlashtreeError naming the largest component and what to lower, unless `plan` fits `budget`."""
+    """A FlashtreeError naming the parts and what to lower, unless `plan` fits `budget` bytes."""
     if plan.total <= budget:
         return
-    name, size, _ = max(plan.rows, key=lambda row: row[1])
-    lower = {
-        "KV cache": "lower --max-ctx or use a smaller --kv-type (q8_0, q4_0, tq3_0)",
-        "draft weights": "use an fp8 draft (FLASHTREE_DRAFT_FP8=matrices), a smaller draft or --draft none",
-        "draft context ring": "lower --draft-ctx",
-    }.get(name, "lower --max-ctx, use a smaller --kv-type, or drop the draft (--draft none)")
+    parts = dict((name, size) for name, size, _ in plan.rows)
+    shown = ", ".join(f"{name} {parts[name] / GIB:.2f}" for name in PARTS_NAMED if name in parts)
+    lower = ["lower --max-ctx", "use a smaller --kv-type (q8_0, q4_0, tq3_0)"]
+    if "draft weights" in parts:
+        lower.append("put the draft in fp8 (FLASHTREE_DRAFT_FP8=matrices) or drop it (--draft none)")
     raise FlashtreeError(
         f"a {plan.max_ctx}-token context needs {plan.total / GIB:.2f} GiB but {budget / GIB:.2f} GiB is "
-        f"available (the largest part: {name}, {size / GIB:.2f} GiB): {lower}"
+        f"free ({shown} GiB): {', '.join(lower[:-1])} or {lower[-1]}"
     )
+
+
+PARTS_NAMED = ("KV cache", "target weights", "draft weights")  # what a refusal names
 
 
 def make_planner(
@@ -357,3 +359,30 @@ def print_plan(plan: MemoryPlan, available: int | None) -> None:
     if available is not None:
         verdict = "fits" if plan.total <= available else "does NOT fit"
         console.print(f"{verdict} in {available / GIB:.2f} GiB")
+
+
+def plan_load(
+    target, draft, mode, spec, max_ctx: int | None, device: torch.device, settings, kv_types=(None, None)
+) -> int:
+    """The context Engine.load allocates, decided from the plan before any weight is read: `max_ctx`, or
+    the model's own capped at DEFAULT_CONTEXT_CAP and shrunk to fit; a FlashtreeError naming what to
+    lower when it does not fit the device's free memory. kv_types: K's and V's (None: the model's)."""
+    from flashtree.config import SpecConfig, check_max_ctx
+    from flashtree.memory import free_bytes
+
+    spec = spec or SpecConfig()
+    if max_ctx is not None:
+        check_max_ctx(max_ctx)
+    has_draft = draft not in (None, "none")
+    speculative = has_draft and mode != "ar"
+    options = PlanOptions(
+        *kv_types, mode=spec.mode if speculative else "ar", budget=spec.budget, block_size=spec.block_size,
+        draft_ctx=spec.draft_ctx,
+    )  # fmt: skip
+    cuda = device.type == "cuda"
+    available = free_bytes(device)
+    planner = make_planner(
+        target, None, draft if has_draft else None, None, settings.draft_fp8 if cuda else "off", options,
+        device.type, available, settings.quant_kernels if cuda else None,
+    )  # fmt: skip
+    return context_for(planner, max_ctx, available, planner.target.config.context_length)
