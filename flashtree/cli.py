@@ -119,6 +119,16 @@ BUDGET_HELP = f"DDTree nodes, 1 to {MAX_BUDGET}."
 TEMPERATURE_HELP = "0: greedy (the same reply every time); above 0: sampled (--seed picks the draw)."
 TOP_P_HELP = "Sample from the smallest set of tokens whose probabilities add up to this, in (0, 1]."
 BLOCK_HELP = f"Draft block size, 2 to {MAX_BLOCK_SIZE} (default: the draft's own)."
+KvTypeOpt = typer.Option(
+    None,
+    "--kv-type",
+    metavar="TYPE",
+    help="KV cache type of K and V: bf16, f16, q8_0, q4_0 or tq3_0 (3.5 bits a value), or f32 (default: "
+    "the model's compute dtype). Quantized types are read in the attention kernels; speculative output "
+    "stays identical to plain decoding with the same type.",
+)
+KvTypeKOpt = typer.Option(None, "--kv-type-k", metavar="TYPE", help="K's type (overrides --kv-type).")
+KvTypeVOpt = typer.Option(None, "--kv-type-v", metavar="TYPE", help="V's type (overrides --kv-type).")
 
 
 @app.command()
@@ -149,13 +159,17 @@ def run(
     no_chat_template: bool = typer.Option(False, "--no-chat-template"),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
     device: str | None = DeviceOpt,
+    kv_type: str | None = KvTypeOpt,
+    kv_type_k: str | None = KvTypeKOpt,
+    kv_type_v: str | None = KvTypeVOpt,
 ):
     """Generate a reply to one prompt, streaming it to the terminal."""
     from flashtree.commands import engine_config, run_command
 
     spec_options = {"block_size": block_size, "budget": budget, "tree_top_k": tree_top_k}
     spec_options |= {"chain_seed": chain_seed, "draft_ctx": draft_ctx, "draft_temperature": draft_temperature}
-    config = engine_config(target, draft, mode, max_ctx, device, **spec_options)
+    kv_types = {"kv_type": kv_type, "kv_type_k": kv_type_k, "kv_type_v": kv_type_v}
+    config = engine_config(target, draft, mode, max_ctx, device, **spec_options, **kv_types)
     sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
     run_command(prompt, config, sampling, max_tokens, chat=not no_chat_template, as_json=as_json)
 
@@ -173,13 +187,17 @@ def chat(
     seed: int = typer.Option(0, "--seed"),
     max_ctx: int | None = typer.Option(None, "--max-ctx", help=MAX_CTX_HELP),
     device: str | None = DeviceOpt,
+    kv_type: str | None = KvTypeOpt,
+    kv_type_k: str | None = KvTypeKOpt,
+    kv_type_v: str | None = KvTypeVOpt,
 ):
     """Interactive multi-turn chat in the terminal."""
     check_request(max_tokens, max_ctx)  # every option before torch and the model load
     from flashtree.commands import engine_config
 
     sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
-    config = engine_config(target, draft, mode, max_ctx, device)
+    kv_types = {"kv_type": kv_type, "kv_type_k": kv_type_k, "kv_type_v": kv_type_v}
+    config = engine_config(target, draft, mode, max_ctx, device, **kv_types)
     from flashtree.serve.chat import chat_command
 
     chat_command(config, sampling, max_tokens)
@@ -208,12 +226,16 @@ def serve(
         "--max-queue",
         help="Requests that may wait for the engine; more get 429 with Retry-After.",
     ),
+    kv_type: str | None = KvTypeOpt,
+    kv_type_k: str | None = KvTypeKOpt,
+    kv_type_v: str | None = KvTypeVOpt,
 ):
     """OpenAI-compatible HTTP server. Requests without "temperature" are sampled at 1.0, OpenAI's default,
     unlike run and chat (greedy): send "temperature": 0 for the same answer every time."""
     from flashtree.commands import engine_config
 
-    config = engine_config(target, draft, mode, max_ctx, device)  # checked before the server's imports
+    kv_types = {"kv_type": kv_type, "kv_type_k": kv_type_k, "kv_type_v": kv_type_v}
+    config = engine_config(target, draft, mode, max_ctx, device, **kv_types)  # before the server's imports
     from flashtree.serve.api import ServeConfig, serve_command
 
     server = ServeConfig(
@@ -242,12 +264,18 @@ def bench(
     seed: int = typer.Option(REPORT_SEED, "--seed"),
     device: str | None = DeviceOpt,
     out: Path = typer.Option(..., "--out", help="Directory for results.json, results.md and plots."),
+    kv_type: str | None = KvTypeOpt,
+    kv_type_k: str | None = KvTypeKOpt,
+    kv_type_v: str | None = KvTypeVOpt,
 ):
     """Benchmark AR vs chain vs tree decoding on HumanEval, GSM8K and MATH-500 prompts."""
     check_request(max_tokens)  # every option before torch and the model load
     from flashtree.commands import engine_config
 
-    config = engine_config(target, draft, None, None, device, block_size=block_size, budget=budget)
+    kv_types = {"kv_type": kv_type, "kv_type_k": kv_type_k, "kv_type_v": kv_type_v}
+    config = engine_config(
+        target, draft, None, None, device, block_size=block_size, budget=budget, **kv_types
+    )
     from flashtree.bench.run import BenchConfig, bench_command
 
     options = BenchConfig(
@@ -278,7 +306,9 @@ def convert(
 @app.command()
 @user_errors
 def synth(
-    out: Path = typer.Argument(..., help="Output .gguf (or a directory with --draft-for)."),
+    out: Path = typer.Argument(
+        ..., help="Output .gguf (with --draft-for: a .gguf in llama.cpp's layout, or a z-lab directory)."
+    ),
     shape: str | None = typer.Option(
         None,
         "--shape",

@@ -21,7 +21,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from typer.testing import CliRunner
 
+from flashtree.cli import app
 from flashtree.convert.hf import convert_checkpoint
 from flashtree.defaults import cache_dir, default_draft_path
 from flashtree.errors import FlashtreeError
@@ -249,3 +251,15 @@ def test_shipped_draft_is_in_llama_cpp_layout():
         assert g.get("tokenizer.ggml.mask_token_id") == 49151
         assert g.get("tokenizer.ggml.model") == "gpt2" and len(g.get("tokenizer.ggml.tokens")) == 49152
         assert g.has("enc.output_norm.weight") and not g.has("hidden_norm.weight")
+
+
+def test_synth_draft_for_writes_llama_cpp_layout(qwen3, tiny_root):
+    """`synth --draft-for T OUT.gguf`: the random draft of the z-lab directory the same seed writes, in
+    llama.cpp's layout with the target's tokenizer."""
+    gguf, target = qwen3
+    out = tiny_root / "synth-draft.gguf"
+    result = CliRunner().invoke(app, ["synth", "--draft-for", str(gguf), "--layers", "2", str(out)])
+    assert result.exit_code == 0 and f"{out} (" in result.output, result.output
+    with open_gguf(out) as g, open_gguf(gguf) as t:
+        assert g.arch == "dflash" and g.get("tokenizer.ggml.tokens") == t.get("tokenizer.ggml.tokens")
+    check_same_draft(random_draft_dir(gguf, tiny_root, layers=2), out, target)

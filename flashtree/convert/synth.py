@@ -27,6 +27,7 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
+from flashtree.convert.draft import draft_metadata, target_tokenizer, write_draft
 from flashtree.convert.hf import check_type, general_metadata, hf_name
 from flashtree.convert.shapes import SHAPE_TOKENIZERS, TensorSpec, get_shape, gguf_tensors
 from flashtree.defaults import cache_dir, default_target_path, fetch_wheel
@@ -36,7 +37,7 @@ from flashtree.gguf.locate import size_text
 from flashtree.gguf.reader import GGUFFile
 from flashtree.gguf.writer import write_gguf
 from flashtree.models.config import FULL, SLIDING, DraftConfig, ModelConfig, default_target_layer_ids
-from flashtree.quant.formats import FLOAT_TYPES, row_bytes
+from flashtree.quant.formats import FLOAT_TYPES, QT, row_bytes
 from flashtree.quant.pack import random_blocks
 from flashtree.quant.recipe import recipe_types
 
@@ -225,11 +226,18 @@ def _draft_tensor(spec: TensorSpec, generator: torch.Generator) -> torch.Tensor:
 
 
 def synth_draft(target_path: Path, layers: int, out_dir: Path, seed: int = 0) -> None:
-    """Write a random z-lab format DFlash draft (config.json + model.safetensors) for the target GGUF."""
+    """Write a random DFlash draft for the target GGUF: a GGUF in llama.cpp's layout with the target's
+    tokenizer when `out_dir` ends in .gguf, else a z-lab directory (config.json + model.safetensors)."""
     with GGUFFile(target_path) as target:
         shape = draft_shape_for(target, layers)
     generator = torch.Generator().manual_seed(seed)
-    tensors = {hf_name(spec, ""): _draft_tensor(spec, generator) for spec in gguf_tensors(shape)}
+    tensors = {spec.name: _draft_tensor(spec, generator) for spec in gguf_tensors(shape)}
+    if Path(out_dir).suffix == ".gguf":
+        general = general_metadata(Path(out_dir).stem, "bf16")
+        metadata = draft_metadata(shape, general, target_tokenizer(target_path))
+        types = ((name, t, QT.F32 if t.ndim == 1 else QT.BF16) for name, t in tensors.items())
+        return write_draft(Path(out_dir), shape, metadata, types, progress=False)
+    tensors = {hf_name(spec, ""): tensors[spec.name] for spec in gguf_tensors(shape)}
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file(tensors, out_dir / "model.safetensors")
@@ -250,9 +258,8 @@ def synth_command(
         if shape is not None:
             raise FlashtreeError("give either --shape (a model) or --draft-for (a draft), not both")
         synth_draft(draft_for, layers, out, seed)
-        files = ", ".join(
-            f"{Path(out) / name} ({size_text((Path(out) / name).stat().st_size)})" for name in DRAFT_FILES
-        )
+        paths = [Path(out)] if Path(out).suffix == ".gguf" else [Path(out) / name for name in DRAFT_FILES]
+        files = ", ".join(f"{path} ({size_text(path.stat().st_size)})" for path in paths)
         print(f"wrote a random {layers}-layer DFlash draft for {draft_for}: {files}")
     elif shape is None:
         raise FlashtreeError("synth needs --shape NAME (a model) or --draft-for TARGET.gguf (a draft)")
