@@ -163,3 +163,27 @@ def test_the_drafts_ring_keeps_working_far_past_its_length(pair, spec):
         block = engine.decoder.block_size
         want = draft.propose(fresh, root, block)
         torch.testing.assert_close(draft.propose(ctx, root, block), want, rtol=1e-3, atol=1e-3)
+
+
+def test_the_server_labels_a_windowed_engine_lossy(tiny_root):
+    """--attn-window's label on every response of `flashtree serve`: system_fingerprint, the stats'
+    "lossy", the X-Flashtree-Lossy header and /health; a full-attention engine's say nothing of it."""
+    import httpx
+
+    from flashtree.serve.api import OpenAIServer
+    from tests.test_server_fuzz import in_process
+
+    body = {"model": "m", "prompt": [5, 6, 7], "max_tokens": 3, "temperature": 0}
+    for window, label in ((0, None), (4, "attn-window 4")):
+        engine = Engine.load(
+            tiny_gguf("llama", 0, tiny_root), "none", max_ctx=64, device="cpu", attn_window=window
+        )
+        with in_process(OpenAIServer(engine, "m")) as url:
+            assert httpx.get(url + "/health").json()["lossy"] == label
+            whole = httpx.post(url + "/v1/completions", json=body, timeout=60)
+            streamed = httpx.post(url + "/v1/completions", json=body | {"stream": True}, timeout=60)
+        reply = whole.json()
+        assert reply["flashtree"]["lossy"] == label and whole.headers.get("x-flashtree-lossy") == label
+        assert reply["system_fingerprint"] == "flashtree-ar" + (f" lossy: {label}" if label else "")
+        assert streamed.headers.get("x-flashtree-lossy") == label
+        assert f'"system_fingerprint": "{reply["system_fingerprint"]}"' in streamed.text

@@ -127,7 +127,7 @@ def test_models_and_health(server, client):
     assert client.models.retrieve(MODEL).id == MODEL
     health = httpx.get(server + "/health")  # no key needed
     assert health.status_code == 200
-    assert health.json() == {"status": "ok", "model": MODEL, "mode": "ar", "queued": 0}
+    assert health.json() == {"status": "ok", "model": MODEL, "mode": "ar", "lossy": None, "queued": 0}
 
 
 def test_null_means_the_default(client, http, engine):

@@ -2,7 +2,9 @@
 
 Routes: GET /health, GET /metrics, GET /v1/models[/{id}], POST /v1/chat/completions, POST /v1/completions.
 Every error is OpenAI's body `{"error": {"message", "type", "param", "code"}}`. Each completion also
-carries the engine's speculative-decoding stats under the extra field "flashtree".
+carries the engine's speculative-decoding stats under the extra field "flashtree". Its
+"system_fingerprint" names the decoding mode, and an engine whose output is not the full model's says so
+there, in the stats' "lossy", in /health and in an `X-Flashtree-Lossy` header (e.g. "attn-window 4096").
 
 Hostile input is refused before it costs much: a body over --max-request-bytes (413, before it is read),
 a prompt that cannot fit the context (400, by its byte length before it is tokenized), more than
@@ -169,7 +171,7 @@ class OpenAIServer:
         (status "failed", with the error)."""
         worker = self.worker
         body = {"status": "ok" if worker.state == READY else worker.state, "model": self.model_id}
-        body |= {"mode": self.engine.mode, "queued": worker.queued}
+        body |= {"mode": self.engine.mode, "lossy": self.engine.lossy, "queued": worker.queued}
         if worker.state == FAILED:
             body["error"] = worker.failure
         return JSONResponse(body, status_code=200 if worker.state == READY else 503)
@@ -322,12 +324,15 @@ class OpenAIServer:
             raise APIError(503, str(e), code="engine_unavailable") from None
         except StopAsyncIteration:  # cancelled before it started: the client is gone
             return PlainTextResponse("", status_code=499)
-        reply = _Reply(shape, self.model_id, job)
+        lossy = self.engine.lossy
+        fingerprint = f"flashtree-{self.engine.mode}" + (f" lossy: {lossy}" if lossy else "")
+        reply = _Reply(shape, self.model_id, job, fingerprint)
+        labels = {"X-Flashtree-Lossy": lossy} if lossy else {}
         if req.stream:
             events = reply.sse(first, chunks, req.include_usage)
-            headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+            headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **labels}
             return StreamingResponse(events, media_type="text/event-stream", headers=headers)
-        return JSONResponse(await reply.whole(first, chunks))
+        return JSONResponse(await reply.whole(first, chunks), headers=labels)
 
     @staticmethod
     async def _watched(request: Request, job: Job) -> AsyncIterator[Chunk]:
@@ -350,12 +355,13 @@ class OpenAIServer:
 class _Reply:
     """Builds the response objects of one completion, whole or as server-sent events."""
 
-    def __init__(self, shape, model_id: str, job: Job):
+    def __init__(self, shape, model_id: str, job: Job, fingerprint: str):
         self.shape, self.job = shape, job
         self.head = {
             "id": shape.id_prefix + secrets.token_hex(12),
             "created": int(time.time()),
             "model": model_id,
+            "system_fingerprint": fingerprint,
         }
 
     def usage(self) -> dict:
