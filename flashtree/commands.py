@@ -20,10 +20,10 @@ if TYPE_CHECKING:
 
 def engine_config(
     target, draft, mode, max_ctx, device, *, block_size=None, budget=22, tree_top_k=8, chain_seed=False,
-    draft_ctx=4096, draft_temperature=1.0,
+    draft_ctx=4096, draft_temperature=1.0, kv_type=None, kv_type_k=None, kv_type_v=None,
 ) -> EngineConfig:  # fmt: skip
     """The EngineConfig of a command's --target/--draft/--mode/... options (checked, the model names found
-    in their stores: nothing loads yet)."""
+    in their stores: nothing loads yet). kv_type: K's and V's, unless kv_type_k / kv_type_v say."""
     from flashtree.gguf.locate import resolve_model
 
     spec = SpecConfig(
@@ -31,7 +31,8 @@ def engine_config(
         tree_top_k=tree_top_k, chain_seed=chain_seed, draft_ctx=draft_ctx,
         draft_temperature=draft_temperature,
     )  # fmt: skip
-    config = EngineConfig(target, draft, mode, spec, max_ctx, device)
+    kv_types = {"kv_type_k": kv_type_k or kv_type, "kv_type_v": kv_type_v or kv_type}
+    config = EngineConfig(target, draft, mode, spec, max_ctx, device, **kv_types)
     for name, what in ((target, "file"), (None if draft == "none" else draft, "draft")):
         if name is not None and not resolve_model(name).exists():  # here, not after torch and a load
             raise FlashtreeError(f"{name}: {what} not found")
@@ -49,9 +50,14 @@ def load_engine(config: EngineConfig) -> Engine:
         return Engine.from_config(config)
 
 
-def engine_from_options(target, draft, mode, max_ctx, device, block_size=None, budget=22) -> Engine:
+def engine_from_options(
+    target, draft, mode, max_ctx, device, block_size=None, budget=22, kv_types=(None, None)
+) -> Engine:
     """The engine of the server's, the chat's and the benchmark's options."""
-    config = engine_config(target, draft, mode, max_ctx, device, block_size=block_size, budget=budget)
+    k, v = kv_types
+    config = engine_config(
+        target, draft, mode, max_ctx, device, block_size=block_size, budget=budget, kv_type_k=k, kv_type_v=v
+    )
     return load_engine(config)
 
 
@@ -79,18 +85,19 @@ def run_command(
                     "text": "".join(text),
                     "prompt_token_ids": prompt_ids,
                     "token_ids": token_ids,
+                    "kv_types": list(engine.kv_types),
                     **stats.as_dict(),
                 }
             )
         )
         return
     sys.stdout.write("\n")
-    summary_line(stats, config.mode == AUTO, engine.device.type)
+    summary_line(stats, config.mode == AUTO, engine.device.type, engine.kv_types)
 
 
-def summary_line(stats, auto: bool, device: str) -> None:
+def summary_line(stats, auto: bool, device: str, kv_types: tuple[str, str]) -> None:
     """The run's one-line summary on stderr: never wrapped (a log or a pipe gets it whole); with --mode
-    auto, what auto chose and why."""
+    auto, what auto chose and why; the KV cache's types."""
     mode = stats.mode
     if auto:
         why = "a draft on CUDA" if mode != "ar" else ("the CPU" if device == "cpu" else "no draft")
@@ -101,6 +108,8 @@ def summary_line(stats, auto: bool, device: str) -> None:
     )
     if stats.mode != "ar":
         summary += f", mean acceptance length {stats.mean_accept_len:.2f}"
+    k, v = kv_types
+    summary += f", KV cache {k}" if k == v else f", KV cache K {k} V {v}"
     Console(stderr=True, soft_wrap=True, markup=False, highlight=False).print(summary, style="dim")
 
 

@@ -124,6 +124,17 @@ def check_block_size(name: str, value: int) -> None:
     check_range(name, value, 2, MAX_BLOCK_SIZE)
 
 
+def check_kv_names(*kinds: str | None) -> None:
+    """--kv-type, --kv-type-k, --kv-type-v: known KV cache types (None: the compute dtype's), checked before
+    anything loads; whether a type holds the model's heads is checked when it loads (set_kv_types)."""
+    if any(kind is not None for kind in kinds):
+        from flashtree.quant.kv import ROTATION, check_kv_type
+
+        for kind in kinds:
+            if kind is not None:
+                check_kv_type(kind, ROTATION)  # a head size every type holds: the name alone
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """What an engine is built from; every command builds one from its options (commands.engine_config).
@@ -131,7 +142,8 @@ class EngineConfig:
     target: a GGUF (None: the embedded default); draft: a DFlash draft, "none" for plain decoding (None:
     the draft shipped for the default target); mode: ar, chain, tree or auto (auto_mode), None: spec.mode
     with a draft, ar without; max_ctx: tokens of context (None: the planner's choice); device: cuda or cpu
-    (None: cuda when there is one)."""
+    (None: cuda when there is one); kv_type_k, kv_type_v: the KV cache's types (quant/kv.py; None:
+    the compute dtype's)."""
 
     target: str | Path | None = None
     draft: str | Path | None = None
@@ -139,9 +151,12 @@ class EngineConfig:
     spec: SpecConfig = SpecConfig()
     max_ctx: int | None = None
     device: str | None = None
+    kv_type_k: str | None = None  # the KV cache's K type (quant/kv.py; None: the compute dtype's)
+    kv_type_v: str | None = None
     attn_window: int = 0  # > 0: decode steps attend to the last N positions only (lossy; prefill stays full)
 
     def __post_init__(self) -> None:
+        check_kv_names(self.kv_type_k, self.kv_type_v)
         check_attn_window(self.attn_window)
         if self.mode is not None and self.mode not in (*MODES, AUTO):
             raise FlashtreeError(f"mode must be one of {', '.join((AUTO, *MODES))}, got {self.mode!r}")

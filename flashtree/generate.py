@@ -98,10 +98,14 @@ class Engine:
         max_ctx: int | None = None,
         settings: Settings | None = None,
         attn_window: int = 0,
+        kv_types: tuple[str | None, str | None] | None = None,
     ):
         """attn_window > 0: the decode steps' attention reads each row's last attn_window positions only
         (--attn-window: lossy, `lossy`); the prefill stays full attention."""
         self.target, self.tokenizer, self.draft = target, tokenizer, draft
+        if kv_types is not None:  # the KV cache's K and V types (quant/kv.py), checked on the heads
+            target.set_kv_types(*kv_types)
+        self.kv_types = target.resolved_kv_types
         self.settings = settings or current_settings()  # the process's FLASHTREE_* unless given
         self.spec = spec or SpecConfig(mode="tree" if draft is not None else "ar")
         if self.spec.mode != "ar" and draft is None:
@@ -147,6 +151,7 @@ class Engine:
         device: str | None = None,
         settings: Settings | None = None,
         attn_window: int = 0,
+        kv_types: tuple[str | None, str | None] | None = None,
     ) -> Engine:
         """Load a target GGUF and a draft ('none' for plain decoding), each a path or a model store's name
         (gguf/locate.py). With no target: the embedded default, SmolLM2-135M-Instruct, and (unless a draft
@@ -168,7 +173,9 @@ class Engine:
         forced = settings.quant_kernels if cuda else None
         draft = resolve_model(draft) if draft not in (None, "none") else draft
         target = resolve_model(target)
-        max_ctx = plan_load(target, draft, mode, spec, max_ctx, resolve_device(device), settings)
+        max_ctx = plan_load(
+            target, draft, mode, spec, max_ctx, resolve_device(device), settings, kv_types or (None, None)
+        )
         model, gguf = load_target(target, device=device, quantized=forced)
         tokenizer = Tokenizer.from_gguf_metadata(gguf.metadata)
         draft_model = None
@@ -182,13 +189,16 @@ class Engine:
         spec = replace(spec, mode=mode)
         speculative = draft_model is not None and mode != "ar"
         use_kernels(model, settings.kernels, speculative)
-        return cls(model, tokenizer, draft_model, spec, max_ctx, settings, attn_window)
+        return cls(model, tokenizer, draft_model, spec, max_ctx, settings, attn_window, kv_types=kv_types)
 
     @classmethod
     def from_config(cls, config: EngineConfig, settings: Settings | None = None) -> Engine:
         """Engine.load of an EngineConfig (the commands build one from their options)."""
         c = config
-        return cls.load(c.target, c.draft, c.mode, c.spec, c.max_ctx, c.device, settings, c.attn_window)
+        kv_types = (c.kv_type_k, c.kv_type_v)
+        return cls.load(
+            c.target, c.draft, c.mode, c.spec, c.max_ctx, c.device, settings, c.attn_window, kv_types=kv_types
+        )
 
     def encode(self, text: str, chat: bool = True, system: str | None = None) -> list[int]:
         """Prompt ids for `text`, through the chat template unless chat=False."""

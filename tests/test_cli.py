@@ -116,7 +116,7 @@ def test_run_says_what_auto_chose_on_one_unwrapped_line(pair, monkeypatch):
     assert result.exit_code == 0, result.output
     summary = result.stderr.strip().splitlines()[-1]
     assert summary.startswith("[ar (auto: the fastest lossless mode for the CPU)] ")
-    assert summary.endswith(" tok/s")
+    assert summary.endswith(" tok/s, KV cache f32")  # the tiny fp32 model's own cache
     as_json = invoke(*argv, "--json")
     assert json.loads(as_json.stdout)["mode"] == "ar"
     tree = invoke(*argv, "--json", "--mode", "tree")
@@ -129,14 +129,15 @@ def test_summary_line_names_each_mode_once(capsys):
     stats = SimpleNamespace(
         mode="tree", n_prompt=5, prefill_tok_s=10.0, n_generated=7, decode_tok_s=3.0, mean_accept_len=2.5
     )
-    summary_line(stats, auto=True, device="cuda")
+    summary_line(stats, auto=True, device="cuda", kv_types=("bf16", "bf16"))
     err = capsys.readouterr().err
     assert err == (
         "[tree (auto: the fastest lossless mode for a draft on CUDA)] 5 prompt tokens at 10.0 tok/s, "
-        "7 generated at 3.0 tok/s, mean acceptance length 2.50\n"
+        "7 generated at 3.0 tok/s, mean acceptance length 2.50, KV cache bf16\n"
     )
-    summary_line(stats, auto=False, device="cuda")
-    assert capsys.readouterr().err.startswith("[tree] 5 prompt tokens")
+    summary_line(stats, auto=False, device="cuda", kv_types=("tq3_0", "q8_0"))
+    err = capsys.readouterr().err
+    assert err.startswith("[tree] 5 prompt tokens") and err.endswith(", KV cache K tq3_0 V q8_0\n")
 
 
 def test_synth_says_what_it_wrote_and_a_draft_is_readable_by_others(pair, tmp_path):

@@ -320,3 +320,31 @@ def test_state_bytes_count_every_field(target32, kinds):
         target32.set_kv_types(None, None)
     with pytest.raises(FlashtreeError, match="tq3_0"):
         target32.set_kv_types("tq3_0", "q7")
+
+
+def test_kv_type_options(tiny_root):
+    """run --kv-type / --kv-type-k / --kv-type-v: the engine's cache in those types (the JSON and the
+    summary line say which); an unknown type, or one the model's heads cannot hold, is one error line."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from flashtree.cli import app
+    from tests.tiny import tiny_gguf
+
+    def run(target, *options):
+        argv = ["run", "-p", "Hi", "--target", str(target), "-n", "3", "--device", "cpu", "--draft", "none"]
+        return CliRunner().invoke(app, [*argv, *options])
+
+    target = tiny_gguf("qwen3", 0, tiny_root, head_dim=32)
+    result = run(target, "--kv-type", "q4_0", "--kv-type-v", "tq3_0", "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["kv_types"] == ["q4_0", "tq3_0"]
+    result = run(target, "--kv-type", "q8_0")
+    assert result.stderr.strip().splitlines()[-1].endswith(", KV cache q8_0")
+    for bad, options in (("unknown KV cache type 'q3'", ("--kv-type-k", "q3")),
+                         ("head size divisible by 32, not 24", ("--kv-type", "q8_0"))):  # fmt: skip
+        small = target if "q3" in options else tiny_gguf("qwen3", 0, tiny_root)  # heads of 24 values
+        result = run(small, *options)
+        assert result.exit_code == 1 and result.stderr.startswith("error: ") and bad in result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1

@@ -334,6 +334,7 @@ def results_document(
         "versions": versions(),
         "target": target_info,
         "draft": draft_info,
+        "kv_types": list(base.kv_types),  # the KV cache's K and V types (every mode's engine shares them)
         "ceilings": ceilings.as_dict(),
         "weight_read_tok_s": ceilings.weight_read_tok_s(target_info["weight_bytes"]),
         "rows": rows,
@@ -390,7 +391,10 @@ def bench_command(engine: EngineConfig, bench: BenchConfig) -> None:
     # weights) and matmul kernel (dense fp32 weights): its AR is what chain/tree must reproduce.
     speculative = any(m != "ar" for m in mode_list)
     e, mode = engine, None if speculative else "ar"
-    base = engine_from_options(e.target, e.draft, mode, 1, e.device, e.spec.block_size, e.spec.budget)
+    kv_types = (e.kv_type_k, e.kv_type_v)
+    base = engine_from_options(
+        e.target, e.draft, mode, 1, e.device, e.spec.block_size, e.spec.budget, kv_types
+    )
     encoded = [base.encode(p.text, chat=not raw) for p in prompts]
     max_ctx = context_for(prompts, encoded, max_tokens, base.target.config.context_length)
     runners = make_runners(base, mode_list, baselines, max_ctx)
