@@ -127,6 +127,13 @@ KvTypeOpt = typer.Option(
     "the model's compute dtype). Quantized types are read in the attention kernels; speculative output "
     "stays identical to plain decoding with the same type.",
 )
+AttnWindowOpt = typer.Option(
+    0,
+    "--attn-window",
+    metavar="N",
+    help="LOSSY, off by default: the decode steps attend to the last N positions only (the prefill stays "
+    "full attention); the output is no longer the full model's, and every report says so.",
+)
 KvTypeKOpt = typer.Option(None, "--kv-type-k", metavar="TYPE", help="K's type (overrides --kv-type).")
 KvTypeVOpt = typer.Option(None, "--kv-type-v", metavar="TYPE", help="V's type (overrides --kv-type).")
 
@@ -385,14 +392,24 @@ def bench_step(
         "for speculative decoding).",
     ),
     repeats: int = typer.Option(20, "--repeats", help="Timed repeats per measurement (median)."),
-    context: int = typer.Option(
-        512, "--context", help="Prompt tokens in the KV cache when the decode steps are timed."
+    context: str = typer.Option(
+        "512",
+        "--context",
+        help="Prompt tokens in the KV cache when the decode steps are timed; a comma-separated list (e.g. "
+        "8192,65536,262144) also gives each length a row: the prefill's tok/s, the AR and tree steps against "
+        "their rooflines (weights + the KV cache at that length in its type).",
+    ),
+    attn_window: int = AttnWindowOpt,
+    kv_type: str | None = typer.Option(
+        None, "--kv-type", metavar="TYPE", help="KV cache type of K and V (default: the compute dtype's)."
     ),
 ):
     """Time the AR step, tree verify, draft step and prefill against measured device ceilings."""
     from flashtree.bench.step import bench_step_command
 
-    bench_step_command(target, draft, budget, block_size, out, weights, repeats, context)
+    bench_step_command(
+        target, draft, budget, block_size, out, weights, repeats, context, attn_window, kv_type
+    )
 
 
 @app.command("train-draft")

@@ -28,7 +28,7 @@ def test_bench_step_measures_everything(pair, monkeypatch):
         contexts=(24, 40), kv_type="q8_0",
     )  # fmt: skip
     json.dumps(r)  # JSON-ready
-    assert r["context_tokens"] == 24 and r["lossy"] is None
+    assert r["context_tokens"] == 24 and r["lossy"] is None and r["kv_types"] == ["q8_0", "q8_0"]
     assert r["weights"] == "dense" and r["quant_linears"] == 0  # CPU: the dense path
     assert r["ceilings"]["copy_gb_s"] > 0 and r["ceilings"]["matmul_tflops"] > 0
     assert r["ar"]["eager_ms"] > 0 and r["ar"]["graph_ms"] is None  # no CUDA graphs on CPU

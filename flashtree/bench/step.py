@@ -31,7 +31,7 @@ import torch
 
 from flashtree.bench.roofline import measure_ceilings, weight_bytes
 from flashtree.bench.run import device_info, provenance, versions
-from flashtree.config import MAX_CONTEXT, SpecConfig, check_attn_window, lossy_label
+from flashtree.config import MAX_CONTEXT, SpecConfig, check_attn_window, check_kv_names, lossy_label
 from flashtree.convert.inspect import describe
 from flashtree.cuda_graphs import kv_bucket
 from flashtree.errors import FlashtreeError
@@ -43,7 +43,7 @@ from flashtree.models.dflash import load_draft
 from flashtree.models.layers import use_dense_kernel, use_kernels
 from flashtree.models.loader import default_device, load_target
 from flashtree.prefill import prefill_chunk
-from flashtree.quant.kv import check_kv_type, vector_bytes
+from flashtree.quant.kv import vector_bytes
 from flashtree.settings import current as current_settings
 from flashtree.spec.tree import build_tree
 
@@ -296,11 +296,14 @@ class StepBench:
         step_ms = _try(lambda: self.time(lambda: next(tokens)))
         return {f"{mode}_prefill_ms": stats.prefill_s * 1e3, f"{mode}_ms": step_ms}
 
-    def context_row(self, n_tokens: int, copy_gb_s: float, weights: int, kv_type: str) -> dict:
+    def context_row(self, n_tokens: int, copy_gb_s: float, weights: int) -> dict:
         """Prefill of an n_tokens prompt, then the engine's AR and tree steps there, each against its
-        roofline: (the weights it reads + the KV cache at n_tokens) / copy bandwidth."""
+        roofline: (the weights it reads + the KV cache at n_tokens in the model's KV types) / copy
+        bandwidth."""
         steps = self.engine_steps(n_tokens)
-        kv = kv_cache_bytes(self.model, n_tokens, kv_type, kv_type)
+        k_type, v_type = self.model.resolved_kv_types
+        kv_type = k_type if k_type == v_type else f"K {k_type} V {v_type}"
+        kv = kv_cache_bytes(self.model, n_tokens, k_type, v_type)
         ar_roofline = (weights + kv) / (copy_gb_s * 1e9) * 1e3
         tree_roofline = ar_roofline + weight_bytes(self.draft) / (copy_gb_s * 1e9) * 1e3
         row = {"context": n_tokens, "kv_type": kv_type, "kv_bytes": kv, "prefill_chunk": self.chunk(n_tokens)}
@@ -355,22 +358,24 @@ def run_bench_step(
     prefill_sizes: tuple[int, ...] = PREFILL_SIZES,
     context: int = DEFAULT_CONTEXT,
     contexts: tuple[int, ...] = (),
-    kv_type: str = "bf16",
+    kv_type: str | None = None,
     attn_window: int = 0,
 ) -> dict:
     """Every measurement of one run, as a JSON-ready dict (`quantized`: see loader.Weights); a row per
-    length of `contexts` (StepBench.context_row) in KV cache type kv_type."""
+    length of `contexts` (StepBench.context_row); every cache in KV type kv_type (K and V; None: the
+    model's compute dtype)."""
     made_by = provenance()
     device = default_device()
     ceilings = measure_ceilings(device)
     longest = max(contexts, default=0)
     bench = StepBench(target, draft, quantized, budget, block_size, repeats, context, longest, attn_window)
-    check_kv_type(kv_type, bench.model.config.head_dim)
+    bench.model.set_kv_types(kv_type, kv_type)  # every state from here: the suite's, the rows' engines'
     results = _measure(bench, device, verify_sizes, prefill_sizes)
     info = describe(bench.gguf)
     results["ratios"] = _ratios(results, bench, info["bytes_per_token"] / (ceilings.copy_gb_s * 1e9) * 1e3)
     weights = info["bytes_per_token"]
-    results["contexts"] = [bench.context_row(n, ceilings.copy_gb_s, weights, kv_type) for n in contexts]
+    results["contexts"] = [bench.context_row(n, ceilings.copy_gb_s, weights) for n in contexts]
+    results["kv_types"] = list(bench.model.resolved_kv_types)
     results["lossy"] = lossy_label(attn_window)
     if bench.n_quant_linears:
         results["tiles"] = {key: list(astuple(tile)) for key, tile in bench.kernels.tiles.items()}
@@ -499,7 +504,7 @@ WEIGHTS = {"auto": None, "packed": True, "dense": False}  # --weights -> load_ta
 
 def bench_step_command(
     target: Path, draft: Path, budget: int, block_size: int, out: Path, weights: str, repeats: int,
-    context: str | int = DEFAULT_CONTEXT, attn_window: int = 0,
+    context: str | int = DEFAULT_CONTEXT, attn_window: int = 0, kv_type: str | None = None,
 ) -> None:  # fmt: skip
     """context: a length or a comma-separated list of them: the suite runs at the first, and each gets a
     long-context row."""
@@ -512,12 +517,14 @@ def bench_step_command(
         raise FlashtreeError(f"--repeats must be >= 1, got {repeats}")
     contexts = parse_contexts(str(context))
     check_attn_window(attn_window)
+    check_kv_names(kv_type)
     result = run_bench_step(
         target, draft, budget, block_size, WEIGHTS[weights], repeats, context=contexts[0], contexts=contexts,
-        attn_window=attn_window,
+        kv_type=kv_type, attn_window=attn_window,
     )  # fmt: skip
     flags = ["--budget", str(budget), "--block-size", str(block_size), "--weights", weights]
     flags += ["--context", ",".join(map(str, contexts)), "--attn-window", str(attn_window)]
+    flags += ["--kv-type", kv_type] if kv_type else []
     result["command"] = " ".join(
         ["flashtree", "bench-step", "--target", str(target), "--draft", str(draft), *flags]
         + ["--repeats", str(repeats), "--out", str(out)]
