@@ -81,8 +81,8 @@ def test_load_peak_is_the_resident_size(family, quantized, tiny_root, monkeypatc
     monkeypatch.setattr(loader, "LOAD_CHUNK_BYTES", 1024)
     (model, _), peak = allocation_peak(lambda: loader.load_target(path, "cpu", quantized=quantized))
     resident = plan.module_bytes(model)
-    # one chunk's temporaries: its Q8_0 bytes decoded to fp32 take ~8x their size
-    assert resident <= peak <= resident + 16 * loader.LOAD_CHUNK_BYTES, (peak, resident)
+    # one chunk's temporaries: LOAD_CHUNK_BYTES of fp32 values and what their decoding makes on the way
+    assert resident <= peak <= resident + 4 * loader.LOAD_CHUNK_BYTES, (peak, resident)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

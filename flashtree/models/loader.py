@@ -56,21 +56,22 @@ class Weights:
                 return info.qtype
         return None
 
-    def _chunks(self, name: str, order: torch.Tensor | None = None):
+    def _chunks(self, name: str, order: torch.Tensor | None = None, decoded: bool = False):
         """(first row, raw rows on the device) of tensor `name` (rows: all dims but the last), a chunk
-        of LOAD_CHUNK_BYTES at a time; `order`: the file row each row takes. Nothing on `meta`."""
+        of LOAD_CHUNK_BYTES at a time (of their fp32 values when `decoded`: decoding makes temporaries of
+        that size); `order`: the file row each row takes. Nothing on `meta`."""
         if self.device.type == "meta":
             return
         info = self.gguf.info(name)
         raw = self.gguf.raw(name)
-        step = max(1, LOAD_CHUNK_BYTES // raw.shape[1])
+        step = max(1, LOAD_CHUNK_BYTES // (4 * info.shape[-1] if decoded else raw.shape[1]))
         for r in range(0, raw.shape[0], step):
             rows = raw[r : r + step] if order is None else raw[order[r : r + step].numpy()]
             yield r, torch.from_numpy(rows).to(self.device), info
 
     def _fill_dense(self, dest: torch.Tensor, name: str, order: torch.Tensor | None = None) -> None:
         """Decode tensor `name` into `dest` (its rows, as (rows, cols))."""
-        for r, raw, info in self._chunks(name, order):
+        for r, raw, info in self._chunks(name, order, decoded=True):
             n = raw.shape[0]
             dest[r : r + n] = dequantize(raw, info.qtype, (n, info.shape[-1]), dest.dtype)
 
