@@ -17,7 +17,7 @@ import torch
 from flashtree.errors import FlashtreeError
 from flashtree.kernels import tl, triton
 from flashtree.kernels.launch import pdl_options, wait_for_inputs
-from flashtree.kernels.qmatmul import _finish, k_splits, sum_splits, tile_counters
+from flashtree.kernels.qmatmul import _finish, _split_rows, k_splits, sum_splits, tile_counters
 from flashtree.kernels.tiles import DEFAULT_KERNELS, DenseTiles, KernelConfig
 
 MAX_ROWS = 64  # above this many rows (prefill): cuBLAS, compute-bound there
@@ -35,12 +35,8 @@ def _dense_kernel(
     """Program (i, s): output features [i * BN, i * BN + BN) of all M <= BM rows, over K blocks
     [s * per_split, s * per_split + per_split): acc (BN, BM) += W tile (BN, BK) . x^T tile (BK, BM), one
     tf32x3 dot per K block in K order."""
-    rows = tl.program_id(0) * BN + tl.arange(0, BN)
-    row_ok = rows < N
-    split = tl.program_id(1)
+    rows, row_ok, split, first, last = _split_rows(BN, N, per_split, tl.cdiv(K, BK))
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_w
-    first = split * per_split
-    last = tl.minimum(first + per_split, tl.cdiv(K, BK))
     wait_for_inputs(GDC)
     ms = tl.arange(0, BM)
     ks = tl.arange(0, BK)

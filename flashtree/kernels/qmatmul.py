@@ -342,6 +342,17 @@ def _sum_of_splits(part_ptr, at, ok, n_splits, size):
 
 
 @triton.jit
+def _split_rows(BN: tl.constexpr, N, per_split, n_units):
+    """Program (i, s)'s output rows [i * BN, i * BN + BN), which of them are < N, its K-split s and the
+    split's units [first, last)."""
+    rows = tl.program_id(0) * BN + tl.arange(0, BN)
+    row_ok = rows < N
+    split = tl.program_id(1)
+    first = split * per_split
+    return rows, row_ok, split, first, tl.minimum(first + per_split, n_units)
+
+
+@triton.jit
 def _finish(y_ptr, part_ptr, counter_ptr, acc, at, ok, split, n_splits, size, FUSED_SUM: tl.constexpr):
     """Store a program's sums `acc` at offsets `at` (mask `ok`) of y, or, with K-splits, as split
     `split` of the partial sums (n_splits, size). FUSED_SUM: the program that completes its row tile
@@ -475,11 +486,7 @@ def _matvec_kernel(
 ):  # fmt: skip
     """One row of x: program (i, s) adds split s of rows [i * BN, i * BN + BN), one thread per row,
     UNROLL units per step (their loads can be in flight together)."""
-    rows = tl.program_id(0) * BN + tl.arange(0, BN)
-    row_ok = rows < N
-    split = tl.program_id(1)
-    first = split * units_per_split
-    last = tl.minimum(first + units_per_split, n_blocks // G)
+    rows, row_ok, split, first, last = _split_rows(BN, N, units_per_split, n_blocks // G)
     rows64 = rows.to(tl.int64)
     wait_for_inputs(GDC)
     acc = tl.zeros((BN,), tl.float32)
@@ -704,11 +711,7 @@ def _matmul_kernel(
     unit. Each unit's header is loaded while the unit before it is computed (the pipeliner only
     overlaps the loads that feed the dots: a header load would stall every unit for a trip to memory)."""
     wait_for_inputs(GDC)
-    rows = tl.program_id(0) * BN + tl.arange(0, BN)
-    row_ok = rows < N
-    split = tl.program_id(1)
-    first = split * units_per_split
-    last = tl.minimum(first + units_per_split, n_blocks // G)
+    rows, row_ok, split, first, last = _split_rows(BN, N, units_per_split, n_blocks // G)
     rows64 = rows.to(tl.int64)
     acc = tl.zeros((BN, BM), tl.float32)
     header = _unit_header(QTYPE, hdr_ptr, d_ptr, rows64, N, first * G, row_ok)

@@ -1,6 +1,6 @@
 """Our Triton kernels compiled for an H200 (sm_90) on a machine without a GPU: the tests' check that every
-decode kernel compiles and waits before it reads (tests/test_sm90_compile.py), and bench/sm90_registers.py's
-registers and spills per tile.
+decode kernel compiles and waits before it reads (tests/test_sm90_compile.py), and
+benchmarks/sm90_registers.py's registers and spills per tile.
 
 Under TRITON_INTERPRET=1 a kernel runs its CPU form (GDC and ASM false). `recording` notes each launch the
 interpreter runs (argument types, constexprs, compile options, the JIT's specializations: integers of 1,

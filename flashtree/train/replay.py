@@ -9,7 +9,7 @@ with those samples finds it. The draft's logits for a root at p are teacher-forc
 target's features of positions < p, which is what decoding gives it (the accepted tokens are the same).
 So the steps are a walk p -> p + accepted + 1 with the accept length `flashtree bench` measures (equal
 step for step: tests/test_replay.py), for the cost of one batched draft pass: the trainer reports its
-held-out accept length with it, and bench/replay_al.py compares drafts and tree settings on the CPU.
+held-out accept length with it, and benchmarks/replay_al.py compares drafts and tree settings on the CPU.
 (The ring of `draft_ctx` past features is not modelled: every context position is seen.)
 """
 
