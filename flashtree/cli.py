@@ -414,6 +414,17 @@ def bench_step(
 
 @app.command("train-draft")
 @user_errors
+ValSequencesOpt = typer.Option(
+    64, "--val-sequences", min=0,
+    help="Greedy responses held out of training; their replayed chain/tree AL is logged at checkpoints.",
+)  # fmt: skip
+DevPromptsOpt = typer.Option(
+    0, "--dev-prompts", min=0,
+    help="Also log the replayed AL of the target's greedy responses to up to N prompts per benchmark "
+    "set (bench.datasets.dev_prompts: none of the reports'), the benchmark's own figure.",
+)  # fmt: skip
+
+
 def train_draft(
     out: Path = typer.Option(..., "--out", help="Output dir: data, checkpoints, then the draft."),
     target: str | None = TargetOpt,
@@ -444,19 +455,8 @@ def train_draft(
     anchors: int = typer.Option(64, "--anchors", help="Blocks per sequence."),
     lr: float = typer.Option(6e-4, "--lr"),
     gamma: float | None = typer.Option(None, "--gamma", help="Loss decay (default 7 for block 16)."),
-    val_sequences: int = typer.Option(
-        64,
-        "--val-sequences",
-        min=0,
-        help="Greedy responses held out of training; their replayed chain/tree AL is logged at checkpoints.",
-    ),
-    dev_prompts: int = typer.Option(
-        0,
-        "--dev-prompts",
-        min=0,
-        help="Also log the replayed AL of the target's greedy responses to up to N prompts per benchmark "
-        "set (bench.datasets.dev_prompts: none of the reports'), the benchmark's own figure.",
-    ),
+    val_sequences: int = ValSequencesOpt,
+    dev_prompts: int = DevPromptsOpt,
     seed: int = typer.Option(0, "--seed"),
     device: str | None = DeviceOpt,
 ):
