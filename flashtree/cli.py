@@ -412,8 +412,6 @@ def bench_step(
     )
 
 
-@app.command("train-draft")
-@user_errors
 ValSequencesOpt = typer.Option(
     64, "--val-sequences", min=0,
     help="Greedy responses held out of training; their replayed chain/tree AL is logged at checkpoints.",
@@ -425,6 +423,8 @@ DevPromptsOpt = typer.Option(
 )  # fmt: skip
 
 
+@app.command("train-draft")
+@user_errors
 def train_draft(
     out: Path = typer.Option(..., "--out", help="Output dir: data, checkpoints, then the draft."),
     target: str | None = TargetOpt,
