@@ -169,14 +169,15 @@ def run(
     kv_type: str | None = KvTypeOpt,
     kv_type_k: str | None = KvTypeKOpt,
     kv_type_v: str | None = KvTypeVOpt,
+    attn_window: int = AttnWindowOpt,
 ):
     """Generate a reply to one prompt, streaming it to the terminal."""
     from flashtree.commands import engine_config, run_command
 
     spec_options = {"block_size": block_size, "budget": budget, "tree_top_k": tree_top_k}
     spec_options |= {"chain_seed": chain_seed, "draft_ctx": draft_ctx, "draft_temperature": draft_temperature}
-    kv_types = {"kv_type": kv_type, "kv_type_k": kv_type_k, "kv_type_v": kv_type_v}
-    config = engine_config(target, draft, mode, max_ctx, device, **spec_options, **kv_types)
+    cache = {"kv_type": kv_type, "kv_type_k": kv_type_k, "kv_type_v": kv_type_v, "attn_window": attn_window}
+    config = engine_config(target, draft, mode, max_ctx, device, **spec_options, **cache)
     sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
     run_command(prompt, config, sampling, max_tokens, chat=not no_chat_template, as_json=as_json)
 
@@ -197,14 +198,15 @@ def chat(
     kv_type: str | None = KvTypeOpt,
     kv_type_k: str | None = KvTypeKOpt,
     kv_type_v: str | None = KvTypeVOpt,
+    attn_window: int = AttnWindowOpt,
 ):
     """Interactive multi-turn chat in the terminal."""
     check_request(max_tokens, max_ctx)  # every option before torch and the model load
     from flashtree.commands import engine_config
 
     sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
-    kv_types = {"kv_type": kv_type, "kv_type_k": kv_type_k, "kv_type_v": kv_type_v}
-    config = engine_config(target, draft, mode, max_ctx, device, **kv_types)
+    cache = {"kv_type": kv_type, "kv_type_k": kv_type_k, "kv_type_v": kv_type_v, "attn_window": attn_window}
+    config = engine_config(target, draft, mode, max_ctx, device, **cache)
     from flashtree.serve.chat import chat_command
 
     chat_command(config, sampling, max_tokens)
@@ -236,13 +238,14 @@ def serve(
     kv_type: str | None = KvTypeOpt,
     kv_type_k: str | None = KvTypeKOpt,
     kv_type_v: str | None = KvTypeVOpt,
+    attn_window: int = AttnWindowOpt,
 ):
     """OpenAI-compatible HTTP server. Requests without "temperature" are sampled at 1.0, OpenAI's default,
     unlike run and chat (greedy): send "temperature": 0 for the same answer every time."""
     from flashtree.commands import engine_config
 
-    kv_types = {"kv_type": kv_type, "kv_type_k": kv_type_k, "kv_type_v": kv_type_v}
-    config = engine_config(target, draft, mode, max_ctx, device, **kv_types)  # before the server's imports
+    cache = {"kv_type": kv_type, "kv_type_k": kv_type_k, "kv_type_v": kv_type_v, "attn_window": attn_window}
+    config = engine_config(target, draft, mode, max_ctx, device, **cache)  # before the server's imports
     from flashtree.serve.api import ServeConfig, serve_command
 
     server = ServeConfig(
@@ -274,15 +277,14 @@ def bench(
     kv_type: str | None = KvTypeOpt,
     kv_type_k: str | None = KvTypeKOpt,
     kv_type_v: str | None = KvTypeVOpt,
+    attn_window: int = AttnWindowOpt,
 ):
     """Benchmark AR vs chain vs tree decoding on HumanEval, GSM8K and MATH-500 prompts."""
     check_request(max_tokens)  # every option before torch and the model load
     from flashtree.commands import engine_config
 
-    kv_types = {"kv_type": kv_type, "kv_type_k": kv_type_k, "kv_type_v": kv_type_v}
-    config = engine_config(
-        target, draft, None, None, device, block_size=block_size, budget=budget, **kv_types
-    )
+    cache = {"kv_type": kv_type, "kv_type_k": kv_type_k, "kv_type_v": kv_type_v, "attn_window": attn_window}
+    config = engine_config(target, draft, None, None, device, block_size=block_size, budget=budget, **cache)
     from flashtree.bench.run import BenchConfig, bench_command
 
     options = BenchConfig(

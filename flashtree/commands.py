@@ -20,10 +20,11 @@ if TYPE_CHECKING:
 
 def engine_config(
     target, draft, mode, max_ctx, device, *, block_size=None, budget=22, tree_top_k=8, chain_seed=False,
-    draft_ctx=4096, draft_temperature=1.0, kv_type=None, kv_type_k=None, kv_type_v=None,
+    draft_ctx=4096, draft_temperature=1.0, kv_type=None, kv_type_k=None, kv_type_v=None, attn_window=0,
 ) -> EngineConfig:  # fmt: skip
     """The EngineConfig of a command's --target/--draft/--mode/... options (checked, the model names found
-    in their stores: nothing loads yet). kv_type: K's and V's, unless kv_type_k / kv_type_v say."""
+    in their stores: nothing loads yet). kv_type: K's and V's, unless kv_type_k / kv_type_v say;
+    attn_window: --attn-window (lossy)."""
     from flashtree.gguf.locate import resolve_model
 
     spec = SpecConfig(
@@ -32,7 +33,7 @@ def engine_config(
         draft_temperature=draft_temperature,
     )  # fmt: skip
     kv_types = {"kv_type_k": kv_type_k or kv_type, "kv_type_v": kv_type_v or kv_type}
-    config = EngineConfig(target, draft, mode, spec, max_ctx, device, **kv_types)
+    config = EngineConfig(target, draft, mode, spec, max_ctx, device, **kv_types, attn_window=attn_window)
     for name, what in ((target, "file"), (None if draft == "none" else draft, "draft")):
         if name is not None and not resolve_model(name).exists():  # here, not after torch and a load
             raise FlashtreeError(f"{name}: {what} not found")
@@ -51,13 +52,14 @@ def load_engine(config: EngineConfig) -> Engine:
 
 
 def engine_from_options(
-    target, draft, mode, max_ctx, device, block_size=None, budget=22, kv_types=(None, None)
+    target, draft, mode, max_ctx, device, block_size=None, budget=22, kv_types=(None, None), attn_window=0
 ) -> Engine:
     """The engine of the server's, the chat's and the benchmark's options."""
     k, v = kv_types
     config = engine_config(
-        target, draft, mode, max_ctx, device, block_size=block_size, budget=budget, kv_type_k=k, kv_type_v=v
-    )
+        target, draft, mode, max_ctx, device, block_size=block_size, budget=budget, kv_type_k=k, kv_type_v=v,
+        attn_window=attn_window,
+    )  # fmt: skip
     return load_engine(config)
 
 
@@ -97,7 +99,8 @@ def run_command(
 
 def summary_line(stats, auto: bool, device: str, kv_types: tuple[str, str]) -> None:
     """The run's one-line summary on stderr: never wrapped (a log or a pipe gets it whole); with --mode
-    auto, what auto chose and why; the KV cache's types."""
+    auto, what auto chose and why; the KV cache's types; LOSSY and why, when the output is not the full
+    model's (--attn-window)."""
     mode = stats.mode
     if auto:
         why = "a draft on CUDA" if mode != "ar" else ("the CPU" if device == "cpu" else "no draft")
@@ -110,6 +113,8 @@ def summary_line(stats, auto: bool, device: str, kv_types: tuple[str, str]) -> N
         summary += f", mean acceptance length {stats.mean_accept_len:.2f}"
     k, v = kv_types
     summary += f", KV cache {k}" if k == v else f", KV cache K {k} V {v}"
+    if stats.lossy:
+        summary += f", LOSSY: {stats.lossy}"
     Console(stderr=True, soft_wrap=True, markup=False, highlight=False).print(summary, style="dim")
 
 

@@ -127,7 +127,13 @@ def test_summary_line_names_each_mode_once(capsys):
     from flashtree.commands import summary_line
 
     stats = SimpleNamespace(
-        mode="tree", n_prompt=5, prefill_tok_s=10.0, n_generated=7, decode_tok_s=3.0, mean_accept_len=2.5
+        mode="tree",
+        n_prompt=5,
+        prefill_tok_s=10.0,
+        n_generated=7,
+        decode_tok_s=3.0,
+        mean_accept_len=2.5,
+        lossy=None,
     )
     summary_line(stats, auto=True, device="cuda", kv_types=("bf16", "bf16"))
     err = capsys.readouterr().err
@@ -138,6 +144,10 @@ def test_summary_line_names_each_mode_once(capsys):
     summary_line(stats, auto=False, device="cuda", kv_types=("tq3_0", "q8_0"))
     err = capsys.readouterr().err
     assert err.startswith("[tree] 5 prompt tokens") and err.endswith(", KV cache K tq3_0 V q8_0\n")
+    summary_line(
+        SimpleNamespace(**vars(stats) | {"lossy": "attn-window 64"}), False, "cuda", ("bf16", "bf16")
+    )
+    assert capsys.readouterr().err.endswith(", KV cache bf16, LOSSY: attn-window 64\n")
 
 
 def test_synth_says_what_it_wrote_and_a_draft_is_readable_by_others(pair, tmp_path):

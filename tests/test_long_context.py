@@ -187,3 +187,25 @@ def test_the_server_labels_a_windowed_engine_lossy(tiny_root):
         assert reply["system_fingerprint"] == "flashtree-ar" + (f" lossy: {label}" if label else "")
         assert streamed.headers.get("x-flashtree-lossy") == label
         assert f'"system_fingerprint": "{reply["system_fingerprint"]}"' in streamed.text
+
+
+def test_run_says_lossy_and_refuses_a_bad_window(tiny_root):
+    """`flashtree run --attn-window 4`: the JSON's "lossy" and the summary line's LOSSY; a negative window
+    is one error line before anything loads."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from flashtree.cli import app
+
+    target = str(tiny_gguf("llama", 0, tiny_root))
+    args = ["run", "--target", target, "--draft", "none", "--device", "cpu", "-p", "hi", "-n", "4"]
+    runner = CliRunner()
+    reply = runner.invoke(app, [*args, "--attn-window", "4", "--json"])
+    assert reply.exit_code == 0, reply.output
+    assert json.loads(reply.stdout.splitlines()[-1])["lossy"] == "attn-window 4"
+    streamed = runner.invoke(app, [*args, "--attn-window", "4"])
+    assert "LOSSY: attn-window 4" in streamed.stderr
+    assert "LOSSY" not in runner.invoke(app, args).stderr
+    bad = runner.invoke(app, [*args, "--attn-window", "-1"])
+    assert bad.exit_code == 1 and "error: --attn-window must be between 0 and" in bad.stderr

@@ -103,12 +103,12 @@ def make_runners(base: Engine, modes: list[str], baselines: list[str], max_ctx: 
     for mode in modes:
         draft = base.draft if mode != "ar" else None
         spec = replace(base.spec, mode=mode)
-        engine = Engine(base.target, base.tokenizer, draft, spec, max_ctx, base.settings)
+        engine = Engine(base.target, base.tokenizer, draft, spec, max_ctx, base.settings, base.attn_window)
         runners[mode] = engine_runner(engine)
     if "plain" in baselines:
-        runners["plain"] = plain_runner(
-            Engine(base.target, base.tokenizer, None, replace(base.spec, mode="ar"), max_ctx, base.settings)
-        )
+        ar = replace(base.spec, mode="ar")
+        plain = Engine(base.target, base.tokenizer, None, ar, max_ctx, base.settings, base.attn_window)
+        runners["plain"] = plain_runner(plain)
     if "hf" in baselines:
         from flashtree.bench.hf_baseline import HFBaseline
 
@@ -335,6 +335,7 @@ def results_document(
         "target": target_info,
         "draft": draft_info,
         "kv_types": list(base.kv_types),  # the KV cache's K and V types (every mode's engine shares them)
+        "lossy": base.lossy,  # e.g. "attn-window 4096": the outputs are not the full-attention model's
         "ceilings": ceilings.as_dict(),
         "weight_read_tok_s": ceilings.weight_read_tok_s(target_info["weight_bytes"]),
         "rows": rows,
@@ -367,7 +368,7 @@ def bench_options(engine: EngineConfig, bench: BenchConfig) -> dict:
     return {"target": engine.target, "draft": engine.draft, "datasets": b.datasets, "n": b.n,
             "max_tokens": b.max_tokens, "modes": b.modes, "budget": spec.budget,
             "block_size": spec.block_size, "baseline": b.baseline, "raw": b.raw, "seed": b.seed,
-            "device": engine.device, "out": b.out}  # fmt: skip
+            "device": engine.device, "attn_window": engine.attn_window or None, "out": b.out}  # fmt: skip
 
 
 def bench_command(engine: EngineConfig, bench: BenchConfig) -> None:
@@ -393,7 +394,7 @@ def bench_command(engine: EngineConfig, bench: BenchConfig) -> None:
     e, mode = engine, None if speculative else "ar"
     kv_types = (e.kv_type_k, e.kv_type_v)
     base = engine_from_options(
-        e.target, e.draft, mode, 1, e.device, e.spec.block_size, e.spec.budget, kv_types
+        e.target, e.draft, mode, 1, e.device, e.spec.block_size, e.spec.budget, kv_types, e.attn_window
     )
     encoded = [base.encode(p.text, chat=not raw) for p in prompts]
     max_ctx = context_for(prompts, encoded, max_tokens, base.target.config.context_length)
