@@ -240,8 +240,10 @@ def serve(
     kv_type_v: str | None = KvTypeVOpt,
     attn_window: int = AttnWindowOpt,
 ):
-    """OpenAI-compatible HTTP server. Requests without "temperature" are sampled at 1.0, OpenAI's default,
-    unlike run and chat (greedy): send "temperature": 0 for the same answer every time."""
+    """OpenAI-compatible HTTP server.
+
+    Requests without "temperature" are sampled at 1.0, OpenAI's default, unlike run and chat (greedy):
+    send "temperature": 0 for the same answer every time."""
     from flashtree.commands import engine_config
 
     cache = {"kv_type": kv_type, "kv_type_k": kv_type_k, "kv_type_v": kv_type_v, "attn_window": attn_window}
@@ -324,7 +326,7 @@ def synth(
         metavar="NAME",
         help=f"One of {', '.join(SHAPE_NAMES)}: a real model's shape, or a tiny one for tests.",
     ),
-    type: str = typer.Option("q4_k_m", "--type"),
+    type: str = typer.Option("q4_k_m", "--type", help="f32 | f16 | bf16 | q8_0 | q4_k_m"),
     draft_for: Path | None = typer.Option(
         None, "--draft-for", help="Write a random DFlash draft for this target."
     ),

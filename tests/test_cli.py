@@ -45,6 +45,7 @@ def without_torch(*argv: str) -> subprocess.CompletedProcess:
 def test_help_is_for_users_and_plain():
     top = help_text()
     assert "thin typer wrappers" not in top and 'flashtree run -p "Hello"' in top and "ollama:" in top
+    assert "│ serve OpenAI-compatible HTTP server. │" in top  # each command's summary: one line
     for command in ("run", "chat", "serve", "bench", "convert", "synth", "inspect", "models", "settings"):
         text = help_text(command)
         assert "{" not in text.split(" │ ")[0] and "<bool>" not in text, command  # usage line, flag types
