@@ -44,3 +44,62 @@ def test_prefill_attention_matches_sdpa(case, window):
     q = torch.randn(T, n_heads, hd, generator=gen, device="cuda").to(dtype)
     got = prefill_attention(q, k, v, START, hd**-0.5, window)
     torch.testing.assert_close(got.float(), reference(q, k, v, window), rtol=TOL[dtype], atol=TOL[dtype])
+
+
+def test_a_models_chunked_prefill_is_the_torch_paths(tiny_root, monkeypatch):
+    """A tiny qwen35 on CUDA in fp32, the prompt in chunks of 48: the last token's logits with the prefill
+    attention kernel within fp32 rounding of those with SDPA over the masked cache in its place."""
+    from flashtree.models import attention
+    from flashtree.models.loader import load_target
+    from tests.spec_util import feed
+    from tests.tiny import tiny_gguf
+
+    target, _ = load_target(tiny_gguf("qwen35", 0, tiny_root), device="cuda", dtype=torch.float32)
+    ids = torch.randint(0, target.config.vocab, (200,), generator=torch.Generator().manual_seed(0)).cuda()
+
+    def prefill():
+        state = target.new_state(256)
+        for s in range(0, 200, 48):
+            out = feed(target, ids[s : s + 48], state, logits="last")
+        return out.logits
+
+    ours = prefill()
+    monkeypatch.setattr(attention, "prefill_attention", _sdpa_prefill)
+    torch.testing.assert_close(ours, prefill(), rtol=1e-4, atol=1e-4)
+
+
+def _sdpa_prefill(q, k, v, start, scale, window=0):
+    """prefill_attention's result by SDPA over the float planes' slots 0 .. start + T - 1."""
+    t = q.shape[0]
+    pos = start + torch.arange(t, device=q.device)[:, None]
+    mask = torch.arange(start + t, device=q.device)[None, :] <= pos
+    keys, values = k.data[None, :, : start + t], v.data[None, :, : start + t]
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], keys, values, attn_mask=mask, scale=scale, enable_gqa=True
+    )
+    return out[0].transpose(0, 1)
+
+
+@pytest.mark.parametrize("kind", [None, "tq3_0"])
+def test_with_a_window_chain_and_tree_are_ar_on_the_gpu(kind, tiny_root):
+    """--attn-window on CUDA (tree_attention's window, CUDA graphs): chain and tree greedy output equal
+    AR's with the same window, and the window changes the output of a long enough decode."""
+    from flashtree.config import SamplingParams, SpecConfig
+    from flashtree.generate import Engine
+    from flashtree.models.loader import load_target
+    from tests.spec_util import OracleDraft
+    from tests.tiny import tiny_gguf
+
+    target, _ = load_target(tiny_gguf("qwen35", 0, tiny_root, head_dim=32), device="cuda")
+    target.set_kv_types(kind, kind)
+    prompt = [5, 77, 190, 3, 41, 41, 9, 120, 33] * 4
+
+    def generate(draft, window, **spec):
+        engine = Engine(target, None, draft, SpecConfig(**spec), max_ctx=256, attn_window=window)
+        return [t for step in engine.generate(prompt, 64, SamplingParams(), stop_ids=()) for t in step]
+
+    ar = generate(None, 8, mode="ar")
+    assert ar != generate(None, 0, mode="ar")
+    for mode, spec in (("chain", dict(block_size=8)), ("tree", dict(block_size=8, budget=12))):
+        oracle = OracleDraft(prompt + ar, target.config.vocab, 8, 0.25, seed=1)
+        assert generate(oracle, 8, mode=mode, **spec) == ar, mode
