@@ -1,0 +1,117 @@
+"""The prefill attention kernel (kernels/prefill_attention.py) timed at the 27B's heads (24 query heads,
+4 KV heads, 256 values, bf16) for a chunk at several starts, next to SDPA with a lower-right causal mask
+(torch's flash kernel: a chunk's rows end at the last key) over the same keys, and checked against SDPA;
+then the attention time of a whole 64K prompt's prefill on the 27B's 16 attention layers in the engine's
+chunks, the share of the issue's 4000 tok/s budget (16.4 s for 65,536 tokens) attention takes.
+
+    python -m benchmarks.gpu_prefill OUT_DIR                     -> OUT_DIR/prefill.json
+    PREFILL_TILES='[[64, 64, 8], [128, 32, 8]]' PREFILL_STAGES=2,3 PREFILL_CHUNK=4096 python -m ...
+        tiles to sweep (query slots a program, key positions a step, warps) and pipeline depths
+
+A tile the GPU cannot hold (shared memory, registers) is reported and skipped. TFLOP/s count the causal
+products only: 4 x heads x head_dim x (keys each row reads).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+from torch.nn.attention.bias import causal_lower_right
+
+from benchmarks.timing import graph_time_us
+from flashtree.bench.run import provenance
+from flashtree.kernels import prefill_attention as pa
+
+N_HEADS, N_KV, HD, DTYPE = 24, 4, 256, torch.bfloat16
+LAYERS, PROMPT = 16, 65536  # the 27B's attention layers; the issue's prefill target length
+CHUNK = int(os.environ.get("PREFILL_CHUNK", "4096"))
+STARTS = (0, 8192, 32768, PROMPT - CHUNK)
+TILES = [tuple(t) for t in json.loads(os.environ.get("PREFILL_TILES", "[]"))] or [pa.TILES[256]]
+STAGES = [int(s) for s in os.environ.get("PREFILL_STAGES", str(pa.NUM_STAGES)).split(",")]
+DEVICE = torch.device("cuda")
+
+
+def case(start: int, t: int):
+    gen = torch.Generator(device=DEVICE).manual_seed(start)
+    q = torch.randn(t, N_HEADS, HD, generator=gen, device=DEVICE).to(DTYPE)
+    k, v = (torch.randn(N_KV, start + t, HD, generator=gen, device=DEVICE).to(DTYPE) for _ in range(2))
+    return q, k, v
+
+
+def sdpa(q, k, v, start: int) -> torch.Tensor:
+    """SDPA's causal attention of the chunk's rows over keys 0 .. start + T - 1 (lower-right aligned)."""
+    t = q.shape[0]
+    mask = causal_lower_right(t, start + t)
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], k[None], v[None], attn_mask=mask, scale=HD**-0.5, enable_gqa=True
+    )
+    return out[0].transpose(0, 1)
+
+
+def tflops(start: int, t: int, us: float) -> float:
+    keys = t * start + t * (t + 1) // 2  # every row's keys
+    return 4 * N_HEADS * HD * keys / (us * 1e-6) / 1e12
+
+
+def measure(start: int, t: int) -> dict:
+    """The kernel's time (us) at this chunk under the current tiles, SDPA's, and the kernel's max error."""
+    q, k, v = case(start, t)
+    ours = pa.prefill_attention(q, k, v, start, HD**-0.5)
+    err = (ours.float() - sdpa(q, k, v, start).float()).abs().max().item()
+    row = {"start": start, "tokens": t, "max_abs_err": err}
+    row["us"] = graph_time_us([lambda: pa.prefill_attention(q, k, v, start, HD**-0.5)], reps=5)
+    row["sdpa_us"] = graph_time_us([lambda: sdpa(q, k, v, start)], reps=5)
+    row["tflops"], row["sdpa_tflops"] = tflops(start, t, row["us"]), tflops(start, t, row["sdpa_us"])
+    return row
+
+
+def prompt_seconds(by_start: dict[int, float]) -> float:
+    """The 64K prompt's attention (all layers, every chunk) from the timed starts, each chunk's time
+    interpolated linearly in its start (a chunk's work grows linearly with it)."""
+    starts = sorted(by_start)
+    total = 0.0
+    for s in range(0, PROMPT, CHUNK):
+        hi = next((b for b in starts if b >= s), starts[-1])
+        lo = max((b for b in starts if b <= s), default=starts[0])
+        w = 0.0 if hi == lo else (s - lo) / (hi - lo)
+        total += (1 - w) * by_start[lo] + w * by_start[hi]
+    return LAYERS * total * 1e-6
+
+
+def main(out_dir: Path) -> int:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rows, default = [], (pa.TILES[256], pa.NUM_STAGES)
+    for tiles, stages in itertools.product(TILES, STAGES):
+        pa.TILES[256], pa.NUM_STAGES = tiles, stages
+        try:
+            times = [measure(s, CHUNK) for s in STARTS]
+        except triton.runtime.errors.OutOfResources as e:
+            print(f"tiles {tiles} stages {stages}: {e}", flush=True)
+            continue
+        finally:
+            pa.TILES[256], pa.NUM_STAGES = default
+        seconds = prompt_seconds({r["start"]: r["us"] for r in times})
+        ok = all(r["max_abs_err"] < 2e-2 for r in times)
+        rows.append({"tiles": tiles, "stages": stages, "ok": ok, "times": times, "prompt_64k_s": seconds})
+        print(f"tiles {tiles} stages {stages}: 64K prompt attention {seconds:.2f} s, ok {ok}", flush=True)
+        for r in times:
+            sdpa_time = f"SDPA {r['sdpa_us']:9.0f} us {r['sdpa_tflops']:5.0f}"
+            ours = f"{r['us']:9.0f} us {r['tflops']:5.0f} TFLOP/s"
+            print(f"  start {r['start']:>6}: {ours} ({sdpa_time}), err {r['max_abs_err']:.1e}", flush=True)
+    sdpa_s = prompt_seconds({r["start"]: r["sdpa_us"] for r in rows[0]["times"]}) if rows else None
+    shape = {"heads": [N_HEADS, N_KV, HD], "chunk": CHUNK, "layers": LAYERS, "prompt": PROMPT}
+    result = {**provenance(), "device": torch.cuda.get_device_name(), **shape, "sdpa_prompt_64k_s": sdpa_s}
+    result["rows"] = rows
+    (out_dir / "prefill.json").write_text(json.dumps(result, indent=2) + "\n")
+    return 0 if rows and all(r["ok"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(Path(sys.argv[1])))
