@@ -7,7 +7,7 @@ import torch
 
 from flashtree.errors import FlashtreeError
 from flashtree.kernels import tl, triton
-from flashtree.kernels.kv_tiles import kv_tile, plane_args
+from flashtree.kernels.kv_tiles import kv_tile, plane_args, rotate_rows
 from flashtree.quant.kv import (
     KV_TYPES,
     check_kv_type,
@@ -348,3 +348,24 @@ def test_kv_type_options(tiny_root):
         result = run(small, *options)
         assert result.exit_code == 1 and result.stderr.startswith("error: ") and bad in result.stderr
         assert len(result.stderr.strip().splitlines()) == 1
+
+
+@triton.jit
+def _rotate_kernel(x_ptr, out_ptr, signs, M: tl.constexpr, BD: tl.constexpr, ROT: tl.constexpr,
+                   RSCALE: tl.constexpr, INVERSE: tl.constexpr):  # fmt: skip
+    at = tl.arange(0, M)[:, None] * BD + tl.arange(0, BD)[None, :]
+    tl.store(out_ptr + at, rotate_rows(tl.load(x_ptr + at), signs, M, BD, ROT, RSCALE, INVERSE))
+
+
+@pytest.mark.parametrize("hd", [32, 64, 256])
+def test_kernel_rotation_is_the_torch_rotation(hd):
+    """kv_tiles.rotate_rows (the attention kernel's query and output rotations, the write's) computes
+    quant/kv.py's rotate / unrotate bit for bit."""
+    from flashtree.quant.kv import rotation_scale, rotation_signs, rotation_size
+
+    x = torch.randn(16, hd, generator=torch.Generator().manual_seed(hd))
+    r = rotation_size(hd)
+    for inverse, reference in ((False, rotate), (True, unrotate)):
+        out = torch.empty_like(x)
+        _rotate_kernel[(1,)](x, out, rotation_signs(r, x.device), 16, hd, r, rotation_scale(r), inverse)
+        assert torch.equal(out, reference(x))

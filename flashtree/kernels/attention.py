@@ -27,10 +27,10 @@ from __future__ import annotations
 import torch
 
 from flashtree.kernels import tl, triton
-from flashtree.kernels.kv_tiles import kv_tile, plane_args
+from flashtree.kernels.kv_tiles import kv_tile, plane_args, rotate_rows
 from flashtree.kernels.launch import pdl_options, wait_for_inputs
 from flashtree.kernels.qmatmul import tile_counters
-from flashtree.quant.kv import KVPlane, as_plane, rotate, unrotate
+from flashtree.quant.kv import KVPlane, as_plane, rotation_scale, rotation_signs, rotation_size
 
 MAX_SPLIT = 512  # positions per split at most: a program's share of a long context
 SPLITS_PER_CACHE = 64  # a whole cache is cut into at most this many splits (unless a tile is longer)
@@ -247,10 +247,11 @@ def _row_tiles(
 def _split_kernel(
     q_ptr, kd, ks, kh, skd_h, skd, sks_h, sks, skh_h, skh, vd, vs, vh, svd_h, svd, svs_h, svs, svh_h, svh,
     path_ptr, depth_ptr, start_ptr, block_ptr, key_ok_ptr, m_ptr, l_ptr, acc_ptr, out_ptr, counter_ptr,
-    n_rows, n_kv, n_heads, n_splits, stride_qt, stride_qh, stride_ok, scale, window,
+    n_rows, n_kv, n_heads, n_splits, stride_qt, stride_qh, stride_ok, scale, window, signs,
     G: tl.constexpr, R: tl.constexpr, QB: tl.constexpr, HD: tl.constexpr, BD: tl.constexpr,
     SPLIT_N: tl.constexpr, BLOCK: tl.constexpr, DOTS: tl.constexpr, KEY_MASK: tl.constexpr,
-    WINDOW: tl.constexpr, KIND_K: tl.constexpr, KIND_V: tl.constexpr, GDC: tl.constexpr,
+    WINDOW: tl.constexpr, KIND_K: tl.constexpr, KIND_V: tl.constexpr, ROT: tl.constexpr,
+    RSCALE: tl.constexpr, GDC: tl.constexpr,
 ):  # fmt: skip
     """Program (row group, kv head, split): the G query heads of R rows (query i: row i // G, head i % G)
     over the split's positions (committed position p at slot p, block node j at slot block + j): the
@@ -261,7 +262,8 @@ def _split_kernel(
     row t at position p reads positions p - window + 1 .. p only. Left-out keys score -1e30, not -inf: a
     split of such keys only then has a finite max and finite sums, which the combine weighs by
     exp(-1e30 - max) = 0, and a tile of them adds exact zeros, so tiles visited for other rows change
-    no row's bits."""
+    no row's bits. A tq3_0 K's queries and a tq3_0 V's outputs are rotated in the program (`_queries`,
+    `_finish`; groups of ROT, signs: quant/kv.py's rotation_signs)."""
     wait_for_inputs(GDC)
     group, kvh, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     start = tl.load(start_ptr)
@@ -274,9 +276,8 @@ def _split_kernel(
     heads = kvh * G + i % G
     n_pos = start + tl.load(depth_ptr + row) + 1  # (QB,) positions each query's row sees
     head_dims = (d < HD)[None, :]
-    q = tl.load(q_ptr + row[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :],
-                mask=real[:, None] & head_dims, other=0.0)  # fmt: skip
-    q = _operand(q, DOTS)
+    q = _queries(q_ptr + row[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :],
+                 real[:, None] & head_dims, signs, QB, BD, ROT, RSCALE, DOTS, KIND_K)  # fmt: skip
     m = tl.full((QB,), float("-inf"), tl.float32)
     denom = tl.zeros((QB,), tl.float32)
     acc = tl.zeros((QB, BD), tl.float32)
@@ -300,13 +301,37 @@ def _split_kernel(
         DOTS, KEY_MASK, WINDOW, KIND_K, KIND_V,
     )  # fmt: skip
     _finish(m, denom, acc, row * n_heads + heads, real, head_dims, d, m_ptr, l_ptr, acc_ptr, out_ptr,
-            counter_ptr + group * n_kv + kvh, s, n_splits, HD, BD)  # fmt: skip
+            counter_ptr + group * n_kv + kvh, s, n_splits, signs, QB, HD, BD, ROT, RSCALE,
+            KIND_V)  # fmt: skip
+
+
+@triton.jit
+def _queries(
+    at, ok, signs, QB: tl.constexpr, BD: tl.constexpr, ROT: tl.constexpr, RSCALE: tl.constexpr,
+    DOTS: tl.constexpr, KIND_K: tl.constexpr,
+):  # fmt: skip
+    """The program's query tile as a dot operand; for a tq3_0 K rotated as the keys are (in fp32, then
+    rounded to q's dtype, as quant/kv.py's `rotate(q).to(q.dtype)`)."""
+    q = tl.load(at, mask=ok, other=0.0)
+    if KIND_K == 3:
+        q = rotate_rows(q.to(tl.float32), signs, QB, BD, ROT, RSCALE, False).to(at.dtype.element_ty)
+    return _operand(q, DOTS)
+
+
+@triton.jit
+def _output(x, signs, QB: tl.constexpr, BD: tl.constexpr, ROT: tl.constexpr, RSCALE: tl.constexpr,
+            KIND_V: tl.constexpr):  # fmt: skip
+    """The output rows x (QB, BD) fp32, rotated back for a tq3_0 V (its values are rotated)."""
+    if KIND_V == 3:
+        x = rotate_rows(x, signs, QB, BD, ROT, RSCALE, True)
+    return x
 
 
 @triton.jit
 def _finish(
-    m, denom, acc, rows, real, head_dims, d, m_ptr, l_ptr, acc_ptr, out_ptr, tile, s, n_splits,
-    HD: tl.constexpr, BD: tl.constexpr,
+    m, denom, acc, rows, real, head_dims, d, m_ptr, l_ptr, acc_ptr, out_ptr, tile, s, n_splits, signs,
+    QB: tl.constexpr, HD: tl.constexpr, BD: tl.constexpr, ROT: tl.constexpr, RSCALE: tl.constexpr,
+    KIND_V: tl.constexpr,
 ):  # fmt: skip
     """Store the split's running max m, sum l and unnormalized output acc (fp32) of heads `rows`
     (row, query head); the program of (row group, kv head) whose count at `tile` arrives last combines
@@ -314,7 +339,8 @@ def _finish(
     out_ok = real[:, None] & head_dims
     outs = out_ptr + rows[:, None] * HD + d[None, :]
     if n_splits == 1:  # the combine of one split: weight exp(0) = 1, the same bits
-        tl.store(outs, (acc / denom[:, None]).to(out_ptr.dtype.element_ty), mask=out_ok)
+        out = _output(acc / denom[:, None], signs, QB, BD, ROT, RSCALE, KIND_V)
+        tl.store(outs, out.to(out_ptr.dtype.element_ty), mask=out_ok)
     else:
         at = rows * n_splits + s  # (row, head, split)
         tl.store(m_ptr + at, m, mask=real)
@@ -323,7 +349,8 @@ def _finish(
         tl.debug_barrier()  # every thread's partial is stored before the count (released by it)
         if tl.atomic_add(tile, 1, sem="acq_rel", scope="gpu") == n_splits - 1:
             combined = _combine(m_ptr, l_ptr, acc_ptr, rows, real, n_splits, BD)
-            tl.store(outs, combined.to(out_ptr.dtype.element_ty), mask=out_ok)
+            out = _output(combined, signs, QB, BD, ROT, RSCALE, KIND_V)
+            tl.store(outs, out.to(out_ptr.dtype.element_ty), mask=out_ok)
             tl.atomic_xchg(tile, 0, sem="relaxed", scope="gpu")  # zero again for the next call
 
 
@@ -405,12 +432,10 @@ def tree_attention(
     ancestors (itself included), (T, n_heads, head_dim) in q's dtype. key_ok may be a row broadcast
     (stride 0 between rows: one mask for every row, read as such). The block's K/V sit at slots
     start.. (the target's cache) or at block_at.. (the draft's ring keeps them past its slots). K and
-    V may be of any KV type (quant/kv.py), read in the kernel; tq3_0's are rotated, so q is rotated
-    for a tq3_0 K and the output rotated back for a tq3_0 V (`rotate`: each row alone, so a verify row
-    still equals the AR step)."""
+    V may be of any KV type (quant/kv.py), read in the kernel; tq3_0's are rotated, so the kernel
+    rotates q for a tq3_0 K and the output back for a tq3_0 V (each row alone, so a verify row still
+    equals the AR step)."""
     k_cache, v_cache = as_plane(k_cache), as_plane(v_cache)
-    if k_cache.kind == "tq3_0":
-        q = rotate(q).to(q.dtype)
     t, n_heads, hd = q.shape
     n_kv = k_cache.data.shape[0]
     group = n_heads // n_kv
@@ -424,8 +449,8 @@ def tree_attention(
     m = torch.empty(t, n_heads, n_splits, dtype=torch.float32, device=q.device)
     lsum = torch.empty_like(m)
     acc = torch.empty(t, n_heads, n_splits, bd, dtype=torch.float32, device=q.device)
-    rotated_out = v_cache.kind == "tq3_0"  # rotated back from fp32: one rounding to q's dtype
-    out = torch.empty(t, n_heads, hd, dtype=torch.float32 if rotated_out else q.dtype, device=q.device)
+    out = torch.empty(t, n_heads, hd, dtype=q.dtype, device=q.device)
+    rot = rotation_size(hd)
     *k_args, kind_k = plane_args(k_cache)
     *v_args, kind_v = plane_args(v_cache)
     _split_kernel[(n_groups, n_kv, n_splits)](
@@ -433,12 +458,13 @@ def tree_attention(
         start if key_ok is None else key_ok.view(torch.uint8),
         m, lsum, acc, out, tile_counters(q.device, n_groups * n_kv), t, n_kv, n_heads, n_splits,
         q.stride(0), q.stride(1), 0 if key_ok is None else key_ok.stride(0), scale, window,
-        G=group, R=rows, QB=queries, HD=hd, BD=bd, SPLIT_N=split, BLOCK=TILE_POSITIONS,
-        DOTS=dot_mode(q), KEY_MASK=key_ok is not None, WINDOW=window > 0, KIND_K=kind_k, KIND_V=kind_v,
+        rotation_signs(rot, q.device), G=group, R=rows, QB=queries, HD=hd, BD=bd, SPLIT_N=split,
+        BLOCK=TILE_POSITIONS, DOTS=dot_mode(q), KEY_MASK=key_ok is not None, WINDOW=window > 0,
+        KIND_K=kind_k, KIND_V=kind_v, ROT=rot, RSCALE=rotation_scale(rot),
         num_warps=NUM_WARPS if bd >= 256 else 4, num_stages=NUM_STAGES, enable_fp_fusion=False,
         **pdl_options(q),
     )  # fmt: skip
-    return unrotate(out).to(q.dtype) if rotated_out else out
+    return out
 
 
 def block_attention(

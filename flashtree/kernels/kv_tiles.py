@@ -84,22 +84,27 @@ def _pack(v, N: tl.constexpr, LEVELS: tl.constexpr, BITS: tl.constexpr):
 
 
 @triton.jit
-def _butterfly(x, BD: tl.constexpr, H: tl.constexpr):
-    """One Walsh-Hadamard level of x (BD,): (a, b) of each pair H apart becomes (a + b, a - b)."""
-    a, b = tl.split(tl.permute(tl.reshape(x, (BD // (2 * H), 2, H)), (0, 2, 1)))
-    return tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 2, 1)), (BD,))
+def _butterfly(x, M: tl.constexpr, BD: tl.constexpr, H: tl.constexpr):
+    """One Walsh-Hadamard level of each row of x (M, BD): (a, b) of each pair H apart becomes
+    (a + b, a - b)."""
+    v = tl.permute(tl.reshape(x, (M, BD // (2 * H), 2, H)), (0, 1, 3, 2))
+    a, b = tl.split(v)
+    return tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2)), (M, BD))
 
 
 @triton.jit
-def rotate_row(x, signs, BD: tl.constexpr, R: tl.constexpr, RSCALE: tl.constexpr):
-    """quant/kv.py's `rotate` of a row x (BD,) fp32 in groups of R: signs[:R], the butterfly levels,
-    times RSCALE = 1 / sqrt(R), signs[R:] (signs: `rotation_signs`), the same operations in the same
-    order."""
-    d = tl.arange(0, BD)
-    x = x * tl.load(signs + d % R)
+def rotate_rows(x, signs, M: tl.constexpr, BD: tl.constexpr, R: tl.constexpr, RSCALE: tl.constexpr,
+                INVERSE: tl.constexpr):  # fmt: skip
+    """quant/kv.py's `rotate` (INVERSE: `unrotate`) of each row of x (M, BD) fp32 in groups of R: one
+    sign vector, the butterfly levels, times RSCALE = 1 / sqrt(R), the other sign vector (signs:
+    `rotation_signs`, the first R for rotate's first step), the same operations in the same order. Each
+    row alone: its bits do not depend on the rows beside it."""
+    d = tl.arange(0, BD)[None, :] % R
+    first, second = tl.load(signs + d), tl.load(signs + R + d)
+    x = x * (second if INVERSE else first)
     for level in tl.static_range(R.bit_length() - 1):
-        x = _butterfly(x, BD, 1 << level)
-    return x * RSCALE * tl.load(signs + R + d % R)
+        x = _butterfly(x, M, BD, 1 << level)
+    return x * RSCALE * (first if INVERSE else second)
 
 
 @triton.jit
@@ -143,13 +148,13 @@ def store_row(x, data, scale, high, signs, D: tl.constexpr, BD: tl.constexpr, R:
               RSCALE: tl.constexpr, KIND: tl.constexpr):  # fmt: skip
     """One K or V vector x (BD,) (its first D values; fp32 holding the values `quantize` is given)
     stored in type KIND at its slot's fields data, scale, high (float types: data's dtype). tq3_0 rotates
-    it first (`rotate_row`)."""
+    it first (`rotate_rows`)."""
     d = tl.arange(0, BD)
     if KIND == 0:
         tl.store(data + d, x.to(data.dtype.element_ty), mask=d < D)
     else:
         if KIND == 3:
-            x = rotate_row(x, signs, BD, R, RSCALE)
+            x = tl.reshape(rotate_rows(tl.reshape(x, (1, BD)), signs, 1, BD, R, RSCALE, False), (BD,))
         codes, d_scale = _scaled_blocks(tl.reshape(x, (BD // QBLOCK, QBLOCK)), BD // QBLOCK, KIND)
         codes = tl.reshape(codes, (BD,))
         nb = tl.arange(0, BD // QBLOCK)
