@@ -28,14 +28,13 @@ META = torch.device("meta")
 DEFAULT_DRAFT_CTX = 4096  # SpecConfig.draft_ctx: the ring of past target features the draft attends to
 DRAFT_DTYPES = {"bf16": "off", "fp8": "matrices"}  # --draft-dtype -> the draft's fp8 mode (kernels/fp8.py)
 
-# What the allocator holds beyond the planned tensors, in one place. Activations: a prefill chunk of
-# ACTIVATION_TOKENS rows through the widest layer, held in fp32 (the norms' and the DeltaNet's
-# intermediates are fp32 whatever the model's dtype), ACTIVATION_ROWS of them at once; the logits of a
-# verify block and of the draft's block, fp32, with a softmax's copy. RUNTIME_RESERVE: cuBLAS and Triton
+# What the allocator holds beyond the planned tensors, in one place. Activations: room for a prefill
+# chunk of ACTIVATION_TOKENS, as prefill.py sizes a chunk (its per-token activations, within 1 /
+# FREE_SHARE of the free memory: it takes longer chunks where more is free); the logits of a verify
+# block and of the draft's block, fp32, with a softmax's copy. RUNTIME_RESERVE: cuBLAS and Triton
 # workspaces (split-K partial sums), the CUDA graphs' pool beyond one step's activations and the caching
-# allocator's rounding. To be checked against measured peaks (tests/gpu/test_load_peak_gpu.py).
-ACTIVATION_TOKENS = 2048  # generate.PREFILL_CHUNK on CUDA
-ACTIVATION_ROWS = 3
+# allocator's rounding: an estimate, to be checked against measured peaks.
+ACTIVATION_TOKENS = 128
 RUNTIME_RESERVE = 512 << 20
 
 
@@ -151,13 +150,12 @@ class Planner:
         return ring_bytes(self.draft, ring + self.block_size) + 8 * (ring + self.block_size + 1)
 
     def workspace_bytes(self) -> int:
+        from flashtree.prefill import ACTIVATION_WIDTHS, FREE_SHARE
+
         c = self.target.config
-        widest = max(
-            max(g.out_features for g in m.groups) for m in self.target.modules() if hasattr(m, "groups")
-        )
-        rows = ACTIVATION_TOKENS * ACTIVATION_ROWS * max(widest, c.hidden) * 4
+        prefill = FREE_SHARE * ACTIVATION_TOKENS * ACTIVATION_WIDTHS * 4 * max(c.hidden, c.ffn)
         logits = 2 * 4 * c.vocab * (self.max_block + (self.block_size if self.speculative else 0))
-        return rows + logits + RUNTIME_RESERVE
+        return prefill + logits + RUNTIME_RESERVE
 
     def plan(self, max_ctx: int) -> MemoryPlan:
         rows = self.fixed_rows()

@@ -47,6 +47,28 @@ class Linear(nn.Module):
         return F.linear(x, self.weight)
 
 
+class PackedEmbedding(nn.Module):
+    """A token embedding kept as its GGUF rows (vocab, row_bytes) uint8, its looked-up rows decoded to
+    `dtype` by the reference decoder: the same values as the decoded table's rows, bit for bit (decoding
+    is row by row), for a fraction of its bytes (a 27B's 248k x 5k Q4_K table: 0.7 GB, 2.5 GB in bf16).
+    Indexed like the dense table it replaces."""
+
+    def __init__(self, rows: torch.Tensor, qtype: int, hidden: int, dtype: torch.dtype):
+        super().__init__()
+        self.register_buffer("rows", rows, persistent=False)
+        self.qtype, self.hidden, self.dtype = int(qtype), hidden, dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.rows.device
+
+    def __getitem__(self, tokens: torch.Tensor) -> torch.Tensor:
+        from flashtree.quant.dequant import dequantize
+
+        picked = self.rows[tokens]  # (..., row_bytes)
+        return dequantize(picked, self.qtype, (*picked.shape[:-1], self.hidden), self.dtype)
+
+
 def use_kernels(model: nn.Module, config: KernelConfig, speculative: bool) -> None:
     """Give every kernel-launching module of `model` (the model itself included) `config`, and pick the
     arithmetic and the dense kernel for this kind of engine, before any CUDA graph captures them."""

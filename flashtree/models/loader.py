@@ -17,7 +17,7 @@ from flashtree.convert.shapes import gguf_tensors
 from flashtree.errors import FlashtreeError
 from flashtree.gguf.reader import GGUFFile, open_gguf
 from flashtree.models.config import ModelConfig
-from flashtree.models.layers import Linear, MergedLinear, RMSNorm, Rotary, SwiGLU
+from flashtree.models.layers import Linear, MergedLinear, PackedEmbedding, RMSNorm, Rotary, SwiGLU
 from flashtree.models.model import DecoderLayer, DecoderModel
 from flashtree.quant.dequant import dequantize
 
@@ -129,6 +129,18 @@ class Weights:
             self.linear(f"{prefix}.ffn_down.weight"),
         )
 
+    def embedding(self, config: ModelConfig) -> torch.Tensor | PackedEmbedding:
+        """The token embedding: packed like the matrices when they are and it is not the LM head too (a
+        decode step reads one row of it; a dense copy would hold the whole table in the compute dtype)."""
+        name = "token_embd.weight"
+        if self.kind(name) is None or not self.gguf.has("output.weight"):
+            return self.dense(name)
+        info = self.gguf.info(name)
+        rows = torch.empty(info.shape[0], info.nbytes // info.shape[0], dtype=torch.uint8, device=self.device)
+        for r, raw, _ in self._chunks(name):
+            rows[r : r + raw.shape[0]] = raw
+        return PackedEmbedding(rows, info.qtype, config.hidden, self.dtype)
+
     def lm_head(self, embedding: torch.Tensor) -> Linear:
         """Untied `output.weight`, or the token embedding itself when tied."""
         return self.linear("output.weight") if self.gguf.has("output.weight") else Linear(embedding)
@@ -145,7 +157,7 @@ class Weights:
 
     def decoder(self, config: ModelConfig, layers: list[DecoderLayer]) -> DecoderModel:
         """What every family puts around its layers: embedding, final norm, LM head, RoPE."""
-        embedding = self.dense("token_embd.weight")
+        embedding = self.embedding(config)
         freq_factors = self.vector("rope_freqs.weight") if self.gguf.has("rope_freqs.weight") else None
         rotary = Rotary(config.rope_dim, config.rope_theta, freq_factors).to(self.device)
         norm = self.norm("output_norm.weight", config.rms_eps)

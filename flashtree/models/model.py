@@ -50,7 +50,7 @@ class DecoderModel(nn.Module):
     def __init__(
         self,
         config: ModelConfig,
-        embedding: torch.Tensor,  # (vocab, hidden)
+        embedding: torch.Tensor | nn.Module,  # (vocab, hidden)
         layers: list[DecoderLayer],
         norm: RMSNorm,
         lm_head: Linear,
@@ -58,7 +58,8 @@ class DecoderModel(nn.Module):
     ):
         super().__init__()
         self.config = config
-        self.embedding = nn.Parameter(embedding, requires_grad=False)
+        # a dense table, or a PackedEmbedding (models/layers.py) that decodes the rows it is indexed by
+        self.embedding = embedding if isinstance(embedding, nn.Module) else nn.Parameter(embedding, False)
         self.layers = nn.ModuleList(layers)
         self.norm, self.lm_head, self.rotary = norm, lm_head, rotary
         self.kernels = DEFAULT_KERNELS  # models.layers.use_kernels
