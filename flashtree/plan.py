@@ -133,7 +133,8 @@ class Planner:
         t, c = self.target, self.target.config
         rows = [("target weights", module_bytes(t), f"{c.arch}, {dtype_name(t.dtype)} compute")]
         if self.draft is not None:
-            note = f"{self.draft.config.n_layers} layers, {_draft_dtype(self.draft)} matrices"
+            n = self.draft.config.n_layers
+            note = f"{n} layer{'s' * (n != 1)}, {_draft_dtype(self.draft)} matrices"
             rows.append(("draft weights", module_bytes(self.draft), note))
         rows.append(("DeltaNet state", t.state_bytes(0), "recurrent fp32 + conv window"))
         if self.speculative:
@@ -161,7 +162,8 @@ class Planner:
         rows = self.fixed_rows()
         kinds = {self.options.kv_type_k, self.options.kv_type_v}
         name = "/".join(k or dtype_name(self.target.dtype) for k in sorted(kinds, key=str))
-        kv = ("KV cache", self.kv_bytes(max_ctx), f"{name}, {len(self.attention)} attention layers")
+        n = len(self.attention)
+        kv = ("KV cache", self.kv_bytes(max_ctx), f"{name}, {n} attention layer{'s' * (n != 1)}")
         return MemoryPlan(max_ctx, rows[:-1] + [kv] + rows[-1:])
 
     def largest_context(self, budget: int, limit: int) -> int:
