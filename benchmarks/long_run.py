@@ -1,0 +1,80 @@
+"""A real run at a long context (GPU): an engine of --max-ctx tokens prefills a prompt that fills it
+(random token ids: the 27B is random too) and decodes at least --steps tree steps; the peak GPU memory
+(`torch.cuda.max_memory_reserved`, the load included) is written next to `flashtree plan`'s total for the
+same options, as JSON. The draft's matrices are fp8 when FLASHTREE_DRAFT_FP8=matrices (plan: --draft-dtype).
+
+    python3 -m benchmarks.long_run --target Q27 --draft DRAFT --max-ctx 262144 --kv-type tq3_0 --out F.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+
+import torch
+
+from flashtree.config import EngineConfig
+from flashtree.generate import Engine, GenerationStats
+from flashtree.settings import current
+
+
+def planned(args: argparse.Namespace, draft_dtype: str) -> dict:
+    """`flashtree plan --json` for the run's options."""
+    cmd = [sys.executable, "-m", "flashtree", "plan", "--target", args.target, "--draft", args.draft,
+           "--max-ctx", str(args.max_ctx), "--kv-type", args.kv_type, "--draft-dtype", draft_dtype,
+           "--json"]  # fmt: skip
+    return json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--target", required=True)
+    parser.add_argument("--draft", required=True)
+    parser.add_argument("--max-ctx", type=int, default=262144)
+    parser.add_argument("--kv-type", default="tq3_0")
+    parser.add_argument("--steps", type=int, default=16, help="tree steps after the prefill, at least")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    draft_dtype = "fp8" if current().draft_fp8 == "matrices" else "bf16"
+    plan = planned(args, draft_dtype)
+    torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    config = EngineConfig(target=args.target, draft=args.draft, mode="tree", max_ctx=args.max_ctx,
+                          device="cuda", kv_type_k=args.kv_type, kv_type_v=args.kv_type)  # fmt: skip
+    engine = Engine.from_config(config)
+    load_s, loaded = time.perf_counter() - t0, torch.cuda.max_memory_reserved()
+    # Room for the steps: each emits at most a block (random weights accept about one token a step).
+    new = args.steps * (engine.decoder.max_block + 1)
+    generator = torch.Generator().manual_seed(0)
+    vocab = engine.target.config.vocab_size
+    prompt = torch.randint(0, vocab, (engine.max_ctx - new,), generator=generator).tolist()
+    stats = GenerationStats("tree")
+    for _ in engine.generate(prompt, max_tokens=new, stop_ids=[], stats=stats):
+        if stats.steps >= args.steps:
+            break
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_reserved()
+    result = {
+        "command": " ".join(sys.argv), "device": torch.cuda.get_device_name(), "kv_type": args.kv_type,
+        "draft_dtype": draft_dtype, "max_ctx": engine.max_ctx, "prompt_tokens": len(prompt),
+        "tree_steps": stats.steps, "generated": stats.n_generated, "load_s": load_s,
+        "prefill_s": stats.prefill_s, "prefill_tok_s": len(prompt) / stats.prefill_s,
+        "decode_s": stats.decode_s, "peak_after_load_bytes": loaded, "peak_reserved_bytes": peak,
+        "peak_allocated_bytes": torch.cuda.max_memory_allocated(), "plan": plan,
+        "peak_over_plan": peak / plan["total_bytes"],
+    }  # fmt: skip
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    gib = 2**30
+    print(f"peak {peak / gib:.2f} GiB reserved vs plan {plan['total_bytes'] / gib:.2f} GiB "
+          f"({result['peak_over_plan']:.3f}); prefill {result['prefill_tok_s']:.0f} tok/s, "
+          f"{stats.steps} steps")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
