@@ -27,6 +27,7 @@ from flashtree.kernels.tiles import (
 )
 
 DRAFT_FP8_MODES = ("off", "matrices", "all")
+KERNEL_PATHS = ("auto", "triton", "torch")  # auto: Triton on CUDA, the torch reference elsewhere
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,7 @@ class Settings:
     quant_kernels: bool | None = None  # None: packed on CUDA for bf16-sized models (models/loader.py)
     draft_fp8: str = "off"
     prefill_chunk: int | None = None  # None: by the prompt's length and free memory (flashtree/prefill.py)
+    kernel_path: str = "auto"  # kernels.triton_kernels_for: auto, triton (the interpreter on a CPU) or torch
     kernels: KernelConfig = field(default_factory=KernelConfig)
     git_commit: str | None = None
 
@@ -157,6 +159,10 @@ VARIABLES: dict[str, Variable] = {
     "FLASHTREE_PREFILL_CHUNK": Variable(
         "prefill_chunk", _chunk, "by prompt and memory", "a token count",
         "tokens per prefill chunk (default: flashtree/prefill.py's rule)"),
+    "FLASHTREE_KERNELS": Variable(
+        "kernel_path", _choice(KERNEL_PATHS), "auto", "one of auto, triton, torch",
+        "auto: Triton kernels on CUDA, the torch reference elsewhere; triton: the kernels everywhere "
+        "(TRITON_INTERPRET=1 on a CPU); torch: the reference everywhere (an A/B on a GPU)"),
     "FLASHTREE_QMM_ARITH": Variable(
         "kernels.arithmetic", _choice(ARITHMETICS), "per engine", "one of int8, bf16",
         "the packed matmuls' arithmetic (default: bf16 when speculating, int8 for plain decoding)"),
@@ -185,6 +191,17 @@ VARIABLES: dict[str, Variable] = {
 def current() -> Settings:
     """This process's settings, from its environment (read again only when a FLASHTREE_* value changed)."""
     return _settings_for(tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("FLASHTREE_"))))
+
+
+def kernel_path() -> str:
+    """FLASHTREE_KERNELS, checked: `current().kernel_path` for one variable, cheap enough for the per-layer
+    kernel choice of every step (current() reads the whole environment)."""
+    return _kernel_path_of(os.environ.get("FLASHTREE_KERNELS"))
+
+
+@functools.lru_cache(maxsize=4)
+def _kernel_path_of(value: str | None) -> str:
+    return "auto" if value is None else Settings.from_env({"FLASHTREE_KERNELS": value}).kernel_path
 
 
 @functools.lru_cache(maxsize=8)

@@ -42,6 +42,13 @@ def _as_float(t):
 interpreter.InterpreterBuilder.create_dot = _order_fixed_dot
 
 
+@pytest.fixture
+def kernels_path(monkeypatch):
+    """`kernels_path("triton")`: this test's models run the Triton kernels (in the interpreter) where they
+    would run the torch reference on the CPU; "torch" or "auto" as FLASHTREE_KERNELS says (settings.py)."""
+    return lambda path: monkeypatch.setenv("FLASHTREE_KERNELS", path)
+
+
 @pytest.fixture(scope="session")
 def tiny_root(tmp_path_factory):
     """Directory for tiny converted models, shared by the whole test session."""

@@ -22,6 +22,7 @@ def test_every_variable_is_parsed_into_its_field(tmp_path):
         "FLASHTREE_QUANT_KERNELS": "1",
         "FLASHTREE_DRAFT_FP8": "matrices",
         "FLASHTREE_PREFILL_CHUNK": "512",
+        "FLASHTREE_KERNELS": "torch",
         "FLASHTREE_QMM_ARITH": "bf16",
         "FLASHTREE_QMM_TILES": '{"m1": [128, 4, 1, 2], "b32:Q6_K": [64, 4, 1, 1, 0]}',
         "FLASHTREE_QMM_SPLITS": '{"int8:Q4_K:5120x6144": 32768}',
@@ -48,7 +49,7 @@ def test_every_variable_is_parsed_into_its_field(tmp_path):
         32, 64, 4, 2, 9
     )
     assert k.dense_tiles["960x576"] == DEFAULT_DENSE_TILES["960x576"]
-    assert s.git_commit == "bd1996c" and s.prefill_chunk == 512
+    assert s.git_commit == "bd1996c" and s.prefill_chunk == 512 and s.kernel_path == "torch"
     assert "FLASHTREE_CACHE" not in s.explicit(env) and s.explicit(env)["FLASHTREE_PDL"] == "0"
 
 
@@ -61,6 +62,7 @@ def test_an_empty_cache_variable_is_the_default():
     [
         ("FLASHTREE_QMM_ARITH", "fp8", "FLASHTREE_QMM_ARITH='fp8': expected one of int8, bf16"),
         ("FLASHTREE_PDL", "yes", "FLASHTREE_PDL='yes': expected 0 or 1"),
+        ("FLASHTREE_KERNELS", "cuda", "FLASHTREE_KERNELS='cuda': expected one of auto, triton, torch"),
         ("FLASHTREE_DRAFT_FP8", "1", "FLASHTREE_DRAFT_FP8='1': expected off, matrices or all"),
         ("FLASHTREE_PREFILL_CHUNK", "0", "FLASHTREE_PREFILL_CHUNK='0': expected a token count .1 to"),
         ("FLASHTREE_DELTA_TILE", "12,4", "FLASHTREE_DELTA_TILE='12,4'.*power of two"),
@@ -110,3 +112,19 @@ def test_cli_stops_on_a_bad_setting(monkeypatch):
     monkeypatch.setenv("FLASHTREE_PDL", "2")
     result = CliRunner().invoke(app, ["settings"])
     assert result.exit_code == 1 and "error: FLASHTREE_PDL='2': expected 0 or 1" in result.output
+
+
+@pytest.mark.parametrize(
+    "path,on_cpu,on_cuda", [("auto", False, True), ("triton", True, True), ("torch", False, False)]
+)
+def test_the_kernel_path_decides_which_tensors_run_the_triton_kernels(monkeypatch, path, on_cpu, on_cuda):
+    from types import SimpleNamespace
+
+    from flashtree import kernels
+
+    monkeypatch.setenv("FLASHTREE_KERNELS", path)
+    assert kernels.triton_kernels_for(SimpleNamespace(is_cuda=False)) is on_cpu
+    assert kernels.triton_kernels_for(SimpleNamespace(is_cuda=True)) is on_cuda
+    monkeypatch.setenv("FLASHTREE_KERNELS", "cuda")
+    with pytest.raises(FlashtreeError, match="FLASHTREE_KERNELS='cuda'"):
+        kernels.triton_kernels_for(SimpleNamespace(is_cuda=False))

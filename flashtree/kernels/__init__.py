@@ -79,9 +79,13 @@ def require_triton() -> None:
 
 
 def triton_kernels_for(x) -> bool:
-    """Whether the model's decode/verify paths run our Triton kernels (on CUDA) or the torch reference.
-    Tests set it to always, to run the kernels inside a model under TRITON_INTERPRET=1."""
-    if x.is_cuda:
-        require_triton()
-        return True
-    return False
+    """Whether the model's decode/verify paths run our Triton kernels or the torch reference for tensor `x`:
+    FLASHTREE_KERNELS (settings.kernel_path) auto, on CUDA; triton, always (tests run the kernels inside a
+    model under TRITON_INTERPRET=1); torch, never."""
+    from flashtree.settings import kernel_path  # here: the settings import this package (tiles.py)
+
+    path = kernel_path()
+    if path == "torch" or (path == "auto" and not x.is_cuda):
+        return False
+    require_triton()
+    return True
