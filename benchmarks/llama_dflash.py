@@ -124,21 +124,25 @@ def _by_set(rows: list[dict], runs: list[dict]) -> dict:
 
 
 def llama(bin: str, target: str, draft: str, pdir: str, out: str, n_max: str = "3,7,15") -> None:
+    """Every llama.cpp measurement; OUT is written again after each, so a cut-short run keeps the rest."""
     bin_dir, pdir_ = Path(bin), Path(pdir)
     rows = json.loads((pdir_ / "prompts.json").read_text())
     result: dict = {"max_tokens": MAX_TOKENS, "n_max": [int(n) for n in n_max.split(",")]}
+
+    def keep(name: str, value) -> None:
+        result[name] = value
+        Path(out).write_text(json.dumps(result, indent=1))
+        print(name, json.dumps(value["all"] if isinstance(value, dict) else value), flush=True)
+
     with open(Path(out).with_suffix(".log"), "w") as log:
-        result["tokenizer_mismatches"] = _tokens_match(bin_dir, target, rows, pdir_, log)
-        result["ar"] = _by_set(rows, [_ar(bin_dir, target, r, pdir_, log) for r in rows])
-        print("llama.cpp AR", json.dumps(result["ar"]["all"]), flush=True)
-        for n in result["n_max"]:
-            runs = [_dflash(bin_dir, target, draft, n, r, pdir_, log) for r in rows]
-            result[f"dflash_n_max_{n}"] = _by_set(rows, runs)
-            print(f"draft-dflash n_max {n}", json.dumps(result[f"dflash_n_max_{n}"]["all"]), flush=True)
+        keep("tokenizer_mismatches", _tokens_match(bin_dir, target, rows, pdir_, log))
         tg = ["-p", "0", "-n", str(MAX_TOKENS), "-ngl", "99"]
         bench = _run([str(bin_dir / "llama-bench"), "-m", target, *tg], log)
-        result["llama_bench_tg"] = [float(m) for m, _ in BENCH_TG.findall(bench)]
-    Path(out).write_text(json.dumps(result, indent=1))
+        keep("llama_bench_tg", [float(m) for m, _ in BENCH_TG.findall(bench)])
+        keep("ar", _by_set(rows, [_ar(bin_dir, target, r, pdir_, log) for r in rows]))
+        for n in result["n_max"]:
+            runs = [_dflash(bin_dir, target, draft, n, r, pdir_, log) for r in rows]
+            keep(f"dflash_n_max_{n}", _by_set(rows, runs))
 
 
 def _flashtree_summary(results: dict) -> dict:

@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # llama.cpp's draft-dflash with flashtree's shipped draft against the SmolLM2-135M-Instruct Q4_1 target,
 # side by side with flashtree, on the 30 `flashtree bench` prompts (256 new tokens, greedy): llama.cpp AR
-# (llama-completion's eval rate; llama-bench tg256 too), llama.cpp draft-dflash at --spec-draft-n-max 3
-# (its default), 7 and 15 (block_size - 1, the most it takes), flashtree plain AR / AR / chain / tree,
-# and flashtree chain at blocks 4 and 8 (chains of 3 and 7 drafted tokens, llama.cpp's 3 and 7).
+# (llama-completion's eval rate; llama-bench tg256 too), llama.cpp draft-dflash at --spec-draft-n-max 15
+# (block_size - 1, the most it takes), 3 (its default) and 7 (N_MAX: which, in order; each llama.cpp result
+# is kept as it comes), flashtree plain AR / AR / chain / tree, and flashtree chain at blocks 4 and 8.
+# llama.cpp drafts a block of n_max + 1 tokens ([last token, mask x n_max]) and reads it as a chain: at
+# n_max 3 the draft, trained on 16-token blocks, sees a 4-token block and predicts far worse (flashtree's
+# own chain at block 4 and 8, the same drafting, shows by how much); n_max 15 is the block it was made for.
 # llama.cpp is the llama-cpp-python 0.3.36 sdist's vendor/llama.cpp, trimmed (STEP=prepare).
 #
 # Here (no device):  STEP=prepare bash scripts/llama_dflash.sh   -> .stage/llama/{llama.cpp.tar.xz,
@@ -84,7 +87,7 @@ case "${STEP:-}" in
     python3 -m benchmarks.llama_dflash prompts $stash/target.gguf $stash/prompts || exit 1
     wait_build
     python3 -m benchmarks.llama_dflash llama $LLAMA/llama.cpp/build/bin $stash/target.gguf $stash/draft.gguf \
-      $stash/prompts $stash/llama.json --n-max 3,7,15
+      $stash/prompts $stash/llama.json --n-max "${N_MAX:-15,3,7}"
     echo "rc=$?"; cp $stash/llama.json $stash/llama.log "$OUT/" ;;
   flashtree)
     flashtree_env
