@@ -149,16 +149,19 @@ def _flashtree_summary(results: dict) -> dict:
     """Each mode's rates over all prompts of a `flashtree bench` results.json (its rows)."""
     modes: dict[str, dict] = {}
     for row in results["rows"]:
-        m = modes.setdefault(row["mode"], {"tokens": 0, "seconds": 0.0, "steps": 0, "identical": True})
+        m = modes.setdefault(
+            row["mode"], {"tokens": 0, "after_first": 0, "seconds": 0.0, "steps": 0, "identical": True}
+        )
         m["tokens"] += row["n_generated"]
+        m["after_first"] += row["n_generated"] - 1  # the first token comes from the prefill, not a step
         m["seconds"] += row["decode_s"]
         m["steps"] += row["steps"]
         m["identical"] &= row.get("identical_to_ar") is not False
     block = results["options"].get("block_size")
     return {
         f"{mode}{'' if block is None or mode in ('ar', 'plain') else f'_block_{block}'}": {
-            "tok_s": m["tokens"] / m["seconds"],
-            "tokens_per_step": m["tokens"] / max(m["steps"], 1),
+            "tok_s": m["after_first"] / m["seconds"],
+            "tokens_per_step": m["after_first"] / max(m["steps"], 1),
             "tokens": m["tokens"],
             "identical_to_ar": m["identical"],
         }  # fmt: skip
