@@ -197,11 +197,10 @@ def test_the_largest_budget_and_block_decode_like_ar(llama, tiny_root):
     assert generate(target, draft, prompt, 6, **spec)[0] == ar
 
 
-def test_budgets_past_the_kernels_tile_build_in_torch(monkeypatch):
-    from flashtree import kernels
+def test_budgets_past_the_kernels_tile_build_in_torch(monkeypatch, kernels_path):
     from flashtree.kernels import ddtree
 
-    monkeypatch.setattr(kernels, "triton_kernels_for", lambda t: True)
+    kernels_path("triton")
     monkeypatch.setattr(ddtree, "ddtree", lambda *a: pytest.fail("the Triton build past its tile"))
     logits = torch.randn(15, 320, generator=torch.Generator().manual_seed(0))
     tree = build_tree(torch.tensor(3), logits, MAX_BUDGET, 8)

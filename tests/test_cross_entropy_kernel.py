@@ -11,7 +11,6 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from test_fused_kernels import close  # noqa: E402
 
-from flashtree import kernels  # noqa: E402
 from flashtree.kernels.cross_entropy import (  # noqa: E402
     GRAD_BLOCK,
     STATS_BLOCK,
@@ -56,7 +55,9 @@ def test_argmax_is_the_first_maximum_across_and_within_lanes():
 
 
 @pytest.mark.parametrize("chunk_rows", [1000, 3])  # one chunk; several, the last one short
-def test_frozen_head_cross_entropy_takes_the_kernel_with_the_same_result(monkeypatch, chunk_rows):
+def test_frozen_head_cross_entropy_takes_the_kernel_with_the_same_result(
+    monkeypatch, kernels_path, chunk_rows
+):
     gen = torch.Generator().manual_seed(8)
     n, hidden_size = 7, 16
     weight = torch.randn(VOCAB, hidden_size, generator=gen) / 4
@@ -66,7 +67,7 @@ def test_frozen_head_cross_entropy_takes_the_kernel_with_the_same_result(monkeyp
     monkeypatch.setattr(FrozenHeadCrossEntropy, "CHUNK_ELEMENTS", chunk_rows * VOCAB)
     results = {}
     for use_kernel in (False, True):
-        monkeypatch.setattr(kernels, "triton_kernels_for", lambda x, use=use_kernel: use)
+        kernels_path("triton" if use_kernel else "torch")
         leaf = h.clone().requires_grad_(True)
         loss, correct = FrozenHeadCrossEntropy.apply(leaf, weight, labels, w)
         (2.0 * loss).backward()

@@ -8,7 +8,6 @@ os.environ["TRITON_INTERPRET"] = "1"  # before the kernel is compiled: run it on
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from flashtree import kernels  # noqa: E402
 from flashtree.kernels.ddtree import TOPK_CHUNK, draft_topk  # noqa: E402
 from flashtree.spec.tree import build_tree, fills_budget  # noqa: E402
 
@@ -18,14 +17,14 @@ from flashtree.spec.tree import build_tree, fills_budget  # noqa: E402
     "budget,top_k,depth", [(22, 8, 15), (22, 3, 4), (8, 2, 5), (40, 4, 3), (5, 3, 6), (1, 8, 16), (63, 4, 5)]
 )
 @pytest.mark.parametrize("seed", [0, 1])
-def test_kernel_builds_the_torch_paths_tree(monkeypatch, chain_seed, budget, top_k, depth, seed):
+def test_kernel_builds_the_torch_paths_tree(kernels_path, chain_seed, budget, top_k, depth, seed):
     assert fills_budget(top_k, depth, budget)
     g = torch.Generator().manual_seed(seed)
     logits = 3 * torch.randn(depth, 300, generator=g)
     root = torch.tensor(7)
-    monkeypatch.setattr(kernels, "triton_kernels_for", lambda x: False)
+    kernels_path("torch")
     want = build_tree(root, logits, budget, top_k, chain_seed)
-    monkeypatch.setattr(kernels, "triton_kernels_for", lambda x: True)
+    kernels_path("triton")
     got = build_tree(root, logits, budget, top_k, chain_seed)
     assert torch.equal(got.tokens, want.tokens)
     assert torch.equal(got.layout.parents, want.layout.parents)
@@ -33,10 +32,10 @@ def test_kernel_builds_the_torch_paths_tree(monkeypatch, chain_seed, budget, top
     assert torch.equal(got.layout.visible, want.layout.visible)
 
 
-def test_kernel_is_used_only_when_the_budget_is_always_filled(monkeypatch):
+def test_kernel_is_used_only_when_the_budget_is_always_filled(monkeypatch, kernels_path):
     """A tiny vocabulary can hold fewer than `budget` paths: the torch path counts them (a host sync)."""
     calls = []
-    monkeypatch.setattr(kernels, "triton_kernels_for", lambda x: True)
+    kernels_path("triton")
     monkeypatch.setattr("flashtree.kernels.ddtree.ddtree", lambda *a: calls.append(a) or None)
     build_tree(torch.tensor(1), torch.randn(2, 3), 20, 3)  # 3 + 9 paths < 20
     assert not calls
@@ -67,11 +66,11 @@ def test_draft_topk_takes_the_lower_token_on_ties():
 
 
 @pytest.mark.parametrize("seed", [0, 1])
-def test_kernel_builds_the_torch_paths_tree_over_a_large_vocabulary(monkeypatch, seed):
+def test_kernel_builds_the_torch_paths_tree_over_a_large_vocabulary(kernels_path, seed):
     """Several top-k chunks per depth, the default budget and block."""
     logits = 3 * torch.randn(15, 3 * TOPK_CHUNK - 5, generator=torch.Generator().manual_seed(seed))
-    monkeypatch.setattr(kernels, "triton_kernels_for", lambda x: False)
+    kernels_path("torch")
     want = build_tree(torch.tensor(7), logits, 22, 8)
-    monkeypatch.setattr(kernels, "triton_kernels_for", lambda x: True)
+    kernels_path("triton")
     got = build_tree(torch.tensor(7), logits, 22, 8)
     assert torch.equal(got.tokens, want.tokens) and torch.equal(got.layout.parents, want.layout.parents)

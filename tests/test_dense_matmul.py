@@ -8,7 +8,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from flashtree import kernels
 from flashtree.errors import FlashtreeError
 from flashtree.kernels import dense_matmul
 from flashtree.kernels.dense_matmul import dense_linear
@@ -61,9 +60,9 @@ def test_dense_linear_keeps_leading_dims_and_reads_strided_rows():
     torch.testing.assert_close(got, x @ w.t(), atol=1e-5, rtol=1e-5)
 
 
-def test_linear_takes_the_kernel_only_for_fp32_decode_rows_outside_autograd(monkeypatch):
+def test_linear_takes_the_kernel_only_for_fp32_decode_rows_outside_autograd(monkeypatch, kernels_path):
     calls = []
-    monkeypatch.setattr(kernels, "triton_kernels_for", lambda x: True)
+    kernels_path("triton")
     monkeypatch.setattr(dense_matmul, "dense_linear", lambda x, w, tiles: calls.append(x) or F.linear(x, w))
     layer = Linear(torch.randn(8, 16))
     with torch.no_grad():
@@ -112,7 +111,7 @@ def test_tiles_are_chosen_per_matrix_shape():
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_verify_rows_equal_the_ar_steps_with_every_kernel(family, tiny_root, monkeypatch):
+def test_verify_rows_equal_the_ar_steps_with_every_kernel(family, tiny_root, kernels_path):
     """Every decode-path kernel inside the model (dense matmul, norms, rotary, attention): each chain
     node of a tree verify gives the logits of the AR step for its token bit for bit, so speculative
     greedy output equals plain decoding by construction, not by fp32 rounding luck."""
@@ -120,7 +119,7 @@ def test_verify_rows_equal_the_ar_steps_with_every_kernel(family, tiny_root, mon
     from tests.spec_util import verify_and_ar_logits
     from tests.tiny import tiny_gguf
 
-    monkeypatch.setattr(kernels, "triton_kernels_for", lambda x: True)
+    kernels_path("triton")
     model, _ = load_target(tiny_gguf(family, 0, tiny_root), device="cpu", dtype=torch.float32)
     ids = torch.randint(0, 320, (30,), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():  # nodes 0, 1, 2: a chain

@@ -55,11 +55,12 @@ def test_incremental_context_equals_full_recompute(qwen3, tiny_root):
 
 
 @pytest.mark.parametrize("sliding", [False, True], ids=["full", "sliding"])
-def test_propose_with_the_attention_kernel_is_the_torch_path(qwen3, tiny_root, monkeypatch, sliding):
+def test_propose_with_the_attention_kernel_is_the_torch_path(
+    qwen3, tiny_root, monkeypatch, kernels_path, sliding
+):
     """On the GPU the draft's block attention runs kernels/attention.block_attention (here under
     TRITON_INTERPRET=1, with every other decode kernel): the same logits as the torch path's SDPA,
     a sliding window's layer too (each row its own window of the context)."""
-    from flashtree import kernels
     from flashtree.kernels import attention
 
     gguf, target = qwen3
@@ -72,7 +73,7 @@ def test_propose_with_the_attention_kernel_is_the_torch_path(qwen3, tiny_root, m
     for lo in range(0, 60, 7):
         draft.append_context(ring, feats[lo : lo + 7])
     want = draft.propose(ring, torch.tensor(3), 16)
-    monkeypatch.setattr(kernels, "triton_kernels_for", lambda x: True)
+    kernels_path("triton")
     kernel_ring = draft.new_context(24, spare=16)  # appended by the rotary kernel (K/V stored in its launch)
     for lo in range(0, 60, 7):
         draft.append_context(kernel_ring, feats[lo : lo + 7])

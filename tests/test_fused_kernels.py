@@ -11,7 +11,6 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from flashtree import kernels  # noqa: E402
 from flashtree.kernels import fused  # noqa: E402
 from flashtree.models import layers  # noqa: E402
 
@@ -31,7 +30,7 @@ def close(got: torch.Tensor, want: torch.Tensor) -> None:
 def torch_path(fn, *args, **kwargs):
     """layers.fn with the kernels off: the reference."""
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(kernels, "triton_kernels_for", lambda x: False)
+        mp.setenv("FLASHTREE_KERNELS", "torch")
         return fn(*args, **kwargs)
 
 
@@ -96,9 +95,9 @@ def test_silu_mul(rows, dtype):
     assert torch.equal(fused.gate_mul(gate[-1:], up[-1:]), got[-1:])
 
 
-def test_layers_take_the_kernels_only_outside_autograd(monkeypatch):
+def test_layers_take_the_kernels_only_outside_autograd(monkeypatch, kernels_path):
     calls = []
-    monkeypatch.setattr(kernels, "triton_kernels_for", lambda x: True)
+    kernels_path("triton")
     monkeypatch.setattr(fused, "rms_norm", lambda *a, **k: calls.append(a) or a[0])
     x, w = torch.randn(2, 8), torch.ones(8)
     with torch.no_grad():
@@ -159,7 +158,7 @@ def test_quantize_is_for_rows_of_whole_blocks():
         fused.rms_norm(torch.randn(1, 64), torch.ones(64), 1e-6, int8=new_activations(96, 1, "cpu"))
 
 
-def test_layers_quantize_only_one_token_for_int8_matrices(monkeypatch):
+def test_layers_quantize_only_one_token_for_int8_matrices(kernels_path):
     """Packed int8 matrices take the int8 form of their input (takes_int8), others not; layers.* make it
     when asked (int8=True) for one token on the fused path, and nowhere else."""
     from flashtree.kernels.qlinear import QuantLinear
@@ -175,7 +174,7 @@ def test_layers_quantize_only_one_token_for_int8_matrices(monkeypatch):
     assert packed.takes_int8 and all_packed.takes_int8 and SwiGLU(all_packed, dense).takes_int8
     assert not dense.takes_int8 and not Fp8Linear(torch.randn(8, 64)).takes_int8
     assert not merged.takes_int8 and not SwiGLU(merged, packed).takes_int8  # not all packed
-    monkeypatch.setattr(kernels, "triton_kernels_for", lambda x: True)
+    kernels_path("triton")
     x, w = torch.randn(1, 64), torch.ones(64)
     norm = RMSNorm(w, 1e-6)
     with torch.no_grad():

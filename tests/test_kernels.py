@@ -377,11 +377,10 @@ def test_loader_switch_builds_quant_linears_with_the_same_logits(tmp_path):
     torch.testing.assert_close(packed(ids, packed.new_state(16)).logits, expected, rtol=0, atol=0)
 
 
-def test_a_producers_quantization_replaces_the_matmuls_own(monkeypatch):
+def test_a_producers_quantization_replaces_the_matmuls_own(monkeypatch, kernels_path):
     """quant_matmul(act=...) for one row gives the bits of quantizing x itself; a QuantLinear handed a
     MatmulInput uses its int8 form (no quantization of its own) and gives the same bits; a plain tensor
     comes without one."""
-    from flashtree import kernels
     from flashtree.kernels.qmatmul import MatmulInput
 
     rows, cols = 40, 256
@@ -394,7 +393,7 @@ def test_a_producers_quantization_replaces_the_matmuls_own(monkeypatch):
     assert MatmulInput.of(x) == (x, None) and MatmulInput.of(MatmulInput(x, act)).int8 is act
     layer = QuantLinear(raw, QT.Q4_K, (rows, cols))
     assert layer.takes_int8
-    monkeypatch.setattr(kernels, "triton_kernels_for", lambda x: True)
+    kernels_path("triton")
     quantized = []
     real = qmatmul.quantize_activations
     monkeypatch.setattr(qmatmul, "quantize_activations", lambda *a: quantized.append(1) or real(*a))
@@ -402,19 +401,18 @@ def test_a_producers_quantization_replaces_the_matmuls_own(monkeypatch):
     assert torch.equal(layer(x), y) and len(quantized) == 1
 
 
-def test_the_norms_quantization_inside_a_packed_model(monkeypatch, tmp_path):
+def test_the_norms_quantization_inside_a_packed_model(monkeypatch, kernels_path, tmp_path):
     """Every kernel inside a packed tiny qwen35 (DeltaNet and gated attention layers), int8: AR steps give
     the same logits bit for bit whether the norms, SwiGLU's activation and the attention output gate
     quantize the matmuls' one-token inputs (asked by each matmul's takes_int8) or the matmuls do, and with
     them no matmul of an AR step quantizes its input itself."""
-    from flashtree import kernels
     from flashtree.convert.synth import synth_model
     from flashtree.models.loader import load_target
 
     path = tmp_path / "tiny.gguf"
     synth_model("tiny-qwen35", "q4_k_m", path, seed=3)
     model, _ = load_target(path, device="cpu", quantized=True)
-    monkeypatch.setattr(kernels, "triton_kernels_for", lambda x: True)
+    kernels_path("triton")
     ids = torch.randint(0, model.config.vocab, (4,), generator=torch.Generator().manual_seed(1))
     quantized = []
     real = qmatmul.quantize_activations

@@ -8,7 +8,6 @@ import random
 import pytest
 import torch
 
-from flashtree import kernels
 from flashtree.config import EngineConfig, SamplingParams, SpecConfig
 from flashtree.errors import FlashtreeError
 from flashtree.generate import Engine, GenerationStats
@@ -63,7 +62,7 @@ def test_the_prefill_chunk_follows_the_prompt_and_the_free_memory():
     assert cpu[2] * 262144 * (1 + 4 * c.n_heads) <= 12 * GIB
 
 
-def test_a_chunked_prefill_through_the_kernel_is_the_torch_paths(pair, monkeypatch):
+def test_a_chunked_prefill_through_the_kernel_is_the_torch_paths(pair, monkeypatch, kernels_path):
     """The prompt in chunks of 16 (the first at position 0, the rest past it): the attention through
     kernels/prefill_attention.py (no mask tensor), the last token's logits within fp32 rounding."""
     target, _ = pair
@@ -81,7 +80,7 @@ def test_a_chunked_prefill_through_the_kernel_is_the_torch_paths(pair, monkeypat
 
     real = attention.prefill_attention
     monkeypatch.setattr(attention, "prefill_attention", lambda *a: calls.append(a[3]) or real(*a))
-    monkeypatch.setattr(kernels, "triton_kernels_for", lambda x: True)
+    kernels_path("triton")
     got = prefill()
     assert sorted(set(calls)) == [0, 16, 32]  # every chunk, from its own start
     torch.testing.assert_close(got, torch_path, rtol=1e-4, atol=1e-4)

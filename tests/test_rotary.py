@@ -8,7 +8,6 @@ os.environ["TRITON_INTERPRET"] = "1"  # before the kernel is compiled: run it on
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from flashtree import kernels  # noqa: E402
 from flashtree.kernels.rotary import rotary, rotary_store  # noqa: E402
 from flashtree.models.layers import Rotary, apply_rotary  # noqa: E402
 from flashtree.models.state import KVCache  # noqa: E402
@@ -16,7 +15,7 @@ from flashtree.models.state import KVCache  # noqa: E402
 
 def torch_rotary(x, cos, sin):
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(kernels, "triton_kernels_for", lambda x: False)
+        mp.setenv("FLASHTREE_KERNELS", "torch")
         return apply_rotary(x, cos, sin)
 
 
@@ -39,9 +38,9 @@ def test_rotary_kernel_is_the_torch_path_bit_for_bit(tokens, heads, head_dim, ro
     assert torch.equal(rotary(x[-1:], cos[-1:], sin[-1:]), got[-1:])
 
 
-def test_apply_rotary_takes_the_kernel_only_where_it_gives_the_same_result(monkeypatch):
+def test_apply_rotary_takes_the_kernel_only_where_it_gives_the_same_result(monkeypatch, kernels_path):
     calls = []
-    monkeypatch.setattr(kernels, "triton_kernels_for", lambda x: True)
+    kernels_path("triton")
     monkeypatch.setattr("flashtree.kernels.rotary.rotary", lambda *a: calls.append(a) or a[0])
     cos, sin = Rotary(16, 1e4).cos_sin(torch.arange(3), torch.float32)
     x = torch.randn(3, 2, 16)
@@ -109,9 +108,9 @@ def test_rotary_store_norms_q_and_k_as_the_norm_kernel_does(head_dim, rot, dtype
     torch.testing.assert_close(got_q.float(), torch_rotary(torch_q, cos, sin).float(), atol=tol, rtol=tol)
 
 
-def test_kv_cache_takes_the_fused_launch_only_where_it_gives_the_same_result(monkeypatch):
+def test_kv_cache_takes_the_fused_launch_only_where_it_gives_the_same_result(monkeypatch, kernels_path):
     calls = []
-    monkeypatch.setattr(kernels, "triton_kernels_for", lambda x: True)
+    kernels_path("triton")
     monkeypatch.setattr("flashtree.kernels.rotary.rotary_store", lambda *a: calls.append(a) or a[0])
     cos, sin = Rotary(16, 1e4).cos_sin(torch.arange(3), torch.float32)
     q, k, v = torch.randn(3, 4, 16), torch.randn(3, 2, 16), torch.randn(3, 2, 16)

@@ -105,10 +105,9 @@ def test_accept_path_follows_the_samples(seed):
 
 @pytest.mark.parametrize("seed", range(8))
 @pytest.mark.parametrize("shape", ["tree", "chain"])
-def test_accept_kernel_is_the_torch_walk(monkeypatch, shape, seed):
+def test_accept_kernel_is_the_torch_walk(kernels_path, shape, seed):
     """kernels/accept.py under TRITON_INTERPRET=1: the same path, n, bonus and read-back as the torch
     ops, on trees and chains with samples that agree with the block often (long paths) or never."""
-    from flashtree import kernels
 
     g = torch.Generator().manual_seed(seed)
     logits = torch.randn(7, 6, generator=g)
@@ -122,7 +121,7 @@ def test_accept_kernel_is_the_torch_walk(monkeypatch, shape, seed):
             samples[t] = tokens[kids[int(torch.randint(len(kids), (), generator=g))]]
     want = accept_path(tokens, tree.layout, samples)
     assert int(want.n) > 2 if seed % 4 else int(want.n) == 1  # a walk to a leaf, or the root alone
-    monkeypatch.setattr(kernels, "triton_kernels_for", lambda x: True)
+    kernels_path("triton")
     got = accept_path(tokens, tree.layout, samples)
     assert (
         torch.equal(got.path, want.path) and int(got.n) == int(want.n) and int(got.bonus) == int(want.bonus)

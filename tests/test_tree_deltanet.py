@@ -67,11 +67,10 @@ def test_tree_kernel_token_does_not_depend_on_the_launch():
         state = s_i[0]
 
 
-def test_qwen35_decode_and_verify_with_the_kernels_match_the_torch_path(tiny_root, monkeypatch):
+def test_qwen35_decode_and_verify_with_the_kernels_match_the_torch_path(tiny_root, kernels_path):
     """The kernels inside the model (as on the GPU; the rotary kernel of its attention layers too): AR
     steps and a tree verify after a prefill give the torch path's logits, and the verify's chain rows
     give the AR steps' logits."""
-    from flashtree import kernels
     from flashtree.models.loader import load_target
     from tests.spec_util import verify_and_ar_logits
     from tests.tiny import tiny_gguf
@@ -81,7 +80,7 @@ def test_qwen35_decode_and_verify_with_the_kernels_match_the_torch_path(tiny_roo
     parents = [-1, 0, 1, 0, 3, 4]  # nodes 0, 1, 2: a chain
 
     torch_tree, torch_steps = verify_and_ar_logits(model, ids, parents, 20)
-    monkeypatch.setattr(kernels, "triton_kernels_for", lambda x: True)
+    kernels_path("triton")
     kernel_tree, kernel_steps = verify_and_ar_logits(model, ids, parents, 20)
     torch.testing.assert_close(kernel_tree, torch_tree, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(kernel_steps, torch_steps, atol=1e-5, rtol=1e-5)
@@ -132,16 +131,15 @@ def ancestry(parents: list[int], node: int) -> list[int]:
 
 
 @pytest.mark.parametrize("replay", ["kernel", "torch"])
-def test_commit_replay_rebuilds_every_node_state_bit_for_bit(monkeypatch, replay):
+def test_commit_replay_rebuilds_every_node_state_bit_for_bit(kernels_path, replay):
     """The commit's replay of an accepted path, every layer in one call, from the verify's kept conv
     output, decays and betas, ends in exactly the state the verify walk computed for the path's last
     node: for each node of a tree with siblings and a branch back up, as the deepest accepted one.
     `kernel`: the Triton walk and replay (interpreted); `torch`: GatedDeltaNet's reference walk and
     deltanet's reference replay."""
-    from flashtree import kernels
     from flashtree.models.deltanet import replay_accepted
 
-    monkeypatch.setattr(kernels, "triton_kernels_for", lambda x: replay == "kernel")
+    kernels_path("triton" if replay == "kernel" else "torch")
     nk, nv, kd, vd = SHAPES["ragged"]
     parents = TREES["tree"]
     t, layers = len(parents), 3
