@@ -12,7 +12,6 @@ import pytest
 import torch
 from spec_util import generate, random_draft
 
-from flashtree import kernels
 from flashtree.convert.synth import synth_model
 from flashtree.kernels import attention, dense_matmul, fp8, qmatmul
 from flashtree.kernels.sm90 import compile_for_sm90, recording
@@ -31,7 +30,7 @@ def decode_launches(tmp_path_factory, tiny_root) -> list[dict]:
     target, _ = load_target(path, device="cpu", quantized=True)
     draft = random_draft(path, target, tiny_root, layers=1)
     with pytest.MonkeyPatch.context() as mp, recording() as records:
-        mp.setattr(kernels, "triton_kernels_for", lambda x: True)
+        mp.setenv("FLASHTREE_KERNELS", "triton")
         prompt = torch.randint(
             0, target.config.vocab, (3,), generator=torch.Generator().manual_seed(5)
         ).tolist()
