@@ -12,7 +12,6 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import replace
 
-from flashtree import kernels as kernel_paths
 from flashtree import settings
 from flashtree.kernels import attention, qmatmul
 from flashtree.kernels.tiles import DEFAULT_TILES, DenseTiles, KernelConfig, TileConfig
@@ -177,10 +176,6 @@ def dense_default_tiles() -> DenseTiles:
 @contextmanager
 def triton_kernels(on: bool) -> Iterator[None]:
     """Inside: the model paths run our Triton kernels (on) or their torch ops (off), whatever the device
-    (kernels.triton_kernels_for); after: as before."""
-    before = kernel_paths.triton_kernels_for
-    kernel_paths.triton_kernels_for = lambda x: on
-    try:
+    (FLASHTREE_KERNELS=triton or torch, which kernels.triton_kernels_for reads); after: as before."""
+    with settings.overriding("FLASHTREE_KERNELS", "triton" if on else "torch"):
         yield
-    finally:
-        kernel_paths.triton_kernels_for = before

@@ -7,10 +7,11 @@ An unknown FLASHTREE_* name or a malformed value is one clear error naming the v
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import MappingProxyType
@@ -207,6 +208,23 @@ def _kernel_path_of(value: str | None) -> str:
 @functools.lru_cache(maxsize=8)
 def _settings_for(given: tuple[tuple[str, str], ...]) -> Settings:
     return Settings.from_env(dict(given))
+
+
+@contextlib.contextmanager
+def overriding(name: str, value: str) -> Iterator[None]:
+    """Inside: the setting `name` is `value` in this process (a benchmark timing both kernel paths); after:
+    as before."""
+    if name not in VARIABLES:
+        raise FlashtreeError(f"unknown setting {name}")
+    before = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
 
 
 def environment_without(*names: str) -> dict[str, str]:
