@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from rich.console import Console
@@ -51,16 +52,10 @@ def load_engine(config: EngineConfig) -> Engine:
         return Engine.from_config(config)
 
 
-def engine_from_options(
-    target, draft, mode, max_ctx, device, block_size=None, budget=22, kv_types=(None, None), attn_window=0
-) -> Engine:
-    """The engine of the server's, the chat's and the benchmark's options."""
-    k, v = kv_types
-    config = engine_config(
-        target, draft, mode, max_ctx, device, block_size=block_size, budget=budget, kv_type_k=k, kv_type_v=v,
-        attn_window=attn_window,
-    )  # fmt: skip
-    return load_engine(config)
+def engine_from_options(config: EngineConfig, *, mode: str | None, max_ctx: int | None) -> Engine:
+    """The engine of a command's checked options (engine_config) in another mode and context: `bench`'s
+    loading engine, which lends its weights to the engines of every mode."""
+    return load_engine(replace(config, mode=mode, max_ctx=max_ctx))
 
 
 def run_command(

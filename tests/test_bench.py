@@ -39,6 +39,7 @@ from flashtree.bench.run import (
     run_all,
 )
 from flashtree.cli import app
+from flashtree.config import EngineConfig
 from flashtree.convert.hf import tile_v_heads
 from flashtree.convert.synth import synth_draft, synth_model
 from flashtree.errors import FlashtreeError
@@ -163,7 +164,9 @@ def test_tiny_run_writes_the_schema_and_passes_the_identity_check(tiny_pair, tmp
 
     loaded = []
     load = bench_run.engine_from_options
-    monkeypatch.setattr(bench_run, "engine_from_options", lambda *a: loaded.append(load(*a)) or loaded[-1])
+    monkeypatch.setattr(
+        bench_run, "engine_from_options", lambda *a, **k: loaded.append(load(*a, **k)) or loaded[-1]
+    )
     result = run_bench(tiny_pair, tmp_path, "--modes", "ar,chain,tree", "--baseline", "hf")
     assert result.exit_code == 0, result.output
     # every mode (AR too) runs in the speculative engine's kernels: its AR is what tree must reproduce
@@ -303,7 +306,7 @@ def test_plain_baseline_runs_plain_decodings_kernels_and_puts_the_speculative_on
 
     monkeypatch.delenv("FLASHTREE_DENSE_KERNEL", raising=False)
     target, draft = tiny_pair
-    base = engine_from_options(str(target), str(draft), None, 1, "cpu")
+    base = engine_from_options(EngineConfig(str(target), str(draft), device="cpu"), mode=None, max_ctx=1)
     assert base.target.lm_head.dense_kernel  # a speculative engine: the batch-invariant kernel
     runners = bench_run.make_runners(base, ["ar", "tree"], ["plain"], 64)
     seen = []

@@ -391,11 +391,7 @@ def bench_command(engine: EngineConfig, bench: BenchConfig) -> None:
     # every mode, the AR baseline included, computes in the speculative engine's arithmetic (packed
     # weights) and matmul kernel (dense fp32 weights): its AR is what chain/tree must reproduce.
     speculative = any(m != "ar" for m in mode_list)
-    e, mode = engine, None if speculative else "ar"
-    kv_types = (e.kv_type_k, e.kv_type_v)
-    base = engine_from_options(
-        e.target, e.draft, mode, 1, e.device, e.spec.block_size, e.spec.budget, kv_types, e.attn_window
-    )
+    base = engine_from_options(engine, mode=None if speculative else "ar", max_ctx=1)
     encoded = [base.encode(p.text, chat=not raw) for p in prompts]
     max_ctx = context_for(prompts, encoded, max_tokens, base.target.config.context_length)
     runners = make_runners(base, mode_list, baselines, max_ctx)
