@@ -18,6 +18,8 @@ from flashtree.kernels.sm90 import compile_for_sm90, recording
 from flashtree.kernels.tree_deltanet import tree_gated_delta_rule
 from flashtree.models.block import BlockLayout
 from flashtree.models.loader import load_target
+from flashtree.models.state import KVStore
+from flashtree.quant.kv import quantize
 from flashtree.quant.pack import random_blocks
 
 
@@ -55,6 +57,22 @@ def decode_launches(tmp_path_factory, tiny_root) -> list[dict]:
             paths, depths = layout.paths().to(torch.int32), layout.depths.to(torch.int32)
             q = torch.randn(rows, 6, 256).bfloat16()
             attention.tree_attention(q, kv, kv, torch.tensor(60), paths, depths, 60 + rows, 0.0625)
+        # quantized KV caches (quant/kv.py): the attention over their planes, with a window, and the fused
+        # RoPE + quantizing write
+        for kinds in (("q4_0", "tq3_0"), ("tq3_0", "q8_0")):
+            k, v = (quantize(torch.randn(1, 80, 256), kind) for kind in kinds)
+            for rows in (1, 3):
+                layout = BlockLayout.chain(rows)
+                paths, depths = layout.paths().to(torch.int32), layout.depths.to(torch.int32)
+                q = torch.randn(rows, 6, 256).bfloat16()
+                attention.tree_attention(
+                    q, k, v, torch.tensor(60), paths, depths, 60 + rows, 0.0625, window=30
+                )
+            q, new = torch.randn(2, 6, 256).bfloat16(), torch.randn(2, 1, 256).bfloat16()
+            cos_sin = torch.randn(2, 64).bfloat16()
+            KVStore(1, 1, 8, 256, torch.bfloat16, "cpu", kinds).layer(0).write_rotated(
+                torch.tensor([3, 4]), q, new, new, cos_sin, cos_sin
+            )
         for tile in ((32, 4), (8, 1)):  # FLASHTREE_DELTA_TILE choices besides the default
             nk, nv, kd, vd = 1, 2, 16, 16
             x, ab, state = (
@@ -86,6 +104,8 @@ def test_every_decode_kernel_compiles_for_sm90(decode_launches, sm90):
         "_ddtree_kernel",
         "_quantize_rows_kernel",
         "_tree_gated_delta_rule_kernel",
+        "_rotary_store_kernel",
+        "_split_kernel",
     } <= names
     failures = [f"{r['name']}:\n{r['failure']}" for r in sm90 if r["failure"]]
     assert not failures, "\n".join(failures)

@@ -14,7 +14,7 @@ values along head_dim share one fp16 scale):
   2j, 2j + 1 of byte i), high uint8 (…, hd / 8) their third bit (element 8i + j at bit j of byte i);
   scale fp16 (…, hd / 32); value = scale * CENTROIDS[index]. 3.5 bits a value.
 
-Quantizing (`quantize`, and the same operations in kernels/kv_tiles.py's `quantize_row`, bit for bit):
+Quantizing (`quantize`, and the same operations in kernels/kv_tiles.py's `store_row`, bit for bit):
 q8_0 and q4_0 as GGML's reference rows (q8_0: d = amax / 127; q4_0: d = the value of largest magnitude
 / -8), but each value rounded against the stored fp16 scale (the one `dequantize` multiplies by), half
 up. tq3_0: indices of the centroids nearest y / rms(block), then the least-squares scale for them
