@@ -233,16 +233,16 @@ def test_engine_load_sets_the_arithmetic_on_the_packed_weights(monkeypatch, tmp_
     [(9, 2, 5, 1), (9, 2, 5, 0), (9, 3, 3, 1), (9, 9, 1, 1), (9, 9, 1, 0), (20, 20, 1, 1), (20, 20, 1, 0),
      (35, 18, 2, 0)],
 )  # fmt: skip
-def test_uneven_k_splits_and_unrolled_units(monkeypatch, units, splits, per_split, fused_sum):
+def test_uneven_k_splits_and_unrolled_units(units, splits, per_split, fused_sum):
     """Splits of unequal length (2: 5 and 4 units), walked 3 units per step and the rest one by one, give
     the same math, bit for bit the same across M, whether the K-splits are added by the last program of
     each row tile (split 0, then 8 at a time: 2, 3, 9, 18 and 20 splits leave 1, 2, 0, 1 and 3 for a last
     round; its counter back at zero for the next call) or by a second kernel."""
     rows, cols = 21, 64 * units  # Q8_0: units of 2 blocks
-    monkeypatch.setattr(qmatmul, "SPLIT_TARGET", splits * rows)
-    assert k_splits(rows, units) == (splits, per_split)
+    assert k_splits(rows, units, splits * rows) == (splits, per_split)
     tile = TileConfig(32, 1, 1, 3, fused_sum)
-    kernels = KernelConfig(tiles={**DEFAULT_TILES, "m1": tile, "m16": tile})
+    split_target = {qmatmul.split_key("int8", QT.Q8_0, rows, cols): splits * rows}
+    kernels = KernelConfig(tiles={**DEFAULT_TILES, "m1": tile, "m16": tile}, splits=split_target)
     raw, _ = case(QT.Q8_0, rows, cols)
     x = torch.randn(3, cols, generator=torch.Generator().manual_seed(3))
     fields = repack(raw, QT.Q8_0, cols)

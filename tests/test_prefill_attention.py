@@ -50,19 +50,17 @@ def reference(q, k, v, start, window=0):
 
 
 @pytest.fixture(params=["default", "small"])
-def tiles(request, monkeypatch):
-    """The default tiles, or 16-query, 16-key tiles: many row blocks and key tiles in one chunk."""
-    if request.param == "small":
-        monkeypatch.setattr(pa, "TILES", {64: (16, 16, 4), 128: (16, 16, 4), 256: (16, 16, 4)})
-    return request.param
+def tile(request):
+    """The default tiles (None), or 16-query, 16-key tiles: many row blocks and key tiles in one chunk."""
+    return (16, 16, 4) if request.param == "small" else None
 
 
 @pytest.mark.parametrize("window", [0, 1, 7, 40], ids=lambda w: f"window{w}")
 @pytest.mark.parametrize("dtype", DTYPES, ids=list(DTYPES))
 @pytest.mark.parametrize("shape", SHAPES, ids=list(SHAPES))
-def test_prefill_attention_is_the_causal_masked_softmax(shape, dtype, window, tiles):
+def test_prefill_attention_is_the_causal_masked_softmax(shape, dtype, window, tile):
     q, k, v, start = case(shape, DTYPES[dtype])
-    got = pa.prefill_attention(q, k, v, start, q.shape[-1] ** -0.5, window)
+    got = pa.prefill_attention(q, k, v, start, q.shape[-1] ** -0.5, window, tile)
     assert got.dtype == q.dtype and got.shape == q.shape
     tol = TOL[dtype]
     torch.testing.assert_close(got.float(), reference(q, k, v, start, window), rtol=tol, atol=tol)

@@ -122,9 +122,11 @@ def prefill_attention(
     start: int,  # the chunk's first position (committed tokens before it), known on the host
     scale: float,
     window: int = 0,  # > 0: row at p attends to positions max(0, p - window + 1) .. p only
+    tile: tuple[int, int, int] | None = None,  # (QB, BLOCK, warps); None: tiles_for(head_dim)
+    stages: int = NUM_STAGES,
 ) -> torch.Tensor:
     """Causal softmax(q K^T * scale) V of a prefill chunk over the cache's positions 0 .. start + T - 1,
-    (T, n_heads, head_dim) in q's dtype."""
+    (T, n_heads, head_dim) in q's dtype. `tile` and `stages`: a test's or a sweep's launch."""
     k_cache, v_cache = as_plane(k_cache), as_plane(v_cache)
     dtype = q.dtype
     if k_cache.kind == "tq3_0":
@@ -133,7 +135,7 @@ def prefill_attention(
     n_kv = k_cache.data.shape[0]
     group = n_heads // n_kv
     bd = triton.next_power_of_2(hd)
-    queries, block, warps = tiles_for(hd)
+    queries, block, warps = tile or tiles_for(hd)
     queries = max(queries, triton.next_power_of_2(group))
     rows = queries // group
     n_blocks = triton.cdiv(t, rows)
@@ -145,6 +147,6 @@ def prefill_attention(
         q, *k_args, *v_args, out, start, t, n_blocks, window, q.stride(0), q.stride(1),
         out.stride(0), out.stride(1), scale * LOG2E,
         G=group, R=rows, QB=queries, HD=hd, BD=bd, BLOCK=block, DOTS=dot_mode(q), WINDOW=window > 0,
-        KIND_K=kind_k, KIND_V=kind_v, num_warps=warps, num_stages=NUM_STAGES,
+        KIND_K=kind_k, KIND_V=kind_v, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return unrotate(out).to(dtype) if rotated_out else out
