@@ -76,12 +76,11 @@ def test_fp8_linear_is_the_product_to_fp8_rounding(dtype, kernels_path):
     assert torch.equal(lin(x.to(dtype)), y)
 
 
-def test_fp8_linear_of_a_module_rounds_chunk_by_chunk(monkeypatch):
+def test_fp8_linear_of_a_module_rounds_chunk_by_chunk():
     """A shared LM head is read through dense_weight in row chunks (a 27B head is 5 GB in fp32)."""
     w = torch.randn(80, 32, generator=torch.Generator().manual_seed(3))
     whole = Fp8Linear(w)
-    monkeypatch.setattr(Fp8Linear, "CHUNK_ROWS", 16)
-    chunked = Fp8Linear(Linear(w))
+    chunked = Fp8Linear(Linear(w), chunk_rows=16)
     assert torch.equal(chunked.codes.view(torch.uint8), whole.codes.view(torch.uint8))
     assert torch.equal(chunked.scales, whole.scales)
 
@@ -142,7 +141,7 @@ def test_fp8_mode_is_checked_against_the_device(fp8_pair, monkeypatch):
     assert load_draft(draft_dir, target, "all").fp8_mode == "all"
     with pytest.raises(FlashtreeError, match="fp8 mode '1': expected one of off, matrices, all"):
         load_draft(draft_dir, target, "1")
-    monkeypatch.setattr(fp8, "supported", lambda device: False)
+    monkeypatch.setattr(fp8, "supported", lambda device: False)  # simulates a GPU older than sm_89
     with pytest.raises(FlashtreeError, match="compute capability 8.9"):
         load_draft(draft_dir, target, "matrices")
     with pytest.raises(FlashtreeError, match="compute capability 8.9"):
@@ -151,7 +150,7 @@ def test_fp8_mode_is_checked_against_the_device(fp8_pair, monkeypatch):
 
 def test_fp8_draft_of_odd_shape_is_refused(fp8_pair, monkeypatch):
     target, draft_dir, _ = fp8_pair
-    monkeypatch.setattr(fp8, "ALIGN", 1 << 20)
+    monkeypatch.setattr(fp8, "ALIGN", 1 << 20)  # simulates a draft of shapes the fp8 GEMM refuses
     assert load_draft(draft_dir, target, "off").fp8_mode == "off"  # nothing in fp8: no constraint
     with pytest.raises(FlashtreeError, match="multiples of"):
         load_draft(draft_dir, target, "matrices")

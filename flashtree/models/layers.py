@@ -95,9 +95,9 @@ class Fp8Linear(nn.Module):
     takes_int8 = False
     CHUNK_ROWS = 8192  # rows rounded at a time: a 27B LM head would be 5 GB decoded to fp32 at once
 
-    def __init__(self, weight: torch.Tensor | nn.Module):
+    def __init__(self, weight: torch.Tensor | nn.Module, chunk_rows: int = CHUNK_ROWS):
         """weight: a dense (out, in) weight, or a module offering dense_weight(dtype, rows) (Linear,
-        QuantLinear: an LM head shared with the target, rounded to fp8 chunk by chunk)."""
+        QuantLinear: an LM head shared with the target, rounded to fp8 chunk_rows rows at a time)."""
         super().__init__()
         rows_of = weight.dense_weight if isinstance(weight, nn.Module) else lambda _, rows: weight[rows]
         n_rows = weight.out_features if isinstance(weight, nn.Module) else weight.shape[0]
@@ -105,8 +105,8 @@ class Fp8Linear(nn.Module):
         # filled in place, chunk by chunk: no second copy of the codes while they are made
         codes = torch.empty(n_rows, first.shape[1], dtype=torch.float8_e4m3fn, device=first.device)
         scales = torch.empty(n_rows, dtype=torch.float32, device=first.device)
-        for r in range(0, n_rows, self.CHUNK_ROWS):
-            c, s = fp8.quantize_rows_reference(rows_of(torch.float32, slice(r, r + self.CHUNK_ROWS)))
+        for r in range(0, n_rows, chunk_rows):
+            c, s = fp8.quantize_rows_reference(rows_of(torch.float32, slice(r, r + chunk_rows)))
             codes[r : r + c.shape[0]], scales[r : r + c.shape[0]] = c, s[:, 0]
         self.register_buffer("codes", codes, persistent=False)
         self.register_buffer("scales", scales, persistent=False)
