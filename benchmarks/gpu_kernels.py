@@ -5,7 +5,7 @@
 
 Their correctness (every type against the reference math and x @ W^T, batch invariance, the dequantizer,
 the inline PTX against its emulation) is tests/gpu/test_quant_matmul_gpu.py; `python -m benchmarks
-kernels` runs it first (KERNEL_STAGES with "checks").
+kernels` runs it first (--kernel-parts with checks).
 1. sweep: a few tiles per bucket on the 27B shapes, then the K-split target (qmatmul.SPLIT_TARGET); the
    fastest tiles are kept (and written as FLASHTREE_QMM_TILES JSON to --tiles-out).
 2. types: per GGUF type of the 27B shapes and per bucket, tiles timed on that type's matrices alone; a
