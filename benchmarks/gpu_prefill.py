@@ -5,7 +5,7 @@ then the attention time of a whole 64K prompt's prefill on the 27B's 16 attentio
 chunks, the share of the issue's 4000 tok/s budget (16.4 s for 65,536 tokens) attention takes.
 
     python -m benchmarks.gpu_prefill OUT_DIR                     -> OUT_DIR/prefill.json
-    PREFILL_TILES='[[64, 64, 8], [128, 32, 8]]' PREFILL_STAGES=2,3 PREFILL_CHUNK=4096 python -m ...
+    python -m benchmarks.gpu_prefill OUT_DIR --tiles '[[64, 64, 8], [128, 32, 8]]' --stages 2,3 --chunk 4096
         tiles to sweep (query slots a program, key positions a step, warps) and pipeline depths
 
 A tile the GPU cannot hold (shared memory, registers) is reported and skipped. TFLOP/s count the causal
@@ -14,9 +14,9 @@ products only: 4 x heads x head_dim x (keys each row reads).
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -31,11 +31,21 @@ from flashtree.kernels import prefill_attention as pa
 
 N_HEADS, N_KV, HD, DTYPE = 24, 4, 256, torch.bfloat16
 LAYERS, PROMPT = 16, 65536  # the 27B's attention layers; the issue's prefill target length
-CHUNK = int(os.environ.get("PREFILL_CHUNK", "4096"))
-STARTS = (0, 8192, 32768, PROMPT - CHUNK)
-TILES = [tuple(t) for t in json.loads(os.environ.get("PREFILL_TILES", "[]"))] or [pa.TILES[256]]
-STAGES = [int(s) for s in os.environ.get("PREFILL_STAGES", str(pa.NUM_STAGES)).split(",")]
 DEVICE = torch.device("cuda")
+
+
+def options(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.gpu_prefill", description=__doc__.split("\n")[0])
+    p.add_argument("out_dir", type=Path)
+    p.add_argument(
+        "--tiles", type=json.loads, default=[list(pa.TILES[256])], help="JSON [[QB, BLOCK, warps]]"
+    )
+    p.add_argument("--stages", default=str(pa.NUM_STAGES), help="pipeline depths, comma-separated")
+    p.add_argument("--chunk", type=int, default=4096, help="tokens per prefill chunk (%(default)s)")
+    args = p.parse_args(argv)
+    args.tiles = [tuple(t) for t in args.tiles]
+    args.stages = [int(s) for s in args.stages.split(",")]
+    return args
 
 
 def case(start: int, t: int):
@@ -75,12 +85,12 @@ def measure(start: int, t: int, tile: tuple[int, int, int], stages: int) -> dict
     return row
 
 
-def prompt_seconds(by_start: dict[int, float]) -> float:
+def prompt_seconds(by_start: dict[int, float], chunk: int) -> float:
     """The 64K prompt's attention (all layers, every chunk) from the timed starts, each chunk's time
     interpolated linearly in its start (a chunk's work grows linearly with it)."""
     starts = sorted(by_start)
     total = 0.0
-    for s in range(0, PROMPT, CHUNK):
+    for s in range(0, PROMPT, chunk):
         hi = next((b for b in starts if b >= s), starts[-1])
         lo = max((b for b in starts if b <= s), default=starts[0])
         w = 0.0 if hi == lo else (s - lo) / (hi - lo)
@@ -88,16 +98,17 @@ def prompt_seconds(by_start: dict[int, float]) -> float:
     return LAYERS * total * 1e-6
 
 
-def main(out_dir: Path) -> int:
+def main(args: argparse.Namespace) -> int:
+    out_dir, chunk = args.out_dir, args.chunk
     out_dir.mkdir(parents=True, exist_ok=True)
     rows = []
-    for tiles, stages in itertools.product(TILES, STAGES):
+    for tiles, stages in itertools.product(args.tiles, args.stages):
         try:
-            times = [measure(s, CHUNK, tiles, stages) for s in STARTS]
+            times = [measure(s, chunk, tiles, stages) for s in (0, 8192, 32768, PROMPT - chunk)]
         except triton.runtime.errors.OutOfResources as e:
             print(f"tiles {tiles} stages {stages}: {e}", flush=True)
             continue
-        seconds = prompt_seconds({r["start"]: r["us"] for r in times})
+        seconds = prompt_seconds({r["start"]: r["us"] for r in times}, chunk)
         ok = all(r["max_abs_err"] < 2e-2 for r in times)
         rows.append({"tiles": tiles, "stages": stages, "ok": ok, "times": times, "prompt_64k_s": seconds})
         print(f"tiles {tiles} stages {stages}: 64K prompt attention {seconds:.2f} s, ok {ok}", flush=True)
@@ -105,8 +116,8 @@ def main(out_dir: Path) -> int:
             sdpa_time = f"SDPA {r['sdpa_us']:9.0f} us {r['sdpa_tflops']:5.0f}"
             ours = f"{r['us']:9.0f} us {r['tflops']:5.0f} TFLOP/s"
             print(f"  start {r['start']:>6}: {ours} ({sdpa_time}), err {r['max_abs_err']:.1e}", flush=True)
-    sdpa_s = prompt_seconds({r["start"]: r["sdpa_us"] for r in rows[0]["times"]}) if rows else None
-    shape = {"heads": [N_HEADS, N_KV, HD], "chunk": CHUNK, "layers": LAYERS, "prompt": PROMPT}
+    sdpa_s = prompt_seconds({r["start"]: r["sdpa_us"] for r in rows[0]["times"]}, chunk) if rows else None
+    shape = {"heads": [N_HEADS, N_KV, HD], "chunk": chunk, "layers": LAYERS, "prompt": PROMPT}
     result = {**provenance(), "device": torch.cuda.get_device_name(), **shape, "sdpa_prompt_64k_s": sdpa_s}
     result["rows"] = rows
     (out_dir / "prefill.json").write_text(json.dumps(result, indent=2) + "\n")
@@ -114,4 +125,4 @@ def main(out_dir: Path) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(Path(sys.argv[1])))
+    sys.exit(main(options()))
