@@ -21,6 +21,7 @@ import torch
 from flashtree.kernels import tl, triton
 from flashtree.kernels.attention import _dot, _operand, dot_mode
 from flashtree.kernels.kv_tiles import kv_tile, plane_args
+from flashtree.kernels.launch import pdl_options, wait_for_inputs
 from flashtree.quant.kv import KVPlane, as_plane, rotate, unrotate
 
 LOG2E = 1.4426950408889634
@@ -72,7 +73,7 @@ def _prefill_kernel(
     out_ptr, start, n_rows, n_blocks, window, stride_qt, stride_qh, stride_ot, stride_oh, qk_scale,
     G: tl.constexpr, R: tl.constexpr, QB: tl.constexpr, HD: tl.constexpr, BD: tl.constexpr,
     BLOCK: tl.constexpr, DOTS: tl.constexpr, WINDOW: tl.constexpr, KIND_K: tl.constexpr,
-    KIND_V: tl.constexpr,
+    KIND_V: tl.constexpr, GDC: tl.constexpr,
 ):  # fmt: skip
     """Program (row block, KV head): rows first .. first + R - 1 of the chunk, G query heads each. K and
     V: planes (kd, ks, kh: K's data, scale and high fields; s*_h / s*: their head and slot strides)."""
@@ -87,6 +88,7 @@ def _prefill_kernel(
     pos = start + row  # (QB,) each query's position: it sees keys 0 .. pos
     head_dims = (d < HD)[None, :]
     q_at = q_ptr + row[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :]
+    wait_for_inputs(GDC)
     q = tl.load(q_at, mask=head_dims, other=0.0)
     q = _operand(q, DOTS)
     m = tl.full((QB,), float("-inf"), tl.float32)
@@ -147,6 +149,6 @@ def prefill_attention(
         q, *k_args, *v_args, out, start, t, n_blocks, window, q.stride(0), q.stride(1),
         out.stride(0), out.stride(1), scale * LOG2E,
         G=group, R=rows, QB=queries, HD=hd, BD=bd, BLOCK=block, DOTS=dot_mode(q), WINDOW=window > 0,
-        KIND_K=kind_k, KIND_V=kind_v, num_warps=warps, num_stages=stages,
+        KIND_K=kind_k, KIND_V=kind_v, num_warps=warps, num_stages=stages, **pdl_options(q),
     )  # fmt: skip
     return unrotate(out).to(dtype) if rotated_out else out
