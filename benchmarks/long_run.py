@@ -51,7 +51,7 @@ def main() -> None:
     # Room for the steps: each emits at most a block (random weights accept about one token a step).
     new = args.steps * (engine.decoder.max_block + 1)
     generator = torch.Generator().manual_seed(0)
-    vocab = engine.target.config.vocab_size
+    vocab = engine.target.config.vocab
     prompt = torch.randint(0, vocab, (engine.max_ctx - new,), generator=generator).tolist()
     stats = GenerationStats("tree")
     for _ in engine.generate(prompt, max_tokens=new, stop_ids=[], stats=stats):
