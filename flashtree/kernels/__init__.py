@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 
+from flashtree import settings  # no triton there; its module may still be loading (it imports tiles.py)
 from flashtree.errors import FlashtreeError
 
 MISSING_TRITON = (
@@ -82,9 +83,7 @@ def triton_kernels_for(x) -> bool:
     """Whether the model's decode/verify paths run our Triton kernels or the torch reference for tensor `x`:
     FLASHTREE_KERNELS (settings.kernel_path) auto, on CUDA; triton, always (tests run the kernels inside a
     model under TRITON_INTERPRET=1); torch, never."""
-    from flashtree.settings import kernel_path  # here: the settings import this package (tiles.py)
-
-    path = kernel_path()
+    path = settings.kernel_path()
     if path == "torch" or (path == "auto" and not x.is_cuda):
         return False
     require_triton()
