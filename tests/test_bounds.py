@@ -27,6 +27,7 @@ from flashtree.errors import FlashtreeError
 from flashtree.generate import Engine
 from flashtree.models.dflash import load_draft
 from flashtree.models.loader import load_target
+from flashtree.quant.kv import KVPlane
 from flashtree.spec.decoder import SpecDecoder
 from flashtree.spec.tree import build_tree
 from tests.spec_util import OracleDraft, generate, random_draft_dir
@@ -152,10 +153,12 @@ def _with_context_length(src, dst, value: int):
 
 
 def _state_bytes(state) -> int:
-    """Bytes of every distinct tensor storage a ModelState holds (its stores' and its layers')."""
+    """Bytes of every distinct tensor storage a ModelState holds (its stores' and its layers', a KV
+    plane's fields included)."""
     seen, total = set(), 0
     for holder in [*state.stores, *state.layers]:
-        for t in vars(holder).values():
+        values = [t for v in vars(holder).values() for t in (v if isinstance(v, KVPlane) else (v,))]
+        for t in values:
             if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in seen:
                 seen.add(t.untyped_storage().data_ptr())
                 total += t.untyped_storage().nbytes()

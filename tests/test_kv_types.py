@@ -107,10 +107,9 @@ def _rope(t: int, hd: int, rot: int, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("kinds", [("q8_0", "q4_0"), ("tq3_0", "tq3_0"), ("q4_0", "f16"), ("bf16", "q8_0")])
-def test_write_kernel_is_the_torch_write(kinds, dtype, monkeypatch):
+def test_write_kernel_is_the_torch_write(kinds, dtype, kernels_path):
     """kernels/rotary.py's fused RoPE + store quantizes K and V as quantize does, bit for bit (every
     field), and returns the same rotated q."""
-    from flashtree import kernels
     from flashtree.models.state import KVStore
 
     t, nq, n_kv, hd, slots = 5, 4, 2, 64, 12
@@ -121,7 +120,7 @@ def test_write_kernel_is_the_torch_write(kinds, dtype, monkeypatch):
     at = torch.tensor([3, 7, 1, 10, 0])
     caches = []
     for use in (False, True):
-        monkeypatch.setattr(kernels, "triton_kernels_for", lambda x, use=use: use)
+        kernels_path("triton" if use else "torch")
         store = KVStore(1, n_kv, slots, hd, dtype, "cpu", kinds)
         caches.append((store.layer(0).write_rotated(at, q, k, v, cos, sin), store))
     (q_torch, torch_store), (q_kernel, kernel_store) = caches
@@ -271,15 +270,14 @@ def test_speculative_output_is_ar_output_for_each_type(target32, kind):
             assert _generate(target32, kinds, oracle, prompt, 32, mode=mode, **spec) == ar, (kinds, mode)
 
 
-def test_kernel_path_is_lossless_with_quantized_types(tiny_root, monkeypatch):
+def test_kernel_path_is_lossless_with_quantized_types(tiny_root, kernels_path):
     """The GPU path (the fused quantizing write, tree_attention over the planes) run in the interpreter
     inside a model: tree output equals AR's, with a tq3_0 K and a q4_0 V."""
-    from flashtree import kernels
     from flashtree.models.loader import load_target
     from tests.spec_util import OracleDraft
     from tests.tiny import tiny_gguf
 
-    monkeypatch.setattr(kernels, "triton_kernels_for", lambda x: True)
+    kernels_path("triton")
     target, _ = load_target(tiny_gguf("llama", 0, tiny_root, head_dim=32), device="cpu", dtype=torch.float32)
     kinds, prompt = ("tq3_0", "q4_0"), [5, 77, 190]
     ar = _generate(target, kinds, None, prompt, 8)
