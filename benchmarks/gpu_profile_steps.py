@@ -20,7 +20,7 @@ from torch.profiler import ProfilerActivity, profile
 from benchmarks.tiny import tiny_pair
 from flashtree.bench.run import provenance
 from flashtree.config import SpecConfig
-from flashtree.generate import Engine
+from flashtree.engine.generate import Engine
 from flashtree.models.dflash import load_draft
 from flashtree.models.loader import load_target
 

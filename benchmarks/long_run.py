@@ -17,7 +17,7 @@ import time
 import torch
 
 from flashtree.config import EngineConfig
-from flashtree.generate import Engine, GenerationStats
+from flashtree.engine.generate import Engine, GenerationStats
 from flashtree.settings import current
 
 

@@ -40,7 +40,7 @@ class Settings:
     pdl: bool = True
     quant_kernels: bool | None = None  # None: packed on CUDA for bf16-sized models (models/loader.py)
     draft_fp8: str = "off"
-    prefill_chunk: int | None = None  # None: by the prompt's length and free memory (flashtree/prefill.py)
+    prefill_chunk: int | None = None  # None: by the prompt length and free memory (engine/prefill.py)
     kernel_path: str = "auto"  # kernels.triton_kernels_for: auto, triton (the interpreter on a CPU) or torch
     kernels: KernelConfig = field(default_factory=KernelConfig)
     git_commit: str | None = None
@@ -159,7 +159,7 @@ VARIABLES: dict[str, Variable] = {
         "matrices: the draft's matrices in fp8 e4m3; all: also an fp8 copy of the LM head (sm_89+)"),
     "FLASHTREE_PREFILL_CHUNK": Variable(
         "prefill_chunk", _chunk, "by prompt and memory", "a token count",
-        "tokens per prefill chunk (default: flashtree/prefill.py's rule)"),
+        "tokens per prefill chunk (default: flashtree/engine/prefill.py's rule)"),
     "FLASHTREE_KERNELS": Variable(
         "kernel_path", _choice(KERNEL_PATHS), "auto", "one of auto, triton, torch",
         "auto: Triton kernels on CUDA, the torch reference elsewhere; triton: the kernels everywhere "

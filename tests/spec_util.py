@@ -10,7 +10,7 @@ import torch
 
 from flashtree.config import SamplingParams, SpecConfig
 from flashtree.convert.synth import synth_draft
-from flashtree.generate import Engine, GenerationStats
+from flashtree.engine.generate import Engine, GenerationStats
 from flashtree.models.block import BlockLayout
 from flashtree.models.dflash import load_draft
 

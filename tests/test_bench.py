@@ -42,8 +42,8 @@ from flashtree.cli import app
 from flashtree.config import EngineConfig
 from flashtree.convert.hf import tile_v_heads
 from flashtree.convert.synth import synth_draft, synth_model
+from flashtree.engine.generate import Engine, GenerationStats
 from flashtree.errors import FlashtreeError
-from flashtree.generate import Engine, GenerationStats
 from flashtree.models.loader import load_target
 from flashtree.spec.decoder import SpecDecoder
 from tests.tiny import hf_model, tiny_gguf
@@ -302,7 +302,7 @@ def test_plain_baseline_runs_plain_decodings_kernels_and_puts_the_speculative_on
     """--baseline plain: AR in the kernels Engine.load picks without a draft (cuBLAS for dense fp32 weights)
     for each call, then the speculative engines' kernels again (every other mode shares the weights)."""
     from flashtree.bench import run as bench_run
-    from flashtree.commands import engine_from_options
+    from flashtree.cli.commands import engine_from_options
 
     monkeypatch.delenv("FLASHTREE_DENSE_KERNEL", raising=False)
     target, draft = tiny_pair

@@ -12,7 +12,6 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from flashtree import memory
 from flashtree.cli import app
 from flashtree.config import (
     DEFAULT_CONTEXT_CAP,
@@ -23,8 +22,9 @@ from flashtree.config import (
     SamplingParams,
     SpecConfig,
 )
+from flashtree.engine import memory
+from flashtree.engine.generate import Engine
 from flashtree.errors import FlashtreeError
-from flashtree.generate import Engine
 from flashtree.models.dflash import load_draft
 from flashtree.models.loader import load_target
 from flashtree.quant.kv import KVPlane

@@ -21,7 +21,7 @@ import time
 import pytest
 
 from flashtree.defaults import default_target_path
-from flashtree.generate import Engine, GenerationStats
+from flashtree.engine.generate import Engine, GenerationStats
 from flashtree.gguf.tokenizer import Tokenizer
 from tests.test_tokenizer import _metadata, _ours
 

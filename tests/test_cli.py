@@ -125,7 +125,7 @@ def test_run_says_what_auto_chose_on_one_unwrapped_line(pair, monkeypatch):
 
 
 def test_summary_line_names_each_mode_once(capsys):
-    from flashtree.commands import summary_line
+    from flashtree.cli.commands import summary_line
 
     stats = SimpleNamespace(
         mode="tree",
@@ -210,8 +210,9 @@ def test_the_default_model_downloads_before_the_spinner(monkeypatch):
     """tqdm's bar is drawn only outside rich's status spinner, which would swallow it."""
     from rich.console import Console
 
-    from flashtree import commands, generate
+    from flashtree.cli import commands
     from flashtree.config import EngineConfig
+    from flashtree.engine import generate
 
     events = []
     monkeypatch.setattr(defaults, "default_target_path", lambda: events.append("download"))

@@ -11,7 +11,7 @@ from gguf import GGUFReader
 from gguf.quants import dequantize
 
 from flashtree.defaults import default_target_path
-from flashtree.generate import Engine
+from flashtree.engine.generate import Engine
 from flashtree.gguf.tokenizer import Tokenizer
 from flashtree.models.loader import load_target
 

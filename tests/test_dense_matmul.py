@@ -84,7 +84,7 @@ def test_engine_load_takes_the_kernel_for_speculative_decoding_only(monkeypatch,
     at a draft block's 16 rows)."""
     from spec_util import random_draft_dir
 
-    from flashtree.generate import Engine
+    from flashtree.engine.generate import Engine
     from tests.tiny import tiny_gguf
 
     def kernel_flags(model):

@@ -207,7 +207,7 @@ def test_engine_load_sets_the_arithmetic_on_the_packed_weights(monkeypatch, tmp_
     from spec_util import random_draft_dir
 
     from flashtree.convert.synth import synth_model
-    from flashtree.generate import Engine
+    from flashtree.engine.generate import Engine
     from flashtree.kernels.qlinear import arithmetic_of, use_arithmetic
     from flashtree.models import loader
     from flashtree.settings import Settings

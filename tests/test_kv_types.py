@@ -240,7 +240,7 @@ def target32(request, tiny_root):
 
 def _generate(target, kinds, draft, prompt, n, **spec):
     from flashtree.config import SamplingParams, SpecConfig
-    from flashtree.generate import Engine
+    from flashtree.engine.generate import Engine
 
     target.set_kv_types(*kinds)
     mode = spec.pop("mode", "ar")

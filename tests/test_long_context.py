@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from flashtree.config import EngineConfig, SamplingParams, SpecConfig
+from flashtree.engine.generate import Engine, GenerationStats
+from flashtree.engine.prefill import MAX_CHUNK, MIN_CHUNK, prefill_chunk
 from flashtree.errors import FlashtreeError
-from flashtree.generate import Engine, GenerationStats
 from flashtree.models.block import BlockLayout
 from flashtree.models.loader import load_target
 from flashtree.models.pass_ import ForwardPass
-from flashtree.prefill import MAX_CHUNK, MIN_CHUNK, prefill_chunk
 from tests.spec_util import feed, random_draft
 from tests.tiny import tiny_gguf
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from flashtree import memory
+from flashtree.engine import memory
 from flashtree.errors import FlashtreeError
 from flashtree.models.loader import default_dtype, load_target
 from tests.tiny import tiny_gguf

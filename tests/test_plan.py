@@ -14,12 +14,12 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 from typer.testing import CliRunner
 
-from flashtree import memory, plan
 from flashtree.cli import app
 from flashtree.config import SpecConfig
 from flashtree.convert.hf import convert_checkpoint
+from flashtree.engine import memory, plan
+from flashtree.engine.generate import Engine
 from flashtree.errors import FlashtreeError
-from flashtree.generate import Engine
 from flashtree.models import loader
 from flashtree.models.dflash import load_draft
 from flashtree.models.layers import PackedEmbedding

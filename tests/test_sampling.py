@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from flashtree.config import SamplingParams
+from flashtree.engine.sampling import filter_logits, sample, target_probs, uniform_noise
 from flashtree.models.loader import load_target
-from flashtree.sampling import filter_logits, sample, target_probs, uniform_noise
 from tests.spec_util import generate, random_draft
 from tests.tiny import tiny_gguf
 

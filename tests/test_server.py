@@ -25,7 +25,7 @@ import pytest
 
 from flashtree.config import SamplingParams
 from flashtree.defaults import DEFAULT_TARGET_NAME, default_target_path
-from flashtree.generate import Engine, GenerationStats
+from flashtree.engine.generate import Engine, GenerationStats
 
 API_KEY = "test-key"
 MAX_CTX = 512

@@ -31,7 +31,7 @@ import httpx
 import pytest
 import uvicorn
 
-from flashtree.generate import Engine
+from flashtree.engine.generate import Engine
 from flashtree.serve.api import OpenAIServer, _listen_socket
 from tests.test_server import metrics, server_process
 from tests.tiny import tiny_gguf

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from flashtree.config import SamplingParams, SpecConfig
-from flashtree.cuda_graphs import MIN_KEYS, StepRunner
-from flashtree.generate import Engine
+from flashtree.engine.cuda_graphs import MIN_KEYS, StepRunner
+from flashtree.engine.generate import Engine
 from flashtree.models.loader import load_target
 from flashtree.spec import decoder as spec_decoder
 from tests.spec_util import OracleDraft, engine, generate, random_draft

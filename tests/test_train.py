@@ -23,7 +23,7 @@ from flashtree.config import SamplingParams
 from flashtree.convert.shapes import gguf_tensors
 from flashtree.convert.synth import draft_shape_for
 from flashtree.defaults import default_draft_path, default_target_path
-from flashtree.generate import Engine
+from flashtree.engine.generate import Engine
 from flashtree.gguf.reader import GGUFFile
 from flashtree.gguf.tokenizer import Tokenizer
 from flashtree.models.dflash import load_draft

@@ -18,8 +18,8 @@ import time
 
 import torch
 
+from flashtree.engine.generate import GenerationStats
 from flashtree.errors import FlashtreeError
-from flashtree.generate import GenerationStats
 from flashtree.models.attention import Attention
 from flashtree.models.deltanet import GatedDeltaNet
 from flashtree.models.model import DecoderModel

@@ -28,10 +28,10 @@ import flashtree
 from flashtree.bench.datasets import REPORT_N, REPORT_SEED, Prompt, load_prompts, parse_dataset_names
 from flashtree.bench.report import summarize, write_report
 from flashtree.bench.roofline import Ceilings, measure_ceilings, weight_bytes
-from flashtree.commands import engine_from_options
+from flashtree.cli.commands import engine_from_options
 from flashtree.config import MODES, EngineConfig, SamplingParams
+from flashtree.engine.generate import Engine, GenerationStats
 from flashtree.errors import FlashtreeError
-from flashtree.generate import Engine, GenerationStats
 from flashtree.settings import current as current_settings
 
 SCHEMA = "flashtree-bench/1"

@@ -33,16 +33,16 @@ from flashtree.bench.roofline import measure_ceilings, weight_bytes
 from flashtree.bench.run import device_info, provenance, versions
 from flashtree.config import MAX_CONTEXT, SpecConfig, check_attn_window, check_kv_names, lossy_label
 from flashtree.convert.inspect import describe
-from flashtree.cuda_graphs import kv_bucket
+from flashtree.engine.cuda_graphs import kv_bucket
+from flashtree.engine.generate import Engine, GenerationStats
+from flashtree.engine.memory import free_bytes
+from flashtree.engine.prefill import prefill_chunk
 from flashtree.errors import FlashtreeError
-from flashtree.generate import Engine, GenerationStats
 from flashtree.kernels import fp8
-from flashtree.memory import free_bytes
 from flashtree.models.attention import Attention
 from flashtree.models.dflash import load_draft
 from flashtree.models.layers import use_dense_kernel, use_kernels
 from flashtree.models.loader import default_device, load_target
-from flashtree.prefill import prefill_chunk
 from flashtree.quant.kv import vector_bytes
 from flashtree.settings import current as current_settings
 from flashtree.spec.tree import build_tree
@@ -207,7 +207,7 @@ class StepBench:
         return time_ms(fn, self.device, repeats or self.repeats)
 
     def chunk(self, n_prompt: int) -> int:
-        """The engine's prefill chunk for a prompt of n_prompt tokens here (flashtree/prefill.py)."""
+        """The engine's prefill chunk for a prompt of n_prompt tokens here (flashtree/engine/prefill.py)."""
         free, fixed = free_bytes(self.device), current_settings().prefill_chunk
         return prefill_chunk(self.model.config, n_prompt, free, self.device.type, fixed)
 

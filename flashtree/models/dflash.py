@@ -82,7 +82,7 @@ class DraftTensors:
     """A draft's tensors as its layers take them: each put on `device` in `dtype` when asked for (the rows
     of several stacked into one tensor, as a merged matmul holds them), a chunk of rows at a time
     (loader.copy_rows): building the draft never holds a tensor twice on the device. On `meta` nothing
-    is copied: the memory plan's build (flashtree/plan.py)."""
+    is copied: the memory plan's build (flashtree/engine/plan.py)."""
 
     def __init__(self, tensors: Mapping[str, torch.Tensor], device: torch.device, dtype: torch.dtype):
         self.tensors, self.device, self.dtype = tensors, torch.device(device), dtype

@@ -39,7 +39,7 @@ class Weights:
 
     Every tensor is allocated once, in its resident form, and filled from the file a few rows at a time
     (LOAD_CHUNK_BYTES): no whole-tensor copy, decoded or packed, ever sits next to it. On the `meta`
-    device nothing is read: the model built is the memory plan's (flashtree/plan.py), tensor for tensor
+    device nothing is read: the model built is the memory plan's (flashtree/engine/plan.py), tensor for tensor
     the one a load allocates; `gguf` may then be a header's tensor table alone (plan.TensorTable)."""
 
     def __init__(self, gguf, device: torch.device | str, dtype: torch.dtype, quantized: bool | None = None):

@@ -36,8 +36,8 @@ from starlette.requests import ClientDisconnect
 
 from flashtree.config import EngineConfig, SamplingParams
 from flashtree.defaults import DEFAULT_TARGET_NAME
+from flashtree.engine.generate import Chunk, Engine
 from flashtree.errors import FlashtreeError
-from flashtree.generate import Chunk, Engine
 from flashtree.serve import DEFAULT_MAX_QUEUE, DEFAULT_MAX_REQUEST_BYTES
 from flashtree.serve.guard import APIError, Guard, check_api_key
 from flashtree.serve.schemas import ChatCompletionRequest, CompletionRequest
@@ -455,7 +455,7 @@ class ServeConfig:
 def serve_command(config: EngineConfig, options: ServeConfig) -> None:
     import uvicorn
 
-    from flashtree.commands import load_engine
+    from flashtree.cli.commands import load_engine
 
     host, port = options.host, options.port
     sock = _listen_socket(host, port)

@@ -13,8 +13,8 @@ from prompt_toolkit import PromptSession
 from rich.console import Console
 
 from flashtree.config import EngineConfig, SamplingParams
+from flashtree.engine.generate import Engine, GenerationStats
 from flashtree.errors import FlashtreeError
-from flashtree.generate import Engine, GenerationStats
 
 HELP = (
     "/reset forget the conversation (the system prompt stays) · /system TEXT set the system prompt · "
@@ -110,7 +110,7 @@ class ChatSession:
 
 
 def chat_command(config: EngineConfig, sampling: SamplingParams, max_tokens: int) -> None:
-    from flashtree.commands import load_engine
+    from flashtree.cli.commands import load_engine
     from flashtree.serve.api import model_id_for
 
     engine = load_engine(config)

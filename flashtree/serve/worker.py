@@ -17,8 +17,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from flashtree.config import SamplingParams
+from flashtree.engine.generate import Chunk, Engine, GenerationStats
 from flashtree.errors import FlashtreeError
-from flashtree.generate import Chunk, Engine, GenerationStats
 
 log = logging.getLogger("flashtree.serve")
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 import torch
 
 from flashtree.config import SamplingParams, SpecConfig, check_block_size
-from flashtree.memory import check_free
+from flashtree.engine.memory import check_free
+from flashtree.engine.sampling import sample
 from flashtree.models.dflash import DFlashDraft
 from flashtree.models.model import DecoderModel
 from flashtree.models.state import ModelState
-from flashtree.sampling import sample
 from flashtree.spec.accept import accept_path
 from flashtree.spec.tree import DraftTree, draft_tree, fills_budget
 

@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 
 from flashtree.config import SamplingParams
+from flashtree.engine.sampling import filter_logits
 from flashtree.models.layers import apply_rotary, grouped_attention
-from flashtree.sampling import filter_logits
 
 SLOT_ALIGN = 16  # attention reads cache slots in multiples of this (aligned masks for the fused kernels)
 

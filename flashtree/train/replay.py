@@ -20,7 +20,7 @@ from collections.abc import Callable
 import torch
 
 from flashtree.config import SpecConfig
-from flashtree.generate import GenerationStats
+from flashtree.engine.generate import GenerationStats
 from flashtree.models.dflash import DFlashDraft
 from flashtree.spec.accept import accept_path
 from flashtree.spec.tree import draft_tree

@@ -12,8 +12,8 @@ import torch
 
 from benchmarks.tiny import tiny_pair
 from flashtree.config import SamplingParams, SpecConfig
-from flashtree.cuda_graphs import StepRunner
-from flashtree.generate import Engine
+from flashtree.engine.cuda_graphs import StepRunner
+from flashtree.engine.generate import Engine
 
 pytestmark = pytest.mark.gpu
 

@@ -89,7 +89,7 @@ def test_tree_and_chain_output_is_ar_output(kind, tiny_root):
     """A tiny qwen35 (heads of 32 values) on the GPU, every step from CUDA graphs where the engine takes
     them, with a random draft (an oracle's host-side proposals would not run in a graph)."""
     from flashtree.config import SamplingParams, SpecConfig
-    from flashtree.generate import Engine
+    from flashtree.engine.generate import Engine
     from flashtree.models.loader import load_target
     from tests.spec_util import random_draft
     from tests.tiny import tiny_gguf

@@ -4,7 +4,7 @@
 The model: Qwen3.6-27B's width (its 248,320 x 5,120 embedding, decoded to bf16 on the device, and its
 Q6_K LM head, the largest tensors a load converts) with 4 of its 64 layers (3 Gated DeltaNet, 1 gated
 attention), random Q4_K_M weights, no tokenizer (the loader needs none). Also checks the plan's target
-weights (flashtree/plan.py) are what the load allocates, to the byte.
+weights (flashtree/engine/plan.py) are what the load allocates, to the byte.
 """
 
 import dataclasses
@@ -15,11 +15,11 @@ import torch
 from flashtree.convert.hf import general_metadata
 from flashtree.convert.shapes import get_shape
 from flashtree.convert.synth import _random_tensor, synth_plan
+from flashtree.engine.plan import build_target, module_bytes
 from flashtree.gguf.reader import open_gguf
 from flashtree.gguf.writer import write_gguf
 from flashtree.models.config import hybrid_layer_types
 from flashtree.models.loader import load_target
-from flashtree.plan import build_target, module_bytes
 
 pytestmark = pytest.mark.gpu
 

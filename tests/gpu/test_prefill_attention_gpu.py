@@ -85,7 +85,7 @@ def test_with_a_window_chain_and_tree_are_ar_on_the_gpu(kind, tiny_root):
     """--attn-window on CUDA (tree_attention's window, CUDA graphs): chain and tree greedy output equal
     AR's with the same window, and the window changes the output of a long enough decode."""
     from flashtree.config import SamplingParams, SpecConfig
-    from flashtree.generate import Engine
+    from flashtree.engine.generate import Engine
     from flashtree.models.loader import load_target
     from tests.spec_util import OracleDraft
     from tests.tiny import tiny_gguf

@@ -15,12 +15,12 @@ from pathlib import Path
 import torch
 
 from flashtree.config import EngineConfig, SamplingParams, SpecConfig, check_attn_window, lossy_label
-from flashtree.cuda_graphs import StepRunner, graphs_wanted
+from flashtree.engine.cuda_graphs import StepRunner, graphs_wanted
+from flashtree.engine.memory import free_bytes, plan_context
+from flashtree.engine.prefill import prefill_chunk
+from flashtree.engine.sampling import SEED_MASK, sample
 from flashtree.errors import FlashtreeError
-from flashtree.memory import free_bytes, plan_context
 from flashtree.models.model import DecoderModel
-from flashtree.prefill import prefill_chunk
-from flashtree.sampling import SEED_MASK, sample
 from flashtree.settings import Settings
 from flashtree.settings import current as current_settings
 from flashtree.spec.accept import Accepted
@@ -159,11 +159,11 @@ class Engine:
         settings: the process's (FLASHTREE_*) unless given."""
         from flashtree import defaults
         from flashtree.config import AUTO, auto_mode
+        from flashtree.engine.plan import plan_load
         from flashtree.gguf.locate import resolve_model
         from flashtree.gguf.tokenizer import Tokenizer
         from flashtree.models.layers import use_kernels
         from flashtree.models.loader import load_target, resolve_device
-        from flashtree.plan import plan_load
 
         settings = settings or current_settings()
         if target is None:

@@ -151,7 +151,7 @@ class Planner:
         return ring_bytes(self.draft, ring + self.block_size) + 8 * (ring + self.block_size + 1)
 
     def workspace_bytes(self) -> int:
-        from flashtree.prefill import ACTIVATION_WIDTHS, FREE_SHARE
+        from flashtree.engine.prefill import ACTIVATION_WIDTHS, FREE_SHARE
 
         c = self.target.config
         prefill = FREE_SHARE * ACTIVATION_TOKENS * ACTIVATION_WIDTHS * 4 * max(c.hidden, c.ffn)
@@ -368,7 +368,7 @@ def plan_load(
     the model's own capped at DEFAULT_CONTEXT_CAP and shrunk to fit; a FlashtreeError naming what to
     lower when it does not fit the device's free memory. kv_types: K's and V's (None: the model's)."""
     from flashtree.config import SpecConfig, check_max_ctx
-    from flashtree.memory import free_bytes
+    from flashtree.engine.memory import free_bytes
 
     spec = spec or SpecConfig()
     if max_ctx is not None:

@@ -16,7 +16,7 @@ from flashtree.config import AUTO, MODES, EngineConfig, SamplingParams, SpecConf
 from flashtree.errors import FlashtreeError
 
 if TYPE_CHECKING:
-    from flashtree.generate import Engine
+    from flashtree.engine.generate import Engine
 
 
 def engine_config(
@@ -42,7 +42,7 @@ def engine_config(
 
 
 def load_engine(config: EngineConfig) -> Engine:
-    from flashtree.generate import Engine
+    from flashtree.engine.generate import Engine
 
     if config.target is None:  # the default model's first download shows its progress, outside the spinner
         from flashtree.defaults import default_target_path
@@ -63,7 +63,7 @@ def run_command(
 ) -> None:
     """One prompt in, the reply streamed to stdout (or one JSON object), a summary line on stderr."""
     check_request(max_tokens, config.max_ctx)  # every option checked before torch and the model load
-    from flashtree.generate import GenerationStats
+    from flashtree.engine.generate import GenerationStats
 
     engine = load_engine(config)
     prompt_ids = engine.encode(prompt, chat=chat)

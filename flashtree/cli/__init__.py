@@ -172,7 +172,7 @@ def run(
     attn_window: int = AttnWindowOpt,
 ):
     """Generate a reply to one prompt, streaming it to the terminal."""
-    from flashtree.commands import engine_config, run_command
+    from flashtree.cli.commands import engine_config, run_command
 
     spec_options = {"block_size": block_size, "budget": budget, "tree_top_k": tree_top_k}
     spec_options |= {"chain_seed": chain_seed, "draft_ctx": draft_ctx, "draft_temperature": draft_temperature}
@@ -202,7 +202,7 @@ def chat(
 ):
     """Interactive multi-turn chat in the terminal."""
     check_request(max_tokens, max_ctx)  # every option before torch and the model load
-    from flashtree.commands import engine_config
+    from flashtree.cli.commands import engine_config
 
     sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
     cache = {"kv_type": kv_type, "kv_type_k": kv_type_k, "kv_type_v": kv_type_v, "attn_window": attn_window}
@@ -244,7 +244,7 @@ def serve(
 
     Requests without "temperature" are sampled at 1.0, OpenAI's default, unlike run and chat (greedy):
     send "temperature": 0 for the same answer every time."""
-    from flashtree.commands import engine_config
+    from flashtree.cli.commands import engine_config
 
     cache = {"kv_type": kv_type, "kv_type_k": kv_type_k, "kv_type_v": kv_type_v, "attn_window": attn_window}
     config = engine_config(target, draft, mode, max_ctx, device, **cache)  # before the server's imports
@@ -283,7 +283,7 @@ def bench(
 ):
     """Benchmark AR vs chain vs tree decoding on HumanEval, GSM8K and MATH-500 prompts."""
     check_request(max_tokens)  # every option before torch and the model load
-    from flashtree.commands import engine_config
+    from flashtree.cli.commands import engine_config
 
     cache = {"kv_type": kv_type, "kv_type_k": kv_type_k, "kv_type_v": kv_type_v, "attn_window": attn_window}
     config = engine_config(target, draft, None, None, device, block_size=block_size, budget=budget, **cache)
@@ -371,7 +371,7 @@ def plan(
     as_json: bool = typer.Option(False, "--json", help="The same numbers as JSON, with total_bytes."),
 ):
     """The GPU memory a run would hold (weights, KV cache, state, workspace), without loading a weight."""
-    from flashtree.plan import plan_command
+    from flashtree.engine.plan import plan_command
 
     kv_types = (kv_type, kv_type_k, kv_type_v)
     plan_command(
@@ -489,7 +489,7 @@ def train_draft(
 @user_errors
 def models(as_json: bool = typer.Option(False, "--json", help="One JSON list instead of a table.")):
     """List the GGUFs in the Hugging Face cache, Ollama and LM Studio, by the name --target takes."""
-    from flashtree.commands import models_command
+    from flashtree.cli.commands import models_command
 
     models_command(as_json)
 
