@@ -11,7 +11,6 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from flashtree.kernels import attention  # noqa: E402
 from flashtree.kernels.attention import (  # noqa: E402
     MAX_SPLIT,
     ROWS_FROM_KEYS,
@@ -63,11 +62,11 @@ def case(shape, tree, dtype, seed=0):
     return q, k, v, start, layout
 
 
-def run(q, k, v, start, layout, n_keys=None):
+def run(q, k, v, start, layout, n_keys=None, tile=None):
     t, hd = q.shape[0], q.shape[-1]
     path, depths = layout.paths().to(torch.int32), layout.depths.to(torch.int32)
     n_keys = n_keys or start + t
-    return tree_attention(q, k, v, torch.tensor(start), path, depths, n_keys, hd**-0.5)
+    return tree_attention(q, k, v, torch.tensor(start), path, depths, n_keys, hd**-0.5, tile=tile)
 
 
 def sdpa(q, k, v, start, layout):
@@ -114,22 +113,21 @@ def test_splits_combine_under_the_largest_maximum_of_all():
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=list(DTYPES))
 @pytest.mark.parametrize("shape, tile", ROW_CASES, ids=[f"{shape}-{tile}" for shape, tile in ROW_CASES])
-def test_verify_rows_are_the_ar_steps_bit_for_bit(shape, dtype, tile, monkeypatch):
+def test_verify_rows_are_the_ar_steps_bit_for_bit(shape, dtype, tile):
     """Each tree node vs one AR step at its position after its path was committed (its ancestors' K/V
     moved to their positions, as commit_path does), and vs a call with more (empty) splits. The AR step's
-    program takes its one row alone, the verify's as many rows as `tile` says."""
+    program takes its one row alone, the verify's as many rows as `tile` says (row_group's choice at the
+    key counts where it takes that tile, launched here at the case's few keys)."""
     q, k, v, start, layout = case(shape, "tree", DTYPES[dtype], seed=1)
     group = q.shape[1] // k.shape[0]
-    want_rows = {"short": min(2, 16 // group), "fill": 16 // group, "wide": 5}[tile]
-    if tile == "fill":
-        monkeypatch.setattr(attention, "ROWS_FROM_KEYS", 0)
-    if tile == "wide":  # the 27B's 6 query heads a KV head: 5 rows in 32 queries
-        monkeypatch.setattr(attention, "WIDE_FROM_KEYS", 0)
-        monkeypatch.setattr(attention, "ROWS_FROM_KEYS", 0)
-    assert row_group(group, layout.size, start) == (want_rows, VERIFY_QUERIES if tile == "wide" else 16)
-    assert row_group(group, 1, start) == (1, 16)
-    got = run(q, k, v, start, layout)
-    assert torch.equal(run(q, k, v, start, layout, n_keys=start + 3 * split_positions(k.shape[1])), got)
+    keys = {"short": start, "fill": ROWS_FROM_KEYS, "wide": WIDE_FROM_KEYS}[tile]
+    want = {"short": min(2, 16 // group), "fill": 16 // group, "wide": 5}[tile]  # wide: the 27B's 6 heads
+    rows = row_group(group, layout.size, keys)
+    assert rows == (want, VERIFY_QUERIES if tile == "wide" else 16)
+    assert row_group(group, 1, keys) == (1, 16)
+    got = run(q, k, v, start, layout, tile=rows)
+    more = start + 3 * split_positions(k.shape[1])
+    assert torch.equal(run(q, k, v, start, layout, n_keys=more, tile=rows), got)
     paths = layout.paths()
     for node in range(layout.size):
         depth = int(layout.depths[node])

@@ -47,16 +47,16 @@ def decode_launches(tmp_path_factory, tiny_root) -> list[dict]:
                 qmatmul.quant_matmul(torch.randn(rows, 256), fields, qtype, 16, 256, arithmetic)
         fp8.quantize_rows(torch.randn(3, 96).bfloat16())  # an fp8 draft's activations
         # a bf16 model's attention at 256-dim heads (the 27B's), with the dots it takes on CUDA
-        mp.setattr(attention, "dot_mode", lambda q: "bf16")
         kv = torch.randn(1, 80, 256).bfloat16()
         for rows in (3, 10):  # 10: a long context's verify, in the wider query tile (5 rows in 32)
-            if rows == 10:
-                mp.setattr(attention, "WIDE_FROM_KEYS", 0)
-                assert attention.row_group(6, rows, 70) == (5, attention.VERIFY_QUERIES)
+            tile = attention.row_group(6, rows, attention.WIDE_FROM_KEYS if rows == 10 else 70)
+            assert rows == 3 or tile == (5, attention.VERIFY_QUERIES)
             layout = BlockLayout.chain(rows)
             paths, depths = layout.paths().to(torch.int32), layout.depths.to(torch.int32)
             q = torch.randn(rows, 6, 256).bfloat16()
-            attention.tree_attention(q, kv, kv, torch.tensor(60), paths, depths, 60 + rows, 0.0625)
+            attention.tree_attention(
+                q, kv, kv, torch.tensor(60), paths, depths, 60 + rows, 0.0625, tile=tile, dots="bf16"
+            )
         # quantized KV caches (quant/kv.py): the attention over their planes, with a window, and the fused
         # RoPE + quantizing write
         for kinds in (("q4_0", "tq3_0"), ("tq3_0", "q8_0")):
@@ -66,7 +66,7 @@ def decode_launches(tmp_path_factory, tiny_root) -> list[dict]:
                 paths, depths = layout.paths().to(torch.int32), layout.depths.to(torch.int32)
                 q = torch.randn(rows, 6, 256).bfloat16()
                 attention.tree_attention(
-                    q, k, v, torch.tensor(60), paths, depths, 60 + rows, 0.0625, window=30
+                    q, k, v, torch.tensor(60), paths, depths, 60 + rows, 0.0625, window=30, dots="bf16"
                 )
             q, new = torch.randn(2, 6, 256).bfloat16(), torch.randn(2, 1, 256).bfloat16()
             cos_sin = torch.randn(2, 64).bfloat16()

@@ -427,6 +427,8 @@ def tree_attention(
     block_at: torch.Tensor | None = None,  # 0-d long: the slot of block node 0 (None: start)
     split_for: int | None = None,  # the slot count the split size follows (None: the cache's)
     window: int = 0,  # 0: every position; else row at position p reads p - window + 1 .. p only
+    tile: tuple[int, int] | None = None,  # (rows, queries) of a program (None: row_group's)
+    dots: str | None = None,  # the dots' operands (None: dot_mode's): a test's or a sweep's launch
 ) -> torch.Tensor:
     """softmax(q K^T * scale) V of every row over its committed keys (those of `key_ok`) and its
     ancestors (itself included), (T, n_heads, head_dim) in q's dtype. key_ok may be a row broadcast
@@ -440,7 +442,7 @@ def tree_attention(
     n_kv = k_cache.data.shape[0]
     group = n_heads // n_kv
     bd = triton.next_power_of_2(hd)
-    rows, queries = row_group(group, t, n_keys)
+    rows, queries = tile or row_group(group, t, n_keys)
     split = split_positions(split_for or k_cache.data.shape[1])
     n_splits = triton.cdiv(n_keys, split)
     n_groups = triton.cdiv(t, rows)
@@ -459,7 +461,7 @@ def tree_attention(
         m, lsum, acc, out, tile_counters(q.device, n_groups * n_kv), t, n_kv, n_heads, n_splits,
         q.stride(0), q.stride(1), 0 if key_ok is None else key_ok.stride(0), scale, window,
         rotation_signs(rot, q.device), G=group, R=rows, QB=queries, HD=hd, BD=bd, SPLIT_N=split,
-        BLOCK=TILE_POSITIONS, DOTS=dot_mode(q), KEY_MASK=key_ok is not None, WINDOW=window > 0,
+        BLOCK=TILE_POSITIONS, DOTS=dots or dot_mode(q), KEY_MASK=key_ok is not None, WINDOW=window > 0,
         KIND_K=kind_k, KIND_V=kind_v, ROT=rot, RSCALE=rotation_scale(rot),
         num_warps=NUM_WARPS if bd >= 256 else 4, num_stages=NUM_STAGES, enable_fp_fusion=False,
         **pdl_options(q),
