@@ -38,6 +38,9 @@ def main() -> None:
     parser.add_argument("--max-ctx", type=int, default=262144)
     parser.add_argument("--kv-type", default="tq3_0")
     parser.add_argument("--steps", type=int, default=16, help="tree steps after the prefill, at least")
+    parser.add_argument(
+        "--prompt-tokens", type=int, default=0, help="prompt length (0: fill the context but the steps)"
+    )
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     draft_dtype = "fp8" if current().draft_fp8 == "matrices" else "bf16"
@@ -48,11 +51,13 @@ def main() -> None:
                           device="cuda", kv_type_k=args.kv_type, kv_type_v=args.kv_type)  # fmt: skip
     engine = Engine.from_config(config)
     load_s, loaded = time.perf_counter() - t0, torch.cuda.max_memory_reserved()
+    print(f"loaded in {load_s:.0f} s, peak {loaded / 2**30:.2f} GiB reserved", flush=True)
     # Room for the steps: each emits at most a block (random weights accept about one token a step).
     new = args.steps * (engine.decoder.max_block + 1)
     generator = torch.Generator().manual_seed(0)
     vocab = engine.target.config.vocab
-    prompt = torch.randint(0, vocab, (engine.max_ctx - new,), generator=generator).tolist()
+    n_prompt = min(args.prompt_tokens or engine.max_ctx, engine.max_ctx - new)
+    prompt = torch.randint(0, vocab, (n_prompt,), generator=generator).tolist()
     stats = GenerationStats("tree")
     for _ in engine.generate(prompt, max_tokens=new, stop_ids=[], stats=stats):
         if stats.steps >= args.steps:

@@ -86,6 +86,27 @@ def test_a_chunked_prefill_through_the_kernel_is_the_torch_paths(pair, monkeypat
     torch.testing.assert_close(got, torch_path, rtol=1e-4, atol=1e-4)
 
 
+def test_a_long_prompt_reports_its_prefill_chunk_by_chunk(pair):
+    """`on_prefill(done, total)` after each chunk (FLASHTREE_PREFILL_CHUNK 16: 40 tokens in 3 chunks),
+    and the tokens are the ones generated without it; the CLI's bar only for a long prompt."""
+    from flashtree.cli.commands import LONG_PROMPT, prefill_progress
+    from flashtree.settings import Settings
+
+    target, _ = pair
+    prompt = prompts(1, target.config.vocab, seed=7, longest=40)[0] + [1] * 40
+    engine = Engine(target, None, None, SpecConfig(mode="ar"), 512, settings=Settings(prefill_chunk=16))
+    seen = []
+    out = engine.generate(prompt, 4, SamplingParams(), stop_ids=(), on_prefill=lambda *a: seen.append(a))
+    tokens = [t for step in out for t in step]
+    n = len(prompt)
+    assert seen == [(min(s + 16, n), n) for s in range(0, n, 16)]
+    assert tokens == decode(target, None, prompt, 4)[0]
+    with prefill_progress(LONG_PROMPT - 1) as short:
+        assert short is None
+    with prefill_progress(LONG_PROMPT) as bar:
+        bar(4096, LONG_PROMPT)
+
+
 def test_a_windowed_mask_is_by_position():
     """The AR step at position 10 with a window of 3 reads keys 8, 9, 10; a tree node at depth d reads
     the committed keys and its ancestors whose positions are among its last 3."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import sys
+from contextlib import contextmanager
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -69,12 +70,13 @@ def run_command(
     prompt_ids = engine.encode(prompt, chat=chat)
     stats = GenerationStats(engine.mode)
     text, token_ids = [], []
-    for chunk in engine.stream(prompt_ids, max_tokens, sampling, stats=stats):
-        text.append(chunk.text)
-        token_ids.extend(chunk.token_ids)
-        if not as_json:
-            sys.stdout.write(chunk.text)
-            sys.stdout.flush()
+    with prefill_progress(len(prompt_ids)) as on_prefill:
+        for chunk in engine.stream(prompt_ids, max_tokens, sampling, stats=stats, on_prefill=on_prefill):
+            text.append(chunk.text)
+            token_ids.extend(chunk.token_ids)
+            if not as_json:
+                sys.stdout.write(chunk.text)
+                sys.stdout.flush()
     if as_json:
         print(
             json.dumps(
@@ -90,6 +92,26 @@ def run_command(
         return
     sys.stdout.write("\n")
     summary_line(stats, config.mode == AUTO, engine.device.type, engine.kv_types)
+
+
+LONG_PROMPT = (
+    8192  # tokens: a prompt this long shows its prefill's progress (seconds on a GPU, more on a CPU)
+)
+
+
+@contextmanager
+def prefill_progress(n_prompt: int):
+    """A callback for Engine.stream's `on_prefill` that draws a progress bar on stderr while a long
+    prompt is prefilled (gone once the reply starts); None for a short prompt."""
+    if n_prompt < LONG_PROMPT:
+        yield None
+        return
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    columns = (TextColumn("prefill"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
+    with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task("prefill", total=n_prompt)
+        yield lambda done, total: bar.update(task, completed=done)
 
 
 def summary_line(stats, auto: bool, device: str, kv_types: tuple[str, str]) -> None:

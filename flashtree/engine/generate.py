@@ -8,7 +8,7 @@ serve and bench all use these two and nothing else.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -240,8 +240,10 @@ class Engine:
         sampling: SamplingParams | None = None,
         stop_ids: Iterable[int] | None = None,
         stats: GenerationStats | None = None,
+        on_prefill: Callable[[int, int], None] | None = None,
     ) -> Iterator[list[int]]:
-        """Yield the tokens each step commits, until a stop id (included), max_tokens or a full context."""
+        """Yield the tokens each step commits, until a stop id (included), max_tokens or a full context.
+        `on_prefill(done, total)`: called after each prefill chunk (a long prompt's progress)."""
         sampling = sampling or SamplingParams()
         stop = set(self.tokenizer.stop_ids if stop_ids is None else stop_ids)
         stats = stats if stats is not None else GenerationStats(self.mode)
@@ -250,7 +252,7 @@ class Engine:
         stats.n_prompt, stats.lossy = len(prompt_ids), self.lossy
 
         t0 = time.perf_counter()
-        token = self._prefill(prompt_ids, sampling)
+        token = self._prefill(prompt_ids, sampling, on_prefill)
         _sync(self.device)
         stats.prefill_s = time.perf_counter() - t0
         emitted = self._clip([token], budget, stop)
@@ -286,7 +288,7 @@ class Engine:
                 return tokens[: i + 1]
         return tokens
 
-    def _prefill(self, prompt_ids: list[int], sampling: SamplingParams) -> int:
+    def _prefill(self, prompt_ids: list[int], sampling: SamplingParams, on_prefill: Callable | None) -> int:
         """Run the prompt in chunks (feeding its features to the draft, chunk by chunk, so a long
         prompt never holds more than one chunk of them) and sample the first new token."""
         self.state.reset()
@@ -304,6 +306,8 @@ class Engine:
             self.state.advance(part.shape[0])
             if self.decoder:
                 self.decoder.observe(out.features)
+            if on_prefill:
+                on_prefill(min(s + chunk, len(prompt_ids)), len(prompt_ids))
         pos = torch.full((1,), len(prompt_ids), device=self.device)
         return int(sample(out.logits, sampling, pos)[0])
 
@@ -342,17 +346,18 @@ class Engine:
         stop: Iterable[str] = (),
         stats: GenerationStats | None = None,
         cancel=None,
+        on_prefill: Callable[[int, int], None] | None = None,
     ) -> Iterator[Chunk]:
         """Text chunks of the reply. Stop strings are matched across token boundaries and never
         emitted; stop tokens (EOS/EOT) end the reply without appearing in the text. `cancel` (a
-        threading.Event) ends generation between steps."""
+        threading.Event) ends generation between steps; `on_prefill` as in `generate`."""
         from flashtree.gguf.tokenizer import IncrementalDecoder
 
         stops = [s for s in stop if s]
         stop_ids = set(self.tokenizer.stop_ids)
         decoder = IncrementalDecoder(self.tokenizer)
         held = ""  # decoded text that may still turn out to start a stop string
-        for ids in self.generate(prompt_ids, max_tokens, sampling, stop_ids, stats):
+        for ids in self.generate(prompt_ids, max_tokens, sampling, stop_ids, stats, on_prefill):
             ended_by_token = ids[-1] in stop_ids
             held += decoder.push([t for t in ids if t not in stop_ids])
             if ended_by_token:
