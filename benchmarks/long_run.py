@@ -25,7 +25,7 @@ def planned(args: argparse.Namespace, draft_dtype: str) -> dict:
     """`flashtree plan --json` for the run's options."""
     cmd = [sys.executable, "-m", "flashtree", "plan", "--target", args.target, "--draft", args.draft,
            "--max-ctx", str(args.max_ctx), "--kv-type", args.kv_type, "--draft-dtype", draft_dtype,
-           "--json"]  # fmt: skip
+           "--gpu-memory", str(args.gpu_memory), "--json"]  # fmt: skip
     return json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
 
 
@@ -39,12 +39,17 @@ def main() -> None:
     parser.add_argument("--kv-type", default="tq3_0")
     parser.add_argument("--steps", type=int, default=16, help="tree steps after the prefill, at least")
     parser.add_argument(
+        "--gpu-memory", type=float, default=22.0, help="GiB the run may take: a smaller card's budget"
+    )
+    parser.add_argument(
         "--prompt-tokens", type=int, default=0, help="prompt length (0: fill the context but the steps)"
     )
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     draft_dtype = "fp8" if current().draft_fp8 == "matrices" else "bf16"
     plan = planned(args, draft_dtype)
+    # the allocator fails past the budget, and the prefill chunk rule sees only the budget's free memory
+    torch.cuda.set_per_process_memory_fraction(args.gpu_memory * 2**30 / torch.cuda.mem_get_info()[1])
     torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
     config = EngineConfig(target=args.target, draft=args.draft, mode="tree", max_ctx=args.max_ctx,
@@ -66,7 +71,8 @@ def main() -> None:
     peak = torch.cuda.max_memory_reserved()
     result = {
         "command": " ".join(sys.argv), "device": torch.cuda.get_device_name(), "kv_type": args.kv_type,
-        "draft_dtype": draft_dtype, "max_ctx": engine.max_ctx, "prompt_tokens": len(prompt),
+        "draft_dtype": draft_dtype, "gpu_memory_gib": args.gpu_memory, "max_ctx": engine.max_ctx,
+        "prompt_tokens": len(prompt),
         "tree_steps": stats.steps, "generated": stats.n_generated, "load_s": load_s,
         "prefill_s": stats.prefill_s, "prefill_tok_s": len(prompt) / stats.prefill_s,
         "decode_s": stats.decode_s, "peak_after_load_bytes": loaded, "peak_reserved_bytes": peak,

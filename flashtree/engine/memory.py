@@ -11,9 +11,12 @@ USABLE = 0.9  # leave room for activations and the allocator's slack
 
 
 def free_bytes(device: torch.device) -> int:
-    """Free memory on `device`: the GPU's, or the host's MemAvailable for the CPU."""
+    """Free memory on `device`: the GPU's (within a cap set by torch.cuda.set_per_process_memory_fraction,
+    which a run that emulates a smaller card sets), or the host's MemAvailable for the CPU."""
     if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
+        free, total = torch.cuda.mem_get_info(device)
+        cap = int(torch.cuda.get_per_process_memory_fraction(device) * total)
+        return max(0, min(free, cap - torch.cuda.memory_reserved(device)))
     with open("/proc/meminfo") as f:
         for line in f:
             if line.startswith("MemAvailable:"):

@@ -291,7 +291,9 @@ def gpu_budget(gpu_memory: float | None) -> int | None:
         if not gpu_memory > 0:
             raise FlashtreeError(f"--gpu-memory must be a positive number of GiB, got {gpu_memory}")
         return int(gpu_memory * GIB)
-    return torch.cuda.mem_get_info()[0] if torch.cuda.is_available() else None
+    from flashtree.engine.memory import free_bytes
+
+    return free_bytes(torch.device("cuda")) if torch.cuda.is_available() else None
 
 
 def parse_max_ctx(text: str) -> int | str:

@@ -54,3 +54,20 @@ def test_load_peak_is_the_resident_size(wide_model, quantized):
     assert module_bytes(planned) == resident
     del model
     torch.cuda.empty_cache()
+
+
+def test_free_memory_stays_within_a_process_cap():
+    """A run that emulates a smaller card (benchmarks/long_run.py --gpu-memory) caps the allocator; the
+    prefill chunk rule and the planner then see the cap's free memory, not the GPU's."""
+    from flashtree.engine.memory import free_bytes
+
+    device = torch.device("cuda")
+    total = torch.cuda.mem_get_info(device)[1]
+    torch.cuda.set_per_process_memory_fraction(0.25, device)
+    try:
+        held = torch.empty(1 << 28, dtype=torch.uint8, device=device)
+        assert free_bytes(device) == int(0.25 * total) - torch.cuda.memory_reserved(device)
+        del held
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, device)
+    assert free_bytes(device) == torch.cuda.mem_get_info(device)[0]
