@@ -76,28 +76,37 @@ def test_check_kv_type():
 
 @triton.jit
 def _tiles_kernel(
-    data, scale, high, out, sdh, sds, ssh, sss, shh, shs,
-    N: tl.constexpr, HD: tl.constexpr, KIND: tl.constexpr, TRANS: tl.constexpr,
+    data, scale, high, out, sdh, sds, ssh, sss, shh, shs, valid,
+    N: tl.constexpr, HD: tl.constexpr, BD: tl.constexpr, KIND: tl.constexpr, TRANS: tl.constexpr,
 ):  # fmt: skip
+    """Every other slot's tile (N, BD) of head program_id(0), the first `valid` slots unmasked, stored
+    whole (as (BD, N) K^T with TRANS, as the attention kernels load it)."""
     h = tl.program_id(0)
-    n, d = tl.arange(0, N), tl.arange(0, HD)
+    n, d = tl.arange(0, N), tl.arange(0, BD)
     fields = data + h * sdh, scale + h * ssh, high + h * shh
-    if TRANS:  # K^T as the attention kernel loads it, every other slot
-        v = kv_tile(*fields, 2 * n[None, :], d[:, None], (n < N)[None, :], sds, sss, shs, KIND)
-        tl.store(out + h * N * HD + n[None, :] * HD + d[:, None], v.to(tl.float32))
+    v = kv_tile(*fields, 2 * n, n < valid, sds, sss, shs, HD, N, BD, KIND, TRANS).to(tl.float32)
+    if TRANS:
+        tl.store(out + h * N * BD + n[None, :] * BD + d[:, None], v)
     else:
-        v = kv_tile(*fields, 2 * n[:, None], d[None, :], (n < N)[:, None], sds, sss, shs, KIND)
-        tl.store(out + h * N * HD + n[:, None] * HD + d[None, :], v.to(tl.float32))
+        tl.store(out + h * N * BD + n[:, None] * BD + d[None, :], v)
 
 
-@pytest.mark.parametrize("kind", KV_TYPES)
+# 96 and 384: head sizes below their power of two (masked head dims); tq3_0 takes 384, not 96
+TILE_CASES = [(kind, hd) for kind in KV_TYPES for hd in (64, 96, 384) if kind != "tq3_0" or hd != 96]
+
+
+@pytest.mark.parametrize(("kind", "hd"), TILE_CASES, ids=[f"{k}-{hd}" for k, hd in TILE_CASES])
 @pytest.mark.parametrize("trans", [False, True])
-def test_kv_tile_loads_dequantized_values(kind, trans):
-    plane = quantize(torch.randn(2, 32, 64, generator=torch.Generator().manual_seed(2)), kind)
-    out = torch.empty(2, 16, 64)
+def test_kv_tile_loads_dequantized_values(kind, hd, trans):
+    """kv_tile's values are dequantize's bit for bit; masked slots and head dims past hd are 0."""
+    n, valid, bd = 16, 11, triton.next_power_of_2(hd)
+    plane = quantize(torch.randn(2, 2 * n, hd, generator=torch.Generator().manual_seed(2)), kind)
+    out = torch.full((2, n, bd), float("nan"))
     args = plane_args(plane)
-    _tiles_kernel[(2,)](*args[:3], out, *args[3:9], N=16, HD=64, KIND=args[9], TRANS=trans)
-    assert torch.equal(out, dequantize(plane)[:, ::2])
+    _tiles_kernel[(2,)](*args[:3], out, *args[3:9], valid, N=n, HD=hd, BD=bd, KIND=args[9], TRANS=trans)
+    want = torch.zeros(2, n, bd)
+    want[:, :valid, :hd] = dequantize(plane)[:, ::2][:, :valid]
+    assert torch.equal(out, want)
 
 
 def _rope(t: int, hd: int, rot: int, dtype):

@@ -165,23 +165,22 @@ def _tile_update(
 
 @triton.jit
 def _kv_tiles(
-    kd, ks, kh, skd, sks, skh, vd, vs, vh, svd, svs, svh, slot, d, ok, head_dims,
-    KIND_K: tl.constexpr, KIND_V: tl.constexpr,
+    kd, ks, kh, skd, sks, skh, vd, vs, vh, svd, svs, svh, slot, ok, HD: tl.constexpr,
+    BLOCK: tl.constexpr, BD: tl.constexpr, KIND_K: tl.constexpr, KIND_V: tl.constexpr,
 ):  # fmt: skip
     """The K^T tile (BD, BLOCK) and the V tile (BLOCK, BD) of cache slots `slot` (kernels/kv_tiles.py),
-    together: the V tile's load is in flight while the scores are computed. K^T as loaded: the
-    interpreter's matmul of a transposed view depends on the rows."""
-    kv_ok = ok[:, None] & head_dims
-    k = kv_tile(kd, ks, kh, slot[None, :], d[:, None], tl.trans(kv_ok), skd, sks, skh, KIND_K)
-    v = kv_tile(vd, vs, vh, slot[:, None], d[None, :], kv_ok, svd, svs, svh, KIND_V)
+    together: the V tile's load is in flight while the scores are computed."""
+    k = kv_tile(kd, ks, kh, slot, ok, skd, sks, skh, HD, BLOCK, BD, KIND_K, True)
+    v = kv_tile(vd, vs, vh, slot, ok, svd, svs, svh, HD, BLOCK, BD, KIND_V, False)
     return k, v
 
 
 @triton.jit
 def _shared_tiles(
     q, m, denom, acc, kd, ks, kh, skd, sks, skh, vd, vs, vh, svd, svs, svh, key_ok_ptr, stride_ok,
-    row, real, low, first, end, hi, d, head_dims, scale, BLOCK: tl.constexpr, DOTS: tl.constexpr,
-    KEY_MASK: tl.constexpr, WINDOW: tl.constexpr, KIND_K: tl.constexpr, KIND_V: tl.constexpr,
+    row, real, low, first, end, hi, scale, HD: tl.constexpr, BD: tl.constexpr, BLOCK: tl.constexpr,
+    DOTS: tl.constexpr, KEY_MASK: tl.constexpr, WINDOW: tl.constexpr, KIND_K: tl.constexpr,
+    KIND_V: tl.constexpr,
 ):  # fmt: skip
     """Tiles [first, end) of committed positions, every row's: loaded once, all queries at once. low:
     (QB,) each query's first position in its window (WINDOW)."""
@@ -189,7 +188,7 @@ def _shared_tiles(
         pos = b + tl.arange(0, BLOCK)
         valid = pos < hi  # all true: the same mask a row's own tile applies
         k, v = _kv_tiles(
-            kd, ks, kh, skd, sks, skh, vd, vs, vh, svd, svs, svh, pos, d, valid, head_dims, KIND_K, KIND_V
+            kd, ks, kh, skd, sks, skh, vd, vs, vh, svd, svs, svh, pos, valid, HD, BLOCK, BD, KIND_K, KIND_V
         )
         key_ok = valid[None, :]  # unused without KEY_MASK or WINDOW
         if KEY_MASK:
@@ -205,9 +204,9 @@ def _shared_tiles(
 @triton.jit
 def _row_tiles(
     q, m, denom, acc, kd, ks, kh, skd, sks, skh, vd, vs, vh, svd, svs, svh, key_ok_ptr, stride_ok,
-    path_ptr, depth_ptr, group, start, block, n_rows, real, member, first, hi, split_end, window, d,
-    head_dims, scale, R: tl.constexpr, BLOCK: tl.constexpr, DOTS: tl.constexpr, KEY_MASK: tl.constexpr,
-    WINDOW: tl.constexpr, KIND_K: tl.constexpr, KIND_V: tl.constexpr,
+    path_ptr, depth_ptr, group, start, block, n_rows, real, member, first, hi, split_end, window, scale,
+    HD: tl.constexpr, BD: tl.constexpr, R: tl.constexpr, BLOCK: tl.constexpr, DOTS: tl.constexpr,
+    KEY_MASK: tl.constexpr, WINDOW: tl.constexpr, KIND_K: tl.constexpr, KIND_V: tl.constexpr,
 ):  # fmt: skip
     """Tiles [first, hi) that hold block positions of some rows: gathered row by row (each its own
     ancestors, block node j at slot block + j), each row's queries taking only their own tile's update."""
@@ -227,7 +226,7 @@ def _row_tiles(
                 node = tl.load(path_ptr + t * n_rows + rel, mask=ok & (rel >= 0), other=0)
                 slot = tl.where(rel >= 0, block + node, pos)
                 k, v = _kv_tiles(
-                    kd, ks, kh, skd, sks, skh, vd, vs, vh, svd, svs, svh, slot, d, ok, head_dims,
+                    kd, ks, kh, skd, sks, skh, vd, vs, vh, svd, svs, svh, slot, ok, HD, BLOCK, BD,
                     KIND_K, KIND_V,
                 )  # fmt: skip
                 key_ok = ok[None, :]  # unused without KEY_MASK or WINDOW
@@ -291,14 +290,14 @@ def _split_kernel(
     vd, vs, vh = vd + kvh * svd_h, vs + kvh * svs_h, vh + kvh * svh_h
     m, denom, acc = _shared_tiles(
         q, m, denom, acc, kd, ks, kh, skd, sks, skh, vd, vs, vh, svd, svs, svh, key_ok_ptr, stride_ok,
-        row, real, low, lo, shared_end, hi, d, head_dims, scale, BLOCK, DOTS, KEY_MASK, WINDOW,
-        KIND_K, KIND_V,
+        row, real, low, lo, shared_end, hi, scale, HD, BD, BLOCK, DOTS, KEY_MASK, WINDOW, KIND_K,
+        KIND_V,
     )  # fmt: skip
     m, denom, acc = _row_tiles(
         q, m, denom, acc, kd, ks, kh, skd, sks, skh, vd, vs, vh, svd, svs, svh, key_ok_ptr, stride_ok,
         path_ptr, depth_ptr, group, start, tl.load(block_ptr), n_rows, real, member,
-        tl.maximum(lo, shared_end), hi, s * SPLIT_N + SPLIT_N, window, d, head_dims, scale, R, BLOCK,
-        DOTS, KEY_MASK, WINDOW, KIND_K, KIND_V,
+        tl.maximum(lo, shared_end), hi, s * SPLIT_N + SPLIT_N, window, scale, HD, BD, R, BLOCK, DOTS,
+        KEY_MASK, WINDOW, KIND_K, KIND_V,
     )  # fmt: skip
     _finish(m, denom, acc, row * n_heads + heads, real, head_dims, d, m_ptr, l_ptr, acc_ptr, out_ptr,
             counter_ptr + group * n_kv + kvh, s, n_splits, signs, QB, HD, BD, ROT, RSCALE,

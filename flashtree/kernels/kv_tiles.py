@@ -1,7 +1,8 @@
 """KV cache tiles in any type of quant/kv.py, for the attention kernels: `kv_tile` loads the values of
 some cache slots and head dims as a tensor operand (what a bf16 / f16 / f32 cache holds, as stored;
 a quantized one's values in fp32), and `plane_args` gives a kernel a plane's pointers and strides.
-Dequantizing happens in registers, tile by tile: no dequantized copy of the cache is ever made.
+Dequantizing happens in registers, tile by tile (each slot's bytes loaded whole, once, and unpacked
+there): no dequantized copy of the cache is ever made.
 Each value is computed alone (its code, its block's scale: one multiply), so a tile's values do not
 depend on which other slots or rows it holds: a verify row reads the bits the AR step reads.
 tq3_0's values stay rotated (quant/kv.py): the caller rotates the query and unrotates the output."""
@@ -39,25 +40,54 @@ def centroid(idx):
 
 
 @triton.jit
-def kv_tile(data, scale, high, slot, d, ok, s_data, s_scale, s_high, KIND: tl.constexpr):
-    """The values at cache slots `slot` and head dims `d`, broadcast together ((N, 1) and (1, BD): a
-    (positions, head_dim) tile; (1, N) and (BD, 1): the transposed K^T tile), masked by `ok` (0 there).
-    data, scale, high: one head's fields at slot 0 (`plane_args`); s_*: their slot strides. KIND 0
-    (bf16 / f16 / f32): the stored tensor itself (the caller casts it to its operand); else fp32."""
+def kv_tile(data, scale, high, slot, ok, s_data, s_scale, s_high, HD, N: tl.constexpr, BD: tl.constexpr,
+            KIND: tl.constexpr, TRANS: tl.constexpr):  # fmt: skip
+    """The values of head dims 0 .. BD - 1 at cache slots `slot` (N,): a (N, BD) tile, or its transpose
+    (BD, N) with TRANS (K^T); 0 at slots where `ok` (N,) is false and at head dims >= HD. data, scale,
+    high: one head's fields at slot 0 (`plane_args`); s_*: their slot strides. KIND 0 (bf16 / f16 /
+    f32): the stored tensor itself (the caller casts it to its operand); else fp32."""
     if KIND == 0:
-        return tl.load(data + slot * s_data + d, mask=ok, other=0.0)
+        d = tl.arange(0, BD)
+        mask = ok[:, None] & (d < HD)[None, :]
+        if TRANS:  # a float K^T is loaded transposed: nothing to unpack in (N, BD) order
+            return tl.load(data + slot[None, :] * s_data + d[:, None], mask=tl.trans(mask), other=0.0)
+        else:
+            return tl.load(data + slot[:, None] * s_data + d[None, :], mask=mask, other=0.0)
     else:
-        d_scale = tl.load(scale + slot * s_scale + d // QBLOCK, mask=ok, other=0.0).to(tl.float32)
-        if KIND == 1:  # q8_0
-            q = tl.load(data + slot * s_data + d, mask=ok, other=0).to(tl.float32)
-        elif KIND == 2:  # q4_0: element 2i + j in bits 4j.. of byte i
-            byte = tl.load(data + slot * s_data + d // 2, mask=ok, other=0).to(tl.int32)
-            q = ((byte >> ((d % 2) * 4)) & 15).to(tl.float32) - 8.0
-        else:  # tq3_0: the index's low two bits in data, its third in high
-            low = tl.load(data + slot * s_data + d // 4, mask=ok, other=0).to(tl.int32)
-            top = tl.load(high + slot * s_high + d // 8, mask=ok, other=0).to(tl.int32)
-            q = centroid(((low >> ((d % 4) * 2)) & 3) | (((top >> (d % 8)) & 1) << 2))
-        return q * d_scale
+        v = _dequantized(data, scale, high, slot, ok, s_data, s_scale, s_high, HD, N, BD, KIND)
+        return tl.trans(v) if TRANS else v
+
+
+@triton.jit
+def _rows(field, slot, ok, stride, n, N: tl.constexpr, WIDTH: tl.constexpr):
+    """Elements 0 .. WIDTH - 1 of a field at slots `slot` (N, WIDTH), as stored, 0 past the first n:
+    one slot's are contiguous, so a thread loads several at once."""
+    i = tl.arange(0, WIDTH)
+    return tl.load(field + slot[:, None] * stride + i[None, :], mask=ok[:, None] & (i < n)[None, :], other=0)
+
+
+@triton.jit
+def _dequantized(data, scale, high, slot, ok, s_data, s_scale, s_high, HD, N: tl.constexpr,
+                 BD: tl.constexpr, KIND: tl.constexpr):  # fmt: skip
+    """`kv_tile`'s (N, BD) tile of a quantized plane. Each byte is loaded once and its codes shifted
+    out of it along a trailing axis (the values of a group of 2, 4 or 8), each block's scale loaded once
+    and broadcast over its 32 values (HD is a multiple of 32: masks of whole groups are exact)."""
+    if KIND == 1:  # q8_0
+        q = _rows(data, slot, ok, s_data, HD, N, BD).to(tl.float32)
+    elif KIND == 2:  # q4_0: element 2i + j in bits 4j.. of byte i
+        byte = _rows(data, slot, ok, s_data, HD // 2, N, BD // 2).to(tl.int32)
+        nibble = (byte[:, :, None] >> (tl.arange(0, 2) * 4)[None, None, :]) & 15  # (N, BD / 2, 2)
+        q = nibble.to(tl.float32) - 8.0
+    else:  # tq3_0, by groups of 8 values: 2 bytes of low bits (4i + j at bits 2j), 1 of third bits
+        low = _rows(data, slot, ok, s_data, HD // 4, N, BD // 4).to(tl.int32)
+        top = _rows(high, slot, ok, s_high, HD // 8, N, BD // 8).to(tl.int32)
+        low = tl.reshape(low, (N, BD // 8, 2, 1)) >> (tl.arange(0, 4) * 2)[None, None, None, :]
+        low = tl.reshape(low & 3, (N, BD // 8, 8))
+        top = (top[:, :, None] >> tl.arange(0, 8)[None, None, :]) & 1
+        q = centroid(low | (top << 2))  # (N, BD / 8, 8)
+    d_scale = _rows(scale, slot, ok, s_scale, HD // QBLOCK, N, BD // QBLOCK).to(tl.float32)
+    blocks = tl.reshape(q, (N, BD // QBLOCK, QBLOCK)) * d_scale[:, :, None]
+    return tl.reshape(blocks, (N, BD))
 
 
 @triton.jit

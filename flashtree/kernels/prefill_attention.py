@@ -39,18 +39,17 @@ def tiles_for(head_dim: int) -> tuple[int, int, int]:
 
 @triton.jit
 def _key_tile(
-    q, kd, ks, kh, skd, sks, skh, vd, vs, vh, svd, svs, svh, b, d, head_dims, n_keys, pos,
-    m, denom, acc, qk_scale, DOTS: tl.constexpr, BLOCK: tl.constexpr, EDGE: tl.constexpr,
+    q, kd, ks, kh, skd, sks, skh, vd, vs, vh, svd, svs, svh, b, n_keys, pos, m, denom, acc, qk_scale,
+    HD: tl.constexpr, BD: tl.constexpr, DOTS: tl.constexpr, BLOCK: tl.constexpr, EDGE: tl.constexpr,
     WINDOW: tl.constexpr, window, KIND_K: tl.constexpr, KIND_V: tl.constexpr,
 ):  # fmt: skip
     """Keys b .. b + BLOCK - 1 added to the online softmax (base 2) of the queries at positions `pos`.
-    K^T (BD, BLOCK) and V (BLOCK, BD) as kv_tile loads them (K^T as loaded: the interpreter's matmul of
-    a transposed view depends on the rows). EDGE: the tile crosses some row's causal edge (or window):
-    keys a row does not see are masked."""
+    K^T (BD, BLOCK) and V (BLOCK, BD) as kv_tile loads them. EDGE: the tile crosses some row's causal
+    edge (or window): keys a row does not see are masked."""
     keys = b + tl.arange(0, BLOCK)
-    kv_ok = (keys < n_keys)[:, None] & head_dims
-    k = kv_tile(kd, ks, kh, keys[None, :], d[:, None], tl.trans(kv_ok), skd, sks, skh, KIND_K)
-    v = kv_tile(vd, vs, vh, keys[:, None], d[None, :], kv_ok, svd, svs, svh, KIND_V)
+    kv_ok = keys < n_keys
+    k = kv_tile(kd, ks, kh, keys, kv_ok, skd, sks, skh, HD, BLOCK, BD, KIND_K, True)
+    v = kv_tile(vd, vs, vh, keys, kv_ok, svd, svs, svh, HD, BLOCK, BD, KIND_V, False)
     scores = _dot(q, _operand(k, DOTS), DOTS) * qk_scale  # (QB, BLOCK), in log2 units
     if EDGE:
         seen = keys[None, :] <= pos[:, None]
@@ -105,13 +104,13 @@ def _prefill_kernel(
     vd, vs, vh = vd + kvh * svd_h, vs + kvh * svs_h, vh + kvh * svh_h
     for b in range(lo, shared_end, BLOCK):
         m, denom, acc = _key_tile(
-            q, kd, ks, kh, skd, sks, skh, vd, vs, vh, svd, svs, svh, b, d, head_dims, n_keys, pos,
-            m, denom, acc, qk_scale, DOTS, BLOCK, False, WINDOW, window, KIND_K, KIND_V,
+            q, kd, ks, kh, skd, sks, skh, vd, vs, vh, svd, svs, svh, b, n_keys, pos, m, denom, acc,
+            qk_scale, HD, BD, DOTS, BLOCK, False, WINDOW, window, KIND_K, KIND_V,
         )  # fmt: skip
     for b in range(shared_end, n_keys, BLOCK):
         m, denom, acc = _key_tile(
-            q, kd, ks, kh, skd, sks, skh, vd, vs, vh, svd, svs, svh, b, d, head_dims, n_keys, pos,
-            m, denom, acc, qk_scale, DOTS, BLOCK, True, WINDOW, window, KIND_K, KIND_V,
+            q, kd, ks, kh, skd, sks, skh, vd, vs, vh, svd, svs, svh, b, n_keys, pos, m, denom, acc,
+            qk_scale, HD, BD, DOTS, BLOCK, True, WINDOW, window, KIND_K, KIND_V,
         )  # fmt: skip
     outs = out_ptr + row[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :]
     tl.store(outs, (acc / denom[:, None]).to(out_ptr.dtype.element_ty), mask=real[:, None] & head_dims)
