@@ -3,8 +3,11 @@
 # /root/stash with it). Carry .wheels/issue6 and .cache/issue6 (scripts/gpu_wheels.sh).
 #   STAGE=tests  the synthetic 27B + 5-layer draft in the background; the GPU tests TESTS (default: the
 #                long-context kernels, attention, verify rows, graphs) for at most TESTS_S seconds
+#   STAGE=prefill  benchmarks/gpu_prefill.py: the prefill attention kernel at the 27B's heads over caches of
+#                KV (default bf16,q8_0,tq3_0), chunk starts up to 64K
 #   STAGE=run    flashtree plan's 27B table, and benchmarks/long_run.py: a real 262,144-token tq3_0 run with
-#                fp8 draft matrices, its peak GPU memory next to the plan
+#                fp8 draft matrices in a 22 GiB budget (the allocator capped), its peak GPU memory next to
+#                the plan
 #   STAGE=rows   bench-step --context CONTEXTS in KV type KV (default 8192,65536 in tq3_0 and bf16)
 # Results under $OUT.
 set -u
@@ -24,6 +27,8 @@ tests)
     tests/gpu/test_prefill_attention_gpu.py tests/gpu/test_attention_gpu.py tests/gpu/test_verify_rows_gpu.py \
     tests/gpu/test_graphs_gpu.py} > "$OUT/gpu_tests.log" 2>&1
   echo "rc=$?" >> "$OUT/gpu_tests.log"; tail -25 "$OUT/gpu_tests.log" ;;
+prefill)
+  python3 -m benchmarks.gpu_prefill "$OUT" --kv-types "${KV:-bf16,q8_0,tq3_0}" 2>&1 | tail -30 ;;
 run)
   wait_synth; tail -c 300 /root/stash/synth.log
   python3 -m flashtree plan --target $q --draft $d --max-ctx 262144 --kv-type tq3_0 --draft-dtype fp8 | tee "$OUT/plan.txt"

@@ -121,6 +121,19 @@ def test_planned_state_is_the_allocated_state(family, kind, tiny_root):
     assert (rows["DeltaNet state"] > 0) == (family == "qwen35")
 
 
+def test_a_quantized_cache_plans_the_prefill_slab(tiny_root):
+    """A quantized cache's prefill reads earlier keys through a slab of values (prefill_attention's
+    SLAB_BYTES): its workspace holds one; a float cache's does not."""
+    from flashtree.kernels.prefill_attention import SLAB_BYTES
+
+    model, gguf = loader.load_target(tiny_gguf("llama", 0, tiny_root), "cpu")
+    target = plan.build_target(model.config, gguf, "cpu")
+    work = {k: plan.Planner(target, None, plan.PlanOptions(k, k, "ar")).workspace_bytes() for k in KV_TYPES}
+    assert {k: work[k] - work["f32"] for k in KV_TYPES} == {
+        k: 0 if k in ("bf16", "f16", "f32") else SLAB_BYTES for k in KV_TYPES
+    }
+
+
 @pytest.mark.parametrize("mode", ["tree", "chain"])
 def test_planned_draft_ring_and_pending_state_are_allocated(mode, tiny_root):
     path = tiny_gguf("qwen35", 0, tiny_root)

@@ -14,6 +14,7 @@ from spec_util import generate, random_draft
 
 from flashtree.convert.synth import synth_model
 from flashtree.kernels import attention, dense_matmul, fp8, qmatmul
+from flashtree.kernels.prefill_attention import prefill_attention
 from flashtree.kernels.sm90 import compile_for_sm90, recording
 from flashtree.kernels.tree_deltanet import tree_gated_delta_rule
 from flashtree.models.block import BlockLayout
@@ -73,6 +74,9 @@ def decode_launches(tmp_path_factory, tiny_root) -> list[dict]:
             KVStore(1, 1, 8, 256, torch.bfloat16, "cpu", kinds).layer(0).write_rotated(
                 torch.tensor([3, 4]), q, new, new, cos_sin, cos_sin
             )
+        # a quantized cache's prefill: the chunk's own keys in-kernel, the earlier ones through a slab (LSE)
+        k, v = (quantize(torch.randn(1, 80, 256), kind) for kind in ("tq3_0", "q8_0"))
+        prefill_attention(torch.randn(4, 6, 256).bfloat16(), k, v, 70, 0.0625, slab_bytes=1)
         for tile in ((32, 4), (8, 1)):  # FLASHTREE_DELTA_TILE choices besides the default
             nk, nv, kd, vd = 1, 2, 16, 16
             x, ab, state = (

@@ -156,7 +156,18 @@ class Planner:
         c = self.target.config
         prefill = FREE_SHARE * ACTIVATION_TOKENS * ACTIVATION_WIDTHS * 4 * max(c.hidden, c.ffn)
         logits = 2 * 4 * c.vocab * (self.max_block + (self.block_size if self.speculative else 0))
-        return prefill + logits + RUNTIME_RESERVE
+        return prefill + logits + self.slab_bytes() + RUNTIME_RESERVE
+
+    def slab_bytes(self) -> int:
+        """A quantized cache's prefill reads earlier keys through a slab of their values (at most
+        SLAB_BYTES, kernels/prefill_attention.py); a float cache never does."""
+        from flashtree.kernels.prefill_attention import SLAB_BYTES
+        from flashtree.quant.kv import FLOAT_TYPES, resolve_kv_type
+
+        kinds = {
+            resolve_kv_type(k, self.target.dtype) for k in (self.options.kv_type_k, self.options.kv_type_v)
+        }
+        return SLAB_BYTES if self.attention and not kinds <= set(FLOAT_TYPES) else 0
 
     def plan(self, max_ctx: int) -> MemoryPlan:
         rows = self.fixed_rows()

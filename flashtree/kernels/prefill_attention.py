@@ -11,10 +11,16 @@ past its last row's position (nor, with a window, before its first row's window)
 fp32, dots as kernels/attention.py takes them (`dot_mode`). The row blocks are launched last first:
 the longest rows start first and the short ones fill in behind. K and V are planes of any KV cache
 type (quant/kv.py), their tiles dequantized in registers (kernels/kv_tiles.py); a tq3_0 cache holds
-rotated vectors, so q is rotated for a tq3_0 K and the output rotated back for a tq3_0 V.
+rotated vectors, so q is rotated for a tq3_0 K and the output rotated back for a tq3_0 V. Unpacking a
+quantized tile costs several times its dots, and every row block of a chunk reads every earlier key: so
+the keys before the chunk are dequantized once a chunk, a bounded slab at a time (SLAB_BYTES), and the
+slabs' attentions merged with the chunk's own by their log-sum-exp (the values are those the in-kernel
+path rounds to its operands). The decode and verify kernels, which read each key once, never do this.
 """
 
 from __future__ import annotations
+
+from functools import partial
 
 import torch
 
@@ -22,13 +28,15 @@ from flashtree.kernels import tl, triton
 from flashtree.kernels.attention import _dot, _operand, dot_mode
 from flashtree.kernels.kv_tiles import kv_tile, plane_args
 from flashtree.kernels.launch import pdl_options, wait_for_inputs
-from flashtree.quant.kv import KVPlane, as_plane, rotate, unrotate
+from flashtree.quant.kv import FLOAT_TYPES, KVPlane, as_plane, dequantize, rotate, unrotate
 
 LOG2E = 1.4426950408889634
 # (query slots a program, key positions a step, warps) by head size: FlashAttention-2's tiles for these
 # head sizes (a 256-wide head's fp32 accumulator of 64 x 256 is what 8 warps' registers hold)
 TILES = {64: (128, 64, 4), 128: (128, 64, 8), 256: (64, 64, 8)}
 NUM_STAGES = 2
+# A quantized cache's earlier keys are read through slabs of their values this large (prefill_attention)
+SLAB_BYTES = 64 << 20
 
 
 def tiles_for(head_dim: int) -> tuple[int, int, int]:
@@ -52,7 +60,7 @@ def _key_tile(
     v = kv_tile(vd, vs, vh, keys, kv_ok, svd, svs, svh, HD, BLOCK, BD, KIND_V, False)
     scores = _dot(q, _operand(k, DOTS), DOTS) * qk_scale  # (QB, BLOCK), in log2 units
     if EDGE:
-        seen = keys[None, :] <= pos[:, None]
+        seen = (keys[None, :] <= pos[:, None]) & (keys[None, :] < n_keys)
         if WINDOW:
             seen = seen & (keys[None, :] > pos[:, None] - window)
         scores = tl.where(seen, scores, float("-inf"))
@@ -69,13 +77,15 @@ def _key_tile(
 @triton.jit
 def _prefill_kernel(
     q_ptr, kd, ks, kh, skd_h, skd, sks_h, sks, skh_h, skh, vd, vs, vh, svd_h, svd, svs_h, svs, svh_h, svh,
-    out_ptr, start, n_rows, n_blocks, window, stride_qt, stride_qh, stride_ot, stride_oh, qk_scale,
-    G: tl.constexpr, R: tl.constexpr, QB: tl.constexpr, HD: tl.constexpr, BD: tl.constexpr,
-    BLOCK: tl.constexpr, DOTS: tl.constexpr, WINDOW: tl.constexpr, KIND_K: tl.constexpr,
-    KIND_V: tl.constexpr, GDC: tl.constexpr,
+    out_ptr, lse_ptr, start, n_rows, n_blocks, window, key_lo, key_hi, stride_qt, stride_qh, stride_ot,
+    stride_oh, qk_scale, G: tl.constexpr, R: tl.constexpr, QB: tl.constexpr, HD: tl.constexpr,
+    BD: tl.constexpr, BLOCK: tl.constexpr, DOTS: tl.constexpr, WINDOW: tl.constexpr, KIND_K: tl.constexpr,
+    KIND_V: tl.constexpr, LSE: tl.constexpr, GDC: tl.constexpr,
 ):  # fmt: skip
     """Program (row block, KV head): rows first .. first + R - 1 of the chunk, G query heads each. K and
-    V: planes (kd, ks, kh: K's data, scale and high fields; s*_h / s*: their head and slot strides)."""
+    V: planes (kd, ks, kh: K's data, scale and high fields; s*_h / s*: their head and slot strides).
+    Keys key_lo (a multiple of BLOCK) .. key_hi - 1 at most; LSE: each query's log2-sum-exp2 of its
+    scores also stored at lse_ptr (row, head), for `_merge`."""
     block, kvh = n_blocks - 1 - tl.program_id(0), tl.program_id(1)  # the longest rows first
     i = tl.arange(0, QB)
     d = tl.arange(0, BD)
@@ -94,11 +104,11 @@ def _prefill_kernel(
     denom = tl.zeros((QB,), tl.float32)
     acc = tl.zeros((QB, BD), tl.float32)
     first_pos = start + first
-    n_keys = start + tl.minimum(first + R, n_rows)  # one past the block's last position
-    lo = 0
-    shared_end = (first_pos + 1) // BLOCK * BLOCK  # tiles every row of the block sees whole
+    n_keys = tl.minimum(start + tl.minimum(first + R, n_rows), key_hi)  # one past the last key read
+    lo = key_lo
+    shared_end = tl.minimum(first_pos + 1, n_keys) // BLOCK * BLOCK  # tiles every row sees whole
     if WINDOW:
-        lo = tl.maximum(first_pos - window + 1, 0) // BLOCK * BLOCK
+        lo = tl.maximum(tl.maximum(first_pos - window + 1, 0) // BLOCK * BLOCK, key_lo)
         shared_end = lo  # a window's lower edge moves with the row: every tile is an edge tile
     kd, ks, kh = kd + kvh * skd_h, ks + kvh * sks_h, kh + kvh * skh_h
     vd, vs, vh = vd + kvh * svd_h, vs + kvh * svs_h, vh + kvh * svh_h
@@ -114,6 +124,8 @@ def _prefill_kernel(
         )  # fmt: skip
     outs = out_ptr + row[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :]
     tl.store(outs, (acc / denom[:, None]).to(out_ptr.dtype.element_ty), mask=real[:, None] & head_dims)
+    if LSE:
+        tl.store(lse_ptr + row * (G * tl.num_programs(1)) + heads, m + tl.log2(denom), mask=real)
 
 
 def prefill_attention(
@@ -125,29 +137,73 @@ def prefill_attention(
     window: int = 0,  # > 0: row at p attends to positions max(0, p - window + 1) .. p only
     tile: tuple[int, int, int] | None = None,  # (QB, BLOCK, warps); None: tiles_for(head_dim)
     stages: int = NUM_STAGES,
+    slab_bytes: int = SLAB_BYTES,
 ) -> torch.Tensor:
     """Causal softmax(q K^T * scale) V of a prefill chunk over the cache's positions 0 .. start + T - 1,
-    (T, n_heads, head_dim) in q's dtype. `tile` and `stages`: a test's or a sweep's launch."""
+    (T, n_heads, head_dim) in q's dtype. `tile` and `stages`: a test's or a sweep's launch.
+
+    A quantized cache's keys before the chunk are read through slabs of at most `slab_bytes` of their
+    values (a row block would otherwise unpack every earlier key again: T / rows times a chunk), each
+    slab's attention merged by log-sum-exp with the in-kernel pass over the chunk's own keys."""
     k_cache, v_cache = as_plane(k_cache), as_plane(v_cache)
     dtype = q.dtype
     if k_cache.kind == "tq3_0":
         q = rotate(q).to(dtype)
+    quantized = k_cache.kind not in FLOAT_TYPES or v_cache.kind not in FLOAT_TYPES
+    tile = tile or tiles_for(q.shape[-1])
+    launch = partial(_launch, q, scale=scale, window=window, tile=tile, stages=stages)
+    block = tile[1]
+    split = start // block * block if quantized and not window else 0  # keys read through slabs
+    rotated_out = v_cache.kind == "tq3_0"  # rotated back from fp32: one rounding to q's dtype
+    out_dtype = torch.float32 if rotated_out or split else dtype
+    out, lse = launch(k_cache, v_cache, start, key_lo=split, out_dtype=out_dtype, lse=split > 0)
+    per_key = 2 * k_cache.data.shape[0] * q.shape[-1] * q.element_size()  # a slot's K and V values
+    slab = max(block, slab_bytes // per_key // block * block)
+    for a in range(0, split, slab):
+        b = min(a + slab, split)
+        keys = [_values(plane, a, b, dtype) for plane in (k_cache, v_cache)]
+        out, lse = _merge(out, lse, *launch(*keys, b - a, key_lo=0, out_dtype=torch.float32, lse=True))
+    return unrotate(out).to(dtype) if rotated_out else out.to(dtype)
+
+
+def _values(plane: KVPlane, a: int, b: int, dtype: torch.dtype) -> torch.Tensor:
+    """Slots a .. b - 1 of a plane (n_kv, slots, ...) as values (n_kv, b - a, hd) in the dots' dtype
+    (what the kernel's operands round them to)."""
+    part = plane.map(lambda f: f[:, a:b])
+    return part.data if plane.kind in FLOAT_TYPES else dequantize(part).to(dtype)
+
+
+def _merge(out, lse, other, other_lse):
+    """Two attentions of the same queries over disjoint keys, normalized, with their log2-sum-exp2s, as
+    one: (out (T, H, hd) fp32, lse (T, H))."""
+    top = torch.maximum(lse, other_lse)
+    w, w_other = torch.exp2(lse - top), torch.exp2(other_lse - top)
+    total = w + w_other
+    out = (out * (w / total)[..., None]).addcmul_(other, (w_other / total)[..., None])
+    return out, top + torch.log2(total)
+
+
+def _launch(q, k_cache, v_cache, start, *, key_lo, out_dtype, lse, scale, window, tile, stages):
+    """One kernel launch over keys key_lo .. start + T - 1 (all of a slab's for a slab: start = its
+    length, so every row sees every key): (out, lse or None)."""
+    k_cache, v_cache = as_plane(k_cache), as_plane(v_cache)
     t, n_heads, hd = q.shape
     n_kv = k_cache.data.shape[0]
     group = n_heads // n_kv
-    bd = triton.next_power_of_2(hd)
-    queries, block, warps = tile or tiles_for(hd)
+    queries, block, warps = tile
     queries = max(queries, triton.next_power_of_2(group))
     rows = queries // group
     n_blocks = triton.cdiv(t, rows)
-    rotated_out = v_cache.kind == "tq3_0"  # rotated back from fp32: one rounding to q's dtype
-    out = torch.empty(t, n_heads, hd, dtype=torch.float32 if rotated_out else dtype, device=q.device)
+    out = torch.empty(t, n_heads, hd, dtype=out_dtype, device=q.device)
+    sums = torch.empty(t, n_heads, dtype=torch.float32, device=q.device) if lse else out
     *k_args, kind_k = plane_args(k_cache)
     *v_args, kind_v = plane_args(v_cache)
+    key_hi = min(start + t, k_cache.data.shape[1])
     _prefill_kernel[(n_blocks, n_kv)](
-        q, *k_args, *v_args, out, start, t, n_blocks, window, q.stride(0), q.stride(1),
+        q, *k_args, *v_args, out, sums, start, t, n_blocks, window, key_lo, key_hi, q.stride(0), q.stride(1),
         out.stride(0), out.stride(1), scale * LOG2E,
-        G=group, R=rows, QB=queries, HD=hd, BD=bd, BLOCK=block, DOTS=dot_mode(q), WINDOW=window > 0,
-        KIND_K=kind_k, KIND_V=kind_v, num_warps=warps, num_stages=stages, **pdl_options(q),
+        G=group, R=rows, QB=queries, HD=hd, BD=triton.next_power_of_2(hd), BLOCK=block, DOTS=dot_mode(q),
+        WINDOW=window > 0, KIND_K=kind_k, KIND_V=kind_v, LSE=lse, num_warps=warps, num_stages=stages,
+        **pdl_options(q),
     )  # fmt: skip
-    return unrotate(out).to(dtype) if rotated_out else out
+    return out, (sums if lse else None)

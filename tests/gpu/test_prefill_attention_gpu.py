@@ -103,3 +103,24 @@ def test_with_a_window_chain_and_tree_are_ar_on_the_gpu(kind, tiny_root):
     for mode, spec in (("chain", dict(block_size=8)), ("tree", dict(block_size=8, budget=12))):
         oracle = OracleDraft(prompt + ar, target.config.vocab, 8, 0.25, seed=1)
         assert generate(oracle, 8, mode=mode, **spec) == ar, mode
+
+
+@pytest.mark.parametrize("kind", ["q8_0", "q4_0", "tq3_0"])
+def test_a_quantized_cache_through_slabs_matches_sdpa(kind):
+    """The 27B's heads in bf16 over a quantized cache: the 3000 keys before the chunk read through slabs
+    of 1000 (the default slab is larger than this cache), merged with the in-kernel pass over the rest,
+    within bf16 rounding of SDPA over the dequantized values (tq3_0: q rotated, the output rotated back)."""
+    from flashtree.quant.kv import dequantize, quantize, rotate, unrotate
+
+    n_heads, n_kv, hd = HEADS["27b"]
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    k, v = (torch.randn(n_kv, SLOTS, hd, generator=gen, device="cuda") for _ in range(2))
+    q = torch.randn(T, n_heads, hd, generator=gen, device="cuda").to(torch.bfloat16)
+    k_plane, v_plane = quantize(k, kind), quantize(v, kind)
+    slab = 1000 * 2 * n_kv * hd * 2
+    got = prefill_attention(q, k_plane, v_plane, START, hd**-0.5, slab_bytes=slab)
+    rotated = kind == "tq3_0"
+    keys, values = (dequantize(p).to(torch.bfloat16) for p in (k_plane, v_plane))
+    want = reference(rotate(q).to(torch.bfloat16) if rotated else q, keys, values, 0)
+    want = unrotate(want) if rotated else want
+    torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
