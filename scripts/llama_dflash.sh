@@ -19,7 +19,8 @@
 #   4. STEP=llama PIECE=ad   carry .stage/llama/smollm2.part.ad .stage/llama/datasets .wheels/issue6
 #                            (joins and checks the target, waits for the build, runs llama.cpp: $OUT/llama.json)
 #   5. STEP=flashtree        carry .stage/llama/datasets .wheels/issue6
-#                            (flashtree bench, then $OUT/llama_dflash.json: both sides in one JSON)
+#                            (flashtree bench, then $OUT/llama_dflash.json: both sides in one JSON;
+#                            BLOCKS="4 8" by default: the chain at those block sizes, "" for none)
 set -u
 S=.stage/llama
 stash=/root/stash
@@ -92,10 +93,9 @@ case "${STEP:-}" in
   flashtree)
     flashtree_env
     bench ft --modes ar,chain,tree --baseline plain --budget 22
-    bench ft_block4 --modes chain --block-size 4
-    bench ft_block8 --modes chain --block-size 8
-    python3 -m benchmarks.llama_dflash merge $stash/llama.json $stash/ft $stash/ft_block4 $stash/ft_block8 \
-      "$OUT/llama_dflash.json"
+    dirs="$stash/ft"
+    for b in ${BLOCKS-4 8}; do bench ft_block$b --modes chain --block-size $b; dirs="$dirs $stash/ft_block$b"; done
+    python3 -m benchmarks.llama_dflash merge $stash/llama.json $dirs "$OUT/llama_dflash.json"
     cp $stash/ft/results.md "$OUT/flashtree_results.md"; cat $stash/device.txt ;;
   *) echo "STEP=prepare|build|piece|llama|flashtree (see the comment at the top)"; exit 2 ;;
 esac

@@ -28,7 +28,7 @@ from flashtree.kernels import tl, triton
 from flashtree.kernels.attention import _dot, _operand, dot_mode
 from flashtree.kernels.kv_tiles import kv_tile, plane_args
 from flashtree.kernels.launch import pdl_options, wait_for_inputs
-from flashtree.quant.kv import FLOAT_TYPES, KVPlane, as_plane, dequantize, rotate, unrotate
+from flashtree.quant.kv import FLOAT_TYPES, KVPlane, as_plane, rotate, unrotate
 
 LOG2E = 1.4426950408889634
 # (query slots a program, key positions a step, warps) by head size: FlashAttention-2's tiles for these
@@ -161,16 +161,46 @@ def prefill_attention(
     slab = max(block, slab_bytes // per_key // block * block)
     for a in range(0, split, slab):
         b = min(a + slab, split)
-        keys = [_values(plane, a, b, dtype) for plane in (k_cache, v_cache)]
+        keys = [_values(plane, a, b, q.shape[-1], dtype) for plane in (k_cache, v_cache)]
         out, lse = _merge(out, lse, *launch(*keys, b - a, key_lo=0, out_dtype=torch.float32, lse=True))
     return unrotate(out).to(dtype) if rotated_out else out.to(dtype)
 
 
-def _values(plane: KVPlane, a: int, b: int, dtype: torch.dtype) -> torch.Tensor:
+def _values(plane: KVPlane, a: int, b: int, hd: int, dtype: torch.dtype) -> torch.Tensor:
     """Slots a .. b - 1 of a plane (n_kv, slots, ...) as values (n_kv, b - a, hd) in the dots' dtype
-    (what the kernel's operands round them to)."""
+    (what the kernel's operands round them to), in one pass of `kv_tile`'s own unpacking."""
     part = plane.map(lambda f: f[:, a:b])
-    return part.data if plane.kind in FLOAT_TYPES else dequantize(part).to(dtype)
+    if plane.kind in FLOAT_TYPES:
+        return part.data
+    n_kv, n = part.scale.shape[0], b - a
+    out = torch.empty(n_kv, n, hd, dtype=dtype, device=part.data.device)
+    *fields, kind = plane_args(part)
+    _values_kernel[(triton.cdiv(n, VALUE_SLOTS), n_kv)](
+        out, *fields, n, out.stride(0), out.stride(1), hd,
+        N=VALUE_SLOTS, BD=triton.next_power_of_2(hd), KIND=kind, **pdl_options(out),
+    )  # fmt: skip
+    return out
+
+
+VALUE_SLOTS = 32  # slots a program of `_values_kernel` unpacks
+
+
+@triton.jit
+def _values_kernel(
+    out, data, scale, high, sd_h, sd, ss_h, ss, sh_h, sh, n, so_h, so, HD, N: tl.constexpr,
+    BD: tl.constexpr, KIND: tl.constexpr, GDC: tl.constexpr,
+):  # fmt: skip
+    """Program (slot block, KV head): the values of N slots, as `kv_tile` loads them, in out's dtype."""
+    block, h = tl.program_id(0), tl.program_id(1)
+    slot = block * N + tl.arange(0, N)
+    ok = slot < n
+    wait_for_inputs(GDC)
+    v = kv_tile(
+        data + h * sd_h, scale + h * ss_h, high + h * sh_h, slot, ok, sd, ss, sh, HD, N, BD, KIND, False
+    )
+    d = tl.arange(0, BD)
+    at = out + h * so_h + slot[:, None] * so + d[None, :]
+    tl.store(at, v.to(out.dtype.element_ty), mask=ok[:, None] & (d < HD)[None, :])
 
 
 def _merge(out, lse, other, other_lse):
