@@ -109,6 +109,13 @@ def dev_prompts(name: str, n: int) -> list[Prompt]:
     return [p for p in chosen if p.id not in reported]
 
 
+def question_texts(name: str) -> list[str]:
+    """Every record's question, problem or function stub alone, no prompt format around it (what a
+    training prompt must not copy)."""
+    field = {"humaneval": "{prompt}", "gsm8k": "{question}", "math500": "{problem}"}[name]
+    return [_prompt(name, r, field).text for r in read_records(name)]
+
+
 def _prompt(name: str, record: dict, template: str) -> Prompt:
     if name == "humaneval":
         return Prompt(name, record["task_id"], template.format(prompt=record["prompt"]))

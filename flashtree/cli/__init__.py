@@ -443,6 +443,15 @@ def train_draft(
     extra_data: list[Path] | None = typer.Option(
         None, "--extra-data", help="Also train on these responses (another run's data/ dir; repeatable)."
     ),
+    self_prompts: Path | None = typer.Option(
+        None,
+        "--self-prompts",
+        help="Also prompts the target wrote itself (the prompts.jsonl of "
+        "`python -m benchmarks.self_prompts write`): their training split, never the held-out one.",
+    ),
+    n_self_prompts: int | None = typer.Option(
+        None, "--n-self-prompts", min=0, help="At most this many --self-prompts (default: all)."
+    ),
     max_prompts: int | None = typer.Option(None, "--max-prompts"),
     max_prompt_tokens: int = typer.Option(384, "--max-prompt-tokens", help="Skip longer prompts."),
     max_new_tokens: int = typer.Option(256, "--max-new-tokens", help="Response length cap."),
@@ -471,7 +480,7 @@ def train_draft(
     generation = GenerationJob(
         prompts=prompts, max_prompts=max_prompts, max_prompt_tokens=max_prompt_tokens,
         max_new_tokens=max_new_tokens, batch=gen_batch, minutes=gen_minutes, sampled_every=sampled_every,
-        passes=passes, temperature=temperature,
+        passes=passes, temperature=temperature, self_prompts=self_prompts, n_self_prompts=n_self_prompts,
     )  # fmt: skip
     train = TrainConfig(
         block_size=block_size, anchors=anchors, batch=batch, lr=lr, gamma=gamma, steps=steps,
