@@ -86,7 +86,7 @@ class OracleDraft:
                 logits[j - 1, true] = 11.0
             else:
                 logits[j - 1, true] = 12.0
-        return logits
+        return logits.to(root.device)  # made on the host, read where the target runs
 
 
 _engines: dict = {}

@@ -15,7 +15,8 @@ def free_bytes(device: torch.device) -> int:
     which a run that emulates a smaller card sets), or the host's MemAvailable for the CPU."""
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
-        cap = int(torch.cuda.get_per_process_memory_fraction(device) * total)
+        index = torch.cuda.current_device() if device.index is None else device.index
+        cap = int(torch.cuda.get_per_process_memory_fraction(index) * total)
         return max(0, min(free, cap - torch.cuda.memory_reserved(device)))
     with open("/proc/meminfo") as f:
         for line in f:
