@@ -97,15 +97,16 @@ def test_a_quantized_cache_is_read_as_its_dequantized_values(shape, kind):
     torch.testing.assert_close(got, unrotate(want) if rotated else want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("start", [0, 150])
 @pytest.mark.parametrize("kinds", [("q8_0", "q8_0"), ("q4_0", "q4_0"), ("tq3_0", "tq3_0"), ("f32", "q8_0")])
-def test_a_quantized_cache_before_the_chunk_is_read_through_slabs(kinds):
-    """Without a window, a quantized cache's keys before the chunk go through slabs of their values (here
-    slabs of 32 keys, 5 of them: the split at the 16-key tile edge below start 150), merged by
-    log-sum-exp with the in-kernel pass over the rest: still the attention of the dequantized cache."""
+def test_a_quantized_cache_is_read_through_slabs(kinds, start):
+    """Without a window, a quantized cache's keys are unpacked into values: the chunk's own (from the
+    16-key tile edge below its start) read causally, the earlier ones through slabs (here of 32 keys: 5
+    below start 150), merged by log-sum-exp: still the attention of the dequantized cache."""
     from flashtree.quant.kv import dequantize, quantize, rotate, unrotate
 
     gen = torch.Generator().manual_seed(11)
-    n_kv, n_heads, hd, start, t = 2, 6, 64, 150, 37
+    n_kv, n_heads, hd, t = 2, 6, 64, 37
     k, v = (torch.randn(n_kv, 200, hd, generator=gen) for _ in range(2))
     q = torch.randn(t, n_heads, hd, generator=gen)
     k_plane, v_plane = quantize(k, kinds[0]), quantize(v, kinds[1])

@@ -12,10 +12,11 @@ fp32, dots as kernels/attention.py takes them (`dot_mode`). The row blocks are l
 the longest rows start first and the short ones fill in behind. K and V are planes of any KV cache
 type (quant/kv.py), their tiles dequantized in registers (kernels/kv_tiles.py); a tq3_0 cache holds
 rotated vectors, so q is rotated for a tq3_0 K and the output rotated back for a tq3_0 V. Unpacking a
-quantized tile costs several times its dots, and every row block of a chunk reads every earlier key: so
-the keys before the chunk are dequantized once a chunk, a bounded slab at a time (SLAB_BYTES), and the
-slabs' attentions merged with the chunk's own by their log-sum-exp (the values are those the in-kernel
-path rounds to its operands). The decode and verify kernels, which read each key once, never do this.
+quantized tile costs several times its dots, and every row block of a chunk reads every key before it:
+so without a window a chunk's keys are unpacked once into values (the ones the in-kernel path rounds its
+operands to), the chunk's own and then the earlier ones a bounded slab at a time (SLAB_BYTES), and the
+slabs' attentions merged by their log-sum-exp. The decode and verify kernels, which read each key once,
+never do this.
 """
 
 from __future__ import annotations
@@ -77,15 +78,15 @@ def _key_tile(
 @triton.jit
 def _prefill_kernel(
     q_ptr, kd, ks, kh, skd_h, skd, sks_h, sks, skh_h, skh, vd, vs, vh, svd_h, svd, svs_h, svs, svh_h, svh,
-    out_ptr, lse_ptr, start, n_rows, n_blocks, window, key_lo, key_hi, stride_qt, stride_qh, stride_ot,
+    out_ptr, lse_ptr, start, n_rows, n_blocks, window, key_hi, stride_qt, stride_qh, stride_ot,
     stride_oh, qk_scale, G: tl.constexpr, R: tl.constexpr, QB: tl.constexpr, HD: tl.constexpr,
     BD: tl.constexpr, BLOCK: tl.constexpr, DOTS: tl.constexpr, WINDOW: tl.constexpr, KIND_K: tl.constexpr,
     KIND_V: tl.constexpr, LSE: tl.constexpr, GDC: tl.constexpr,
 ):  # fmt: skip
     """Program (row block, KV head): rows first .. first + R - 1 of the chunk, G query heads each. K and
     V: planes (kd, ks, kh: K's data, scale and high fields; s*_h / s*: their head and slot strides).
-    Keys key_lo (a multiple of BLOCK) .. key_hi - 1 at most; LSE: each query's log2-sum-exp2 of its
-    scores also stored at lse_ptr (row, head), for `_merge`."""
+    Keys below key_hi only; LSE: each query's log2-sum-exp2 of its scores also stored at lse_ptr (row,
+    head), for `_merge`."""
     block, kvh = n_blocks - 1 - tl.program_id(0), tl.program_id(1)  # the longest rows first
     i = tl.arange(0, QB)
     d = tl.arange(0, BD)
@@ -105,10 +106,10 @@ def _prefill_kernel(
     acc = tl.zeros((QB, BD), tl.float32)
     first_pos = start + first
     n_keys = tl.minimum(start + tl.minimum(first + R, n_rows), key_hi)  # one past the last key read
-    lo = key_lo
+    lo = 0
     shared_end = tl.minimum(first_pos + 1, n_keys) // BLOCK * BLOCK  # tiles every row sees whole
     if WINDOW:
-        lo = tl.maximum(tl.maximum(first_pos - window + 1, 0) // BLOCK * BLOCK, key_lo)
+        lo = tl.maximum(first_pos - window + 1, 0) // BLOCK * BLOCK
         shared_end = lo  # a window's lower edge moves with the row: every tile is an edge tile
     kd, ks, kh = kd + kvh * skd_h, ks + kvh * sks_h, kh + kvh * skh_h
     vd, vs, vh = vd + kvh * svd_h, vs + kvh * svs_h, vh + kvh * svh_h
@@ -142,9 +143,9 @@ def prefill_attention(
     """Causal softmax(q K^T * scale) V of a prefill chunk over the cache's positions 0 .. start + T - 1,
     (T, n_heads, head_dim) in q's dtype. `tile` and `stages`: a test's or a sweep's launch.
 
-    A quantized cache's keys before the chunk are read through slabs of at most `slab_bytes` of their
-    values (a row block would otherwise unpack every earlier key again: T / rows times a chunk), each
-    slab's attention merged by log-sum-exp with the in-kernel pass over the chunk's own keys."""
+    Without a window, a quantized cache's keys are unpacked once into values (a row block would
+    otherwise unpack every key it reads again: T / rows times a chunk): the chunk's own, read causally,
+    and the earlier ones in slabs of at most `slab_bytes`, merged by their log-sum-exp."""
     k_cache, v_cache = as_plane(k_cache), as_plane(v_cache)
     dtype = q.dtype
     if k_cache.kind == "tq3_0":
@@ -152,17 +153,20 @@ def prefill_attention(
     quantized = k_cache.kind not in FLOAT_TYPES or v_cache.kind not in FLOAT_TYPES
     tile = tile or tiles_for(q.shape[-1])
     launch = partial(_launch, q, scale=scale, window=window, tile=tile, stages=stages)
-    block = tile[1]
-    split = start // block * block if quantized and not window else 0  # keys read through slabs
     rotated_out = v_cache.kind == "tq3_0"  # rotated back from fp32: one rounding to q's dtype
-    out_dtype = torch.float32 if rotated_out or split else dtype
-    out, lse = launch(k_cache, v_cache, start, key_lo=split, out_dtype=out_dtype, lse=split > 0)
+    if not quantized or window:  # a window bounds the keys a row block reads: unpacked in-kernel
+        out = launch(k_cache, v_cache, start, out_dtype=torch.float32 if rotated_out else dtype)[0]
+        return unrotate(out).to(dtype) if rotated_out else out
+    # the chunk's own keys (from the tile edge below it) causally, then the earlier ones by slabs
+    split = start // tile[1] * tile[1]
+    own = [_values(plane, split, start + q.shape[0], q.shape[-1], dtype) for plane in (k_cache, v_cache)]
+    out, lse = launch(*own, start - split, out_dtype=torch.float32, lse=split > 0)
     per_key = 2 * k_cache.data.shape[0] * q.shape[-1] * q.element_size()  # a slot's K and V values
-    slab = max(block, slab_bytes // per_key // block * block)
+    slab = max(tile[1], slab_bytes // per_key // tile[1] * tile[1])
     for a in range(0, split, slab):
         b = min(a + slab, split)
         keys = [_values(plane, a, b, q.shape[-1], dtype) for plane in (k_cache, v_cache)]
-        out, lse = _merge(out, lse, *launch(*keys, b - a, key_lo=0, out_dtype=torch.float32, lse=True))
+        out, lse = _merge(out, lse, *launch(*keys, b - a, out_dtype=torch.float32, lse=True))
     return unrotate(out).to(dtype) if rotated_out else out.to(dtype)
 
 
@@ -213,9 +217,9 @@ def _merge(out, lse, other, other_lse):
     return out, top + torch.log2(total)
 
 
-def _launch(q, k_cache, v_cache, start, *, key_lo, out_dtype, lse, scale, window, tile, stages):
-    """One kernel launch over keys key_lo .. start + T - 1 (all of a slab's for a slab: start = its
-    length, so every row sees every key): (out, lse or None)."""
+def _launch(q, k_cache, v_cache, start, *, out_dtype, lse=False, scale, window, tile, stages):
+    """One kernel launch over keys 0 .. start + T - 1 (all of a slab's for a slab: start = its length,
+    so every row sees every key): (out, lse or None)."""
     k_cache, v_cache = as_plane(k_cache), as_plane(v_cache)
     t, n_heads, hd = q.shape
     n_kv = k_cache.data.shape[0]
@@ -230,7 +234,7 @@ def _launch(q, k_cache, v_cache, start, *, key_lo, out_dtype, lse, scale, window
     *v_args, kind_v = plane_args(v_cache)
     key_hi = min(start + t, k_cache.data.shape[1])
     _prefill_kernel[(n_blocks, n_kv)](
-        q, *k_args, *v_args, out, sums, start, t, n_blocks, window, key_lo, key_hi, q.stride(0), q.stride(1),
+        q, *k_args, *v_args, out, sums, start, t, n_blocks, window, key_hi, q.stride(0), q.stride(1),
         out.stride(0), out.stride(1), scale * LOG2E,
         G=group, R=rows, QB=queries, HD=hd, BD=triton.next_power_of_2(hd), BLOCK=block, DOTS=dot_mode(q),
         WINDOW=window > 0, KIND_K=kind_k, KIND_V=kind_v, LSE=lse, num_warps=warps, num_stages=stages,
