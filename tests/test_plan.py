@@ -215,6 +215,21 @@ def test_the_default_context_is_planned_then_loaded(tiny_root, monkeypatch):
     assert engine.max_ctx == min(planner.target.config.context_length, plan.DEFAULT_CONTEXT_CAP)
 
 
+def test_a_planned_context_is_not_refused_again_after_the_load(tiny_root, monkeypatch):
+    """Engine.load allocates the context the plan accepted: the guard of an engine built directly (which
+    keeps a margin of the free memory for the workspace the plan counts) does not refuse it again (it
+    did on an H100 capped at 22 GiB: bench/results/h100-long-context-2026-12-06)."""
+    path = tiny_gguf("qwen3", 0, tiny_root)
+    planner = plan.make_planner(path, device_type="cpu")
+    total, state = planner.plan(300).total, dict((r[0], r[1]) for r in planner.plan(300).rows)["KV cache"]
+    reads = iter([total])  # the plan sees the budget; after the load only the cache's bytes are free
+    monkeypatch.setattr(memory, "free_bytes", lambda device: next(reads, state))
+    engine = Engine.load(path, "none", max_ctx=300, device="cpu", settings=Settings())
+    assert engine.max_ctx == 300
+    with pytest.raises(FlashtreeError, match="lower --max-ctx"):
+        Engine(engine.target, None, None, max_ctx=300)  # built directly: the guard's margin refuses
+
+
 def test_the_27b_plan_needs_no_weights():
     """The issue's target: Qwen3.6-27B Q4_K_M + a 5-layer fp8 draft at 262,144 tokens of tq3_0 within 22
     GiB (the workspace part is an estimate until measured on the GPU)."""

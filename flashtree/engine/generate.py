@@ -117,9 +117,12 @@ class Engine:
         settings: Settings | None = None,
         attn_window: int = 0,
         kv_types: tuple[str | None, str | None] | None = None,
+        planned: bool = False,
     ):
         """attn_window > 0: the decode steps' attention reads each row's last attn_window positions only
-        (--attn-window: lossy, `lossy`); the prefill stays full attention."""
+        (--attn-window: lossy, `lossy`); the prefill stays full attention. planned: max_ctx is the
+        memory plan's (engine/plan.py, Engine.load), which already counted the workspace that the
+        free-memory guard of an engine built directly keeps a margin for."""
         self.target, self.tokenizer, self.draft = target, tokenizer, draft
         if kv_types is not None:  # the KV cache's K and V types (quant/kv.py), checked on the heads
             target.set_kv_types(*kv_types)
@@ -136,7 +139,8 @@ class Engine:
             self.decoder = SpecDecoder(target, draft, self.spec, window=attn_window)
         # Spare slots past max_ctx so a verify block near the end of the context still fits.
         headroom = self.decoder.max_block if self.decoder else 1
-        self.max_ctx = plan_context(target, max_ctx, headroom, verify_tokens=headroom if self.decoder else 0)
+        verify = headroom if self.decoder else 0
+        self.max_ctx = max_ctx if planned else plan_context(target, max_ctx, headroom, verify_tokens=verify)
         self.state = target.new_state(self.max_ctx + headroom)
         # Each step's inputs, as device tensors a captured step reads: the token, the sampling seed.
         self.root = torch.zeros((), dtype=torch.long, device=self.device)
@@ -209,7 +213,17 @@ class Engine:
         if speculative:
             check_exact_speculation(model, mode, kv_types or (None, None))
         use_kernels(model, settings.kernels, speculative)
-        return cls(model, tokenizer, draft_model, spec, max_ctx, settings, attn_window, kv_types=kv_types)
+        return cls(
+            model,
+            tokenizer,
+            draft_model,
+            spec,
+            max_ctx,
+            settings,
+            attn_window,
+            kv_types=kv_types,
+            planned=True,
+        )
 
     @classmethod
     def from_config(cls, config: EngineConfig, settings: Settings | None = None) -> Engine:
