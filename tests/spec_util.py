@@ -86,7 +86,7 @@ class OracleDraft:
                 logits[j - 1, true] = 11.0
             else:
                 logits[j - 1, true] = 12.0
-        return logits.to(root.device)  # made on the host, read where the target runs
+        return logits if root is None else logits.to(root.device)  # made on the host, used by the target
 
 
 _engines: dict = {}
