@@ -94,9 +94,7 @@ def run_command(
     summary_line(stats, config.mode == AUTO, engine.device.type, engine.kv_types)
 
 
-LONG_PROMPT = (
-    8192  # tokens: a prompt this long shows its prefill's progress (seconds on a GPU, more on a CPU)
-)
+LONG_PROMPT = 8192  # tokens: a prompt this long shows its prefill's progress
 
 
 @contextmanager

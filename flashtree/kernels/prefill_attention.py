@@ -159,8 +159,8 @@ def prefill_attention(
         return unrotate(out).to(dtype) if rotated_out else out
     # the chunk's own keys (from the tile edge below it) causally, then the earlier ones by slabs
     split = start // tile[1] * tile[1]
-    own = [_values(plane, split, start + q.shape[0], q.shape[-1], dtype) for plane in (k_cache, v_cache)]
-    out, lse = launch(*own, start - split, out_dtype=torch.float32, lse=split > 0)
+    own = (_values(plane, split, start + q.shape[0], q.shape[-1], dtype) for plane in (k_cache, v_cache))
+    out, lse = launch(*own, start - split, out_dtype=torch.float32, lse=split > 0)  # freed before the slabs
     per_key = 2 * k_cache.data.shape[0] * q.shape[-1] * q.element_size()  # a slot's K and V values
     slab = max(tile[1], slab_bytes // per_key // tile[1] * tile[1])
     for a in range(0, split, slab):
