@@ -71,7 +71,8 @@ def main() -> None:
     peak = torch.cuda.max_memory_reserved()
     result = {
         "command": " ".join(sys.argv), "device": torch.cuda.get_device_name(), "kv_type": args.kv_type,
-        "draft_dtype": draft_dtype, "gpu_memory_gib": args.gpu_memory, "max_ctx": engine.max_ctx,
+        "draft_dtype": draft_dtype, "expandable_segments": current().expandable_segments,
+        "gpu_memory_gib": args.gpu_memory, "max_ctx": engine.max_ctx,
         "prompt_tokens": len(prompt),
         "tree_steps": stats.steps, "generated": stats.n_generated, "load_s": load_s,
         "prefill_s": stats.prefill_s, "prefill_tok_s": len(prompt) / stats.prefill_s,

@@ -38,6 +38,7 @@ class Settings:
     cache: Path = field(default_factory=lambda: Path.home() / ".cache" / "flashtree")
     cuda_graphs: bool = True
     pdl: bool = True
+    expandable_segments: bool = True
     quant_kernels: bool | None = None  # None: packed on CUDA for bf16-sized models (models/loader.py)
     draft_fp8: str = "off"
     prefill_chunk: int | None = None  # None: by the prompt length and free memory (engine/prefill.py)
@@ -151,6 +152,9 @@ VARIABLES: dict[str, Variable] = {
         "cuda_graphs", _flag, "1", "0 or 1", "0: decode steps run eagerly, not replayed from CUDA graphs"),
     "FLASHTREE_PDL": Variable(
         "pdl", _flag, "1", "0 or 1", "0: no programmatic dependent launch (sm_90+)"),
+    "FLASHTREE_EXPANDABLE_SEGMENTS": Variable(
+        "expandable_segments", _flag, "1", "0 or 1",
+        "0: torch's default CUDA allocator (1: segments grow in place: reserved memory stays near the plan)"),
     "FLASHTREE_QUANT_KERNELS": Variable(
         "quant_kernels", _flag, "CUDA: by model size", "0 or 1",
         "1/0: packed quantized weights + our kernels, or dequantized dense weights (CUDA)"),

@@ -16,7 +16,7 @@ import torch
 
 from flashtree.config import EngineConfig, SamplingParams, SpecConfig, check_attn_window, lossy_label
 from flashtree.engine.cuda_graphs import StepRunner, graphs_wanted
-from flashtree.engine.memory import free_bytes, plan_context
+from flashtree.engine.memory import free_bytes, plan_context, use_expandable_segments
 from flashtree.engine.prefill import prefill_chunk
 from flashtree.engine.sampling import SEED_MASK, sample
 from flashtree.errors import FlashtreeError
@@ -192,6 +192,8 @@ class Engine:
             target = defaults.default_target_path()
             draft = defaults.default_draft_path() if draft is None else draft
         cuda = resolve_device(device).type == "cuda"
+        if cuda:
+            use_expandable_segments(settings.expandable_segments)
         forced = settings.quant_kernels if cuda else None
         draft = resolve_model(draft) if draft not in (None, "none") else draft
         target = resolve_model(target)

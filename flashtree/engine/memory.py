@@ -25,6 +25,13 @@ def free_bytes(device: torch.device) -> int:
     return 1 << 62  # unknown: do not limit
 
 
+def use_expandable_segments(on: bool) -> None:
+    """Let the CUDA allocator grow segments in place: the default one keeps cached blocks of other sizes,
+    which put a 262K-token run 1.06 GiB over its plan (bench/results/h100-long-context-2026-12-06)."""
+    if on:
+        torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+
+
 def check_free(need: int, device: torch.device, what: str, hint: str) -> None:
     """A FlashtreeError unless `need` bytes fit in the usable free memory of `device`."""
     budget = USABLE * free_bytes(device)
