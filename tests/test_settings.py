@@ -19,6 +19,7 @@ def test_every_variable_is_parsed_into_its_field(tmp_path):
         "FLASHTREE_CACHE": str(tmp_path),
         "FLASHTREE_CUDA_GRAPHS": "0",
         "FLASHTREE_PDL": "0",
+        "FLASHTREE_EXPANDABLE_SEGMENTS": "0",
         "FLASHTREE_QUANT_KERNELS": "1",
         "FLASHTREE_DRAFT_FP8": "matrices",
         "FLASHTREE_PREFILL_CHUNK": "512",
@@ -33,8 +34,9 @@ def test_every_variable_is_parsed_into_its_field(tmp_path):
     }
     assert set(env) == set(VARIABLES)  # the test covers every variable
     s = Settings.from_env(env)
-    assert (s.cache, s.cuda_graphs, s.pdl, s.quant_kernels, s.draft_fp8) == (
+    assert (s.cache, s.cuda_graphs, s.pdl, s.expandable_segments, s.quant_kernels, s.draft_fp8) == (
         tmp_path,
+        False,
         False,
         False,
         True,
