@@ -18,6 +18,7 @@ import torch
 
 from flashtree.config import EngineConfig
 from flashtree.engine.generate import Engine, GenerationStats
+from flashtree.engine.memory import use_expandable_segments
 from flashtree.settings import current
 
 
@@ -48,6 +49,7 @@ def main() -> None:
     args = parser.parse_args()
     draft_dtype = "fp8" if current().draft_fp8 == "matrices" else "bf16"
     plan = planned(args, draft_dtype)
+    use_expandable_segments(current().expandable_segments)  # before the allocator's first use
     # the allocator fails past the budget, and the prefill chunk rule sees only the budget's free memory
     torch.cuda.set_per_process_memory_fraction(args.gpu_memory * 2**30 / torch.cuda.mem_get_info()[1])
     torch.cuda.reset_peak_memory_stats()
