@@ -317,9 +317,12 @@ def train(args: argparse.Namespace, shape: HybridShape, cfg: TrainSettings) -> N
         f"DeltaNet: {deltanet_path(device)}")  # fmt: skip
     cuda = device.type == "cuda"
     torch.backends.cuda.matmul.allow_tf32 = True
-    opt = torch.optim.AdamW(
-        model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay, fused=cuda
-    )
+    # matrices decay; norms, A_log and dt_bias (1-D) keep their values
+    groups = [
+        {"params": [p for p in model.parameters() if p.ndim > 1], "weight_decay": cfg.weight_decay},
+        {"params": [p for p in model.parameters() if p.ndim <= 1], "weight_decay": 0.0},
+    ]
+    opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), fused=cuda)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda)
     batches = D.iterate_batches(seqs, cfg.batch, cfg.seed, 0)
     curve, tokens, step, t0 = [], 0, 0, time.perf_counter()
