@@ -118,9 +118,13 @@ def test_one_host_read_per_decode_step(tiny_root, family, mode, monkeypatch):
     """On a GPU every read of a tensor's value on the host waits for the device, so a decode step
     (draft, tree, verify, sample, accept, commit) may read back once: the tokens it emits.
     (qwen35 is left out: its CPU DeltaNet recurrence walks the parents on the host by design, where
-    CUDA runs the Triton tree kernel on the device parents.)"""
+    CUDA runs the Triton tree kernel on the device parents; so is the CPU's row-invariant attention,
+    which reads a verify's tree on the host where CUDA runs tree_attention.)"""
+    from flashtree.models.layers import use_row_invariant
+
     gguf = tiny_gguf(family, 0, tiny_root)
     target, _ = load_target(gguf, device="cpu", dtype=torch.float32)
+    use_row_invariant(target, False)
     draft = None if mode == "ar" else random_draft(gguf, target, tiny_root, layers=1)
     e = engine(target, draft, mode=mode)
     prompt = prompts(1, target.config.vocab, seed=7)[0]

@@ -69,26 +69,30 @@ def engine_runner(engine: Engine) -> Runner:
 def plain_runner(engine: Engine) -> Runner:
     """AR as plain decoding runs it (`flashtree run --mode ar`): the target's matmuls in the kernels
     `Engine.load` picks for a non-speculative engine (cuBLAS's GEMV for dense fp32 weights, the int8
-    arithmetic for packed ones), set for each call and put back after it. Its CUDA graphs are its own,
-    captured under those kernels. The speculative engines' AR (mode `ar`) is what chain/tree must
-    reproduce; this is the fastest AR a user gets, the honest denominator of a speedup."""
+    arithmetic for packed ones, the CPU's plain torch calls), set for each call and put back after it. Its
+    CUDA graphs are its own, captured under those kernels. The speculative engines' AR (mode `ar`) is what
+    chain/tree must reproduce; this is the fastest AR a user gets, the honest denominator of a speedup."""
     from flashtree.kernels.qlinear import arithmetic_of, use_arithmetic
-    from flashtree.models.layers import Linear, use_dense_kernel
+    from flashtree.models.layers import use_dense_kernel, use_row_invariant
 
     run_ar = engine_runner(engine)
     target, kernels = engine.target, engine.settings.kernels
-    linears = [m for m in target.modules() if isinstance(m, Linear)]
+    flags = ("dense_kernel", "row_invariant")
+    flagged = [m for m in target.modules() if any(hasattr(m, flag) for flag in flags)]
 
     def run(prompt_ids: list[int], max_tokens: int) -> tuple[list[int], GenerationStats]:
-        dense, arithmetic = [m.dense_kernel for m in linears], arithmetic_of(target)
+        kept = [{flag: getattr(m, flag) for flag in flags if hasattr(m, flag)} for m in flagged]
+        arithmetic = arithmetic_of(target)
         use_dense_kernel(target, kernels.dense_kernel_for(speculative=False))
+        use_row_invariant(target, False)
         if arithmetic:
             use_arithmetic(target, kernels.arithmetic_for(speculative=False))
         try:
             return run_ar(prompt_ids, max_tokens)
         finally:  # the speculative engines' kernels back
-            for m, on in zip(linears, dense, strict=True):
-                m.dense_kernel = on
+            for m, values in zip(flagged, kept, strict=True):
+                for flag, on in values.items():
+                    setattr(m, flag, on)
             if arithmetic:
                 use_arithmetic(target, arithmetic)
 

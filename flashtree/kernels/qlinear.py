@@ -8,6 +8,7 @@ from torch import nn
 
 from flashtree import kernels
 from flashtree.errors import FlashtreeError
+from flashtree.kernels import row_invariant
 from flashtree.kernels.qmatmul import MatmulInput, packed_fields, quant_matmul, repack, unpack
 from flashtree.kernels.tiles import ARITHMETICS, DEFAULT_KERNELS
 from flashtree.quant.dequant import dequantize
@@ -34,6 +35,7 @@ class QuantLinear(nn.Module):
             self.register_buffer(f"field{i}", field, persistent=False)
         self.n_fields = len(fields)
         self.arithmetic = "int8"  # see use_arithmetic
+        self.row_invariant = True  # decode rows on the CPU: models.layers.use_row_invariant
         self.kernels = DEFAULT_KERNELS  # tiles and K-splits: models.layers.use_kernels
 
     @property
@@ -58,6 +60,8 @@ class QuantLinear(nn.Module):
         if kernels.triton_kernels_for(x):
             shape = (self.out_features, self.in_features)
             y = quant_matmul(x2, self.fields, self.qtype, *shape, self.arithmetic, int8, self.kernels)
+        elif self.row_invariant and not torch.is_grad_enabled():
+            y = row_invariant.linear(x2, self.dense_weight(x.dtype))
         else:
             y = F.linear(x2, self.dense_weight(x.dtype))
         return y.reshape(*x.shape[:-1], self.out_features)

@@ -34,6 +34,7 @@ class Attention(nn.Module):
         self.q_norm = nn.Parameter(q_norm, requires_grad=False) if q_norm is not None else None
         self.k_norm = nn.Parameter(k_norm, requires_grad=False) if k_norm is not None else None
         self.output_gate = output_gate
+        self.row_invariant = True  # decode rows on the CPU: models.layers.use_row_invariant
 
     @property
     def input_projection(self) -> MergedLinear:
@@ -60,6 +61,8 @@ class Attention(nn.Module):
             out = tree_attention(q, kv.k, kv.v, fp.start, *paths, fp.n_keys, hd**-0.5, window=fp.window)
         elif ours and fp.exact:  # a prefill chunk: causal over slots 0 .. start + T - 1, no mask tensor
             out = prefill_attention(q, kv.k, kv.v, fp.n_keys - t, hd**-0.5, fp.window)
+        elif decode and self.row_invariant and not ours:  # the torch path, each row as its AR step
+            out = kv.attend_each_row(q, fp.host_start, fp.ancestors_list, hd**-0.5, fp.window)
         else:  # all past + ancestors in the block, by a (T, S) bool mask
             out = kv.attend(q, fp.n_keys, fp.attn_mask, hd**-0.5)
         out = out.reshape(t, self.n_heads * hd)

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from flashtree import kernels
+from flashtree.kernels import row_invariant
 from flashtree.kernels.qmatmul import MatmulInput
 from flashtree.kernels.tiles import DEFAULT_KERNELS
 from flashtree.models.layers import Linear, MergedLinear, gated_rms_norm
@@ -52,8 +53,9 @@ def delta_rule_inputs(conv_out, alpha, beta, dt_bias, ssm_a, n_k_heads: int, k_d
     """q, k, v, g, beta of the recurrence from the layer's raw inputs: the conv output (T, q | k | v)
     (`normalized_qkv`), the alpha and beta projections (T, nv)."""
     q, k, v = normalized_qkv(conv_out, n_k_heads, k_dim, v_dim, dt_bias.shape[0])
-    g = ssm_a * F.softplus(alpha.float() + dt_bias)  # (T, nv) log decay
-    return q, k, v, g, torch.sigmoid(beta.float())
+    # row_invariant.elementwise: an AR step's few gates would take torch's scalar tail, a verify's not
+    g = ssm_a * row_invariant.elementwise(F.softplus, alpha.float() + dt_bias)  # (T, nv) log decay
+    return q, k, v, g, row_invariant.elementwise(torch.sigmoid, beta.float())
 
 
 def recurrent_delta_rule(q, k, v, g, beta, state, parents: list[int], decay=None):
@@ -195,7 +197,8 @@ class GatedDeltaNet(nn.Module):
             y = y + rows[:, j] * taps[j]
         if windows is not None:
             windows.copy_(rows[:, 1:])
-        return F.silu(y) if out is None else out.copy_(F.silu(y))
+        y = row_invariant.elementwise(F.silu, y)
+        return y if out is None else out.copy_(y)
 
     def tree_recurrence(self, conv_out, alpha, beta, state, fp: ForwardPass, states_out, gates_out=None):
         """Every block token from its parent's state, the state after each token written to states_out

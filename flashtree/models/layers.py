@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from flashtree import kernels
-from flashtree.kernels import dense_matmul, fp8, fused
+from flashtree.kernels import dense_matmul, fp8, fused, row_invariant
 from flashtree.kernels.qlinear import use_arithmetic
 from flashtree.kernels.qmatmul import MatmulInput, QuantizedActivations, new_activations
 from flashtree.kernels.tiles import DEFAULT_KERNELS, KernelConfig
@@ -27,6 +27,7 @@ class Linear(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.dense_kernel = True  # decode rows of fp32 weights on the GPU: see use_dense_kernel
+        self.row_invariant = True  # decode rows on the CPU: see use_row_invariant
         self.kernels = DEFAULT_KERNELS  # its tiles: use_kernels
 
     @property
@@ -44,6 +45,8 @@ class Linear(nn.Module):
         # row equals the AR step's bit for bit; kernels/dense_matmul.py)
         if self.dense_kernel and _fused_kernels(x) and dense_matmul.fits(x, self.weight):
             return dense_matmul.dense_linear(x, self.weight, self.kernels.dense_tiles_for(*self.weight.shape))
+        if self.row_invariant and not torch.is_grad_enabled():
+            return row_invariant.linear(x, self.weight)
         return F.linear(x, self.weight)
 
 
@@ -77,6 +80,16 @@ def use_kernels(model: nn.Module, config: KernelConfig, speculative: bool) -> No
             m.kernels = config
     use_arithmetic(model, config.arithmetic_for(speculative))
     use_dense_kernel(model, config.dense_kernel_for(speculative))
+    use_row_invariant(model, speculative)
+
+
+def use_row_invariant(model: nn.Module, on: bool) -> None:
+    """Compute the decode rows of `model`'s torch path (the CPU's) each as the AR step computes it (on:
+    a speculating engine, whose verify rows must equal its AR step's; kernels/row_invariant.py), or by
+    plain torch calls (faster): every linear and attention of `model`."""
+    for m in model.modules():
+        if hasattr(m, "row_invariant"):
+            m.row_invariant = on
 
 
 def use_dense_kernel(model: nn.Module, on: bool) -> int:
@@ -254,7 +267,8 @@ def gated_rms_norm(
         out = fused.rms_norm(x, weight, eps, gate=gate, out_dtype=out_dtype, int8=act)
         return MatmulInput(out.reshape(t, -1), act)
     normed = F.rms_norm(x.float(), weight.shape, weight.float(), eps)
-    return MatmulInput((normed * F.silu(gate.float().view(x.shape))).to(out_dtype).reshape(t, -1))
+    silu = row_invariant.elementwise(F.silu, gate.float().view(x.shape))
+    return MatmulInput((normed * silu).to(out_dtype).reshape(t, -1))
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor, int8: bool = False) -> MatmulInput:
@@ -264,7 +278,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, int8: bool = False) -> Matmul
         rows = gate.reshape(-1, n)
         act = _int8_for(int8, rows)
         return MatmulInput(fused.gate_mul(rows, up.reshape(-1, n), "silu", act).reshape(gate.shape), act)
-    return MatmulInput(F.silu(gate) * up)
+    return MatmulInput(row_invariant.elementwise(F.silu, gate) * up)
 
 
 def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor, int8: bool = False) -> MatmulInput:
@@ -273,7 +287,7 @@ def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor, int8: bool = False) -> Mat
     if _fused_kernels(x):
         act = _int8_for(int8, x)
         return MatmulInput(fused.gate_mul(gate, x, "sigmoid", act), act)
-    return MatmulInput(x * torch.sigmoid(gate.reshape(x.shape)))
+    return MatmulInput(x * row_invariant.elementwise(torch.sigmoid, gate.reshape(x.shape)))
 
 
 class RMSNorm(nn.Module):

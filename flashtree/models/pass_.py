@@ -65,6 +65,26 @@ class ForwardPass:
         return self._cache["parents"]
 
     @property
+    def host_start(self) -> int:
+        """`start` on the host: known without a read where n_keys is exact."""
+        if "start" not in self._cache:
+            self._cache["start"] = self.n_keys - self.layout.size if self.exact else int(self.start)
+        return self._cache["start"]
+
+    @property
+    def ancestors_list(self) -> list[list[int]]:
+        """Per token, its ancestors in the block and itself, root first, on the host: one read per pass,
+        none for one token."""
+        if "ancestors" not in self._cache:
+            layout = self.layout
+            if layout.size == 1:
+                self._cache["ancestors"] = [[0]]
+            else:
+                rows = torch.cat([layout.depths[:, None] + 1, layout.paths()], dim=1).tolist()
+                self._cache["ancestors"] = [row[1 : 1 + row[0]] for row in rows]
+        return self._cache["ancestors"]
+
+    @property
     def parents_int32(self) -> torch.Tensor:
         """Parent indices as the Triton kernels read them, converted once per pass (not once per layer)."""
         if "parents32" not in self._cache:

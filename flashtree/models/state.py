@@ -97,6 +97,34 @@ class KVCache:
         CPU's memory, not the GPU's: its kernels read the planes) and attended in its own domain: q
         rotated for a tq3_0 K, the output rotated back for a tq3_0 V."""
         keys, values = self.read(n_keys)  # (n_kv, S, hd)
+        return self._sdpa(q, keys, values, mask, scale)
+
+    def attend_each_row(
+        self, q: torch.Tensor, start: int, ancestors: list[list[int]], scale: float, window: int = 0
+    ) -> torch.Tensor:
+        """`attend` of each row of q (T, heads, hd) alone, over exactly the keys its AR step reads: slots
+        [0, start), then the block slots of its ancestors and itself (ancestors[i], root first), their last
+        `window` if window > 0. SDPA's bits for a row depend on the number of rows and on masked keys, so
+        the AR step (T = 1) and a verify row make the same one-row call over the same keys. A row off the
+        block's first chain reads its path's K/V from a copy, in the slots its commit moves them to."""
+        keys, values = self.read(start + q.shape[0])  # (n_kv, S, hd)
+        copies = None
+        rows = []
+        for i, path in enumerate(ancestors):
+            end = start + len(path)
+            k, v = keys, values
+            if path != list(range(len(path))):
+                copies = copies or (keys.clone(), values.clone())
+                k, v = copies
+                slots = torch.tensor(path, device=q.device) + start
+                k[:, start:end], v[:, start:end] = keys[:, slots], values[:, slots]
+            first = max(0, end - window) if window else 0
+            rows.append(self._sdpa(q[i : i + 1], k[:, first:end], v[:, first:end], None, scale))
+        return torch.cat(rows)
+
+    def _sdpa(self, q, keys, values, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+        """SDPA of q (T, heads, hd) over keys and values read from this cache (n_kv, S, hd), in the cache's
+        domain: q rotated for a tq3_0 K, the output rotated back for a tq3_0 V."""
         query = rotate(q) if self.k.kind == "tq3_0" else q
         if not query.dtype == keys.dtype == values.dtype:  # a cache in another type than the model's
             query, keys, values = query.float(), keys.float(), values.float()
