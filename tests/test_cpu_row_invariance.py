@@ -48,18 +48,18 @@ def _prefilled(target, prompt: list[int]):
     return state
 
 
-def _check_verify_rows_are_ar_rows(target, kind: str, prompt: list[int], block: list[int]) -> None:
+def _check_verify_rows_are_ar_rows(target, kind: str, prompt: list[int], block: list[int], window: int = 0):
     target.set_kv_types(kind, kind)
     try:
         verify = _prefilled(target, prompt)
         layout = BlockLayout.from_parents(torch.tensor(PARENTS))
-        rows = target(torch.tensor(block), verify, layout, commit=False, logits="all").logits
+        rows = target(torch.tensor(block), verify, layout, commit=False, logits="all", window=window).logits
         start = len(prompt)
         for node, path in enumerate(layout.paths().tolist()):
             path = path[: int(layout.depths[node]) + 1]
             ar = _prefilled(target, prompt)
             for token in path:  # the AR steps along the node's ancestry
-                step = target(torch.tensor([block[token]]), ar).logits
+                step = target(torch.tensor([block[token]]), ar, window=window).logits
                 ar.advance(1)
             assert torch.equal(step[0], rows[node]), (kind, node)
             written = _kv_fields(verify, [start + j for j in path])
@@ -72,12 +72,13 @@ def _check_verify_rows_are_ar_rows(target, kind: str, prompt: list[int], block: 
 @pytest.mark.parametrize("kind", KV_TYPES)
 def test_verify_rows_are_the_ar_steps_on_the_cpu(target32, kind):
     """Each node of a branching verify vs the AR steps along its path: its logits and the K/V it wrote
-    (every field) bit for bit, whatever the KV type."""
+    (every field) bit for bit, whatever the KV type; and with an attention window (--attn-window)."""
     gen = torch.Generator().manual_seed(KV_TYPES.index(kind))
     vocab = target32.config.vocab
     prompt = torch.randint(vocab, (21,), generator=gen).tolist()
     block = torch.randint(vocab, (len(PARENTS),), generator=gen).tolist()
-    _check_verify_rows_are_ar_rows(target32, kind, prompt, block)
+    for window in (0, 7):
+        _check_verify_rows_are_ar_rows(target32, kind, prompt, block, window)
 
 
 def test_padded_linear_rows_are_one_row_calls():
