@@ -43,12 +43,13 @@ and takes 64 MiB a call; make the calls back to back (the machine and its /root/
             md5sum -c teacher.md5 && cd - && pip install -q --no-index --no-deps --target /tmp/site
             .wheels/issue6/*.whl .wheels/fla/*.whl && cp -r flashtree benchmarks bench $S/ && cd $S &&
             (FLASHTREE_GIT_COMMIT=COMMIT PYTHONPATH=/tmp/site:$S setsid nohup python3 -m
-            benchmarks.hybrid_target all --out $S/run --target $S/teacher.gguf --prompts
-            $S/prompts.jsonl.gz --device cuda > $S/log 2>&1 < /dev/null &) ; sleep 570; tail -n 30 $S/log
-  call 5:   S=/root/stash/hybrid; while [ ! -f $S/run/provenance.json ] && pgrep -f hybrid_target; do
-            sleep 5; done; tail -n 40 $S/log; tar -czf $OUT/results.tar.gz -C $S log run/data.json
-            run/train.json run/loss_curve.json run/check.json run/provenance.json;
-            split -b 15M $S/run/hybrid-q4_k_m.gguf $OUT/hybrid-q4_k_m.gguf.part.
+            benchmarks.hybrid_target all --out run --target teacher.gguf --prompts prompts.jsonl.gz
+            --device cuda > log 2>&1 < /dev/null & echo $! > pid); for i in $(seq 112); do
+            kill -0 $(cat pid) 2> /dev/null || break; sleep 5; done; tail -n 30 log
+  call 5:   cd /root/stash/hybrid; for i in $(seq 110); do kill -0 $(cat pid) 2> /dev/null || break;
+            sleep 5; done; tail -n 40 log; tar -czf $OUT/results.tar.gz log run/data.json run/train.json
+            run/loss_curve.json run/check.json run/provenance.json;
+            split -b 15M run/hybrid-q4_k_m.gguf $OUT/hybrid-q4_k_m.gguf.part.
 A failure on the fla path: `rm -rf /tmp/site/fla` and run `all` again (the data stays; training restarts).
 """
 
