@@ -1,13 +1,16 @@
 """Where the packed matmul kernels' instructions go, from their sm_90 SASS (no GPU needed).
 
-    python -m benchmarks.sm90_opcodes OUT.json
+    python -m benchmarks.sm90_opcodes OUT.json [TRITON_DIR]
 
 The bf16 verify matmul is issue-bound (session 23's Nsight Compute: 5.6 instructions a weight), so what
-its loop issues per weight is the number to cut. Each kernel is recorded under Triton's interpreter at a
-27B-width Q4_K and Q6_K matrix (the verify's 23 rows in bf16, the AR step's one row in int8) at the
-default tiles, compiled for sm_90 as the JIT compiles it (flashtree/kernels/sm90.py), and its SASS read:
-printed, the instructions of its longest loop (one unit of 256 values a row) per opcode, PRMT by selector,
-and per weight (a unit's rows x 256 values over the program's threads).
+its loop issues per weight is the number to cut. Each kernel is recorded under Triton's interpreter on a
+matrix of every packed type (`TYPES` x `CASES`: the verify's 23 rows and 64 rows in bf16, the AR step's
+one row in bf16 and int8, 23 rows in int8) at the default tiles, compiled for sm_90 as the JIT compiles
+it (flashtree/kernels/sm90.py), and its SASS read: printed, the instructions of its longest loop (one
+unit of 256 values a row) per weight (a unit's rows x 256 values over the program's threads), by kind
+(`KINDS`) and by opcode (PRMT by selector), with the tile's registers, spills and shared memory.
+TRITON_DIR: compile under the Triton installed there (`pip install --target TRITON_DIR triton==3.6.0`, the
+device's), the launches still recorded under this environment's.
 """
 
 from __future__ import annotations
@@ -29,13 +32,36 @@ from flashtree.quant.formats import QT  # noqa: E402
 from flashtree.quant.pack import random_blocks  # noqa: E402
 
 COLS = 256 * 4  # 4 super-blocks a row: the kernels' code is the same for any width
-CASES = [(23, "bf16"), (1, "int8")]  # the verify's matmul, the AR step's matvec
+TYPES = (QT.Q4_K, QT.Q6_K, QT.Q5_K, QT.Q4_0, QT.Q4_1, QT.Q8_0)  # the 27B's Q4_K_M types first
+CASES = [(23, "bf16"), (1, "bf16"), (64, "bf16"), (1, "int8"), (23, "int8")]
 SHOWN = 24  # opcodes printed per kernel
+# kind: opcodes (the first word of the SASS instruction); PRMT 0x5140 / 0x7362 are the bf16 decode's
+# magic-number byte moves, every other PRMT selector a byte shuffle (ops not listed: "other")
+KINDS = {
+    "global load": ("LDG", "LDGSTS", "LDGDEPBAR", "DEPBAR"),
+    "bit ops": ("LOP3", "SHF", "SGXT", "BMSK", "PRMT"),
+    "decode": ("HFMA2", "HADD2", "HMUL2", "FMUL", "FFMA", "FADD", "F2FP", "I2F", "I2FP", "F2F", "IDP"),
+    "shared memory": ("STS", "LDS", "BAR", "MEMBAR", "FENCE"),
+    "tensor core": ("HGMMA", "HMMA", "IMMA", "LDSM", "WARPGROUP", "WARPSYNC"),
+    "integer/address": (
+        "IMAD", "IADD3", "LEA", "VIADD", "ISETP", "SEL", "MOV", "IABS", "IMNMX", "VIMNMX",
+        "UIADD3", "ULEA", "UIMAD", "UMOV", "USHF", "ULOP3", "UISETP", "USEL", "R2UR", "S2UR", "UPRMT",
+    ),
+}  # fmt: skip
+KIND_OF = {op: kind for kind, ops in KINDS.items() for op in ops}
+
+
+def kind_counts(loop: dict[str, int]) -> dict[str, int]:
+    """The loop's instructions per kind (opcodes as `sass_opcodes` keys them: PRMT with its selector)."""
+    out = dict.fromkeys([*KINDS, "other"], 0)
+    for op, n in loop.items():
+        out[KIND_OF.get(op.split()[0], "other")] += n
+    return out
 
 
 def records() -> list[dict]:
     with recording() as found:
-        for qtype in (QT.Q4_K, QT.Q6_K):
+        for qtype in TYPES:
             raw = torch.from_numpy(random_blocks(qtype, 128, COLS, np.random.default_rng(0)))
             fields = qmatmul.repack(raw, qtype, COLS)
             for m, arithmetic in CASES:
@@ -46,29 +72,41 @@ def records() -> list[dict]:
 def main(out: Path) -> int:
     rows = []
     recs = records()
-    for record, facts in zip(recs, compile_for_sm90(recs, also="sass"), strict=True):
+    compiled = compile_for_sm90(recs, also="registers,sass")
+    for record, facts in zip(recs, compiled, strict=True):
         if facts["failure"]:
             print(f"{record['name']}: did not compile\n{facts['failure']}")
             return 1
         c, options = record["constexprs"], record["options"]
         threads = 32 * options["num_warps"]
         loop = facts["opcodes"]["loop"]
-        per_weight = sum(loop.values()) * threads / (c["BN"] * 256)
+        weights = c["BN"] * 256 / threads  # a unit's weights per thread
+        kinds = kind_counts(loop)
         row = {
             "kernel": record["name"], "type": QT(c["QTYPE"]).name,
             "arithmetic": "bf16" if c.get("BF16") else "int8", "rows": c["BN"], "warps": options["num_warps"],
+            "stages": options.get("num_stages"), "registers": facts["registers"],
+            "spill_bytes": facts["spill_bytes"], "shared_bytes": facts["shared_bytes"],
             "kernel_instructions": sum(facts["opcodes"]["kernel"].values()),
-            "loop_instructions": sum(loop.values()), "loop_per_weight": round(per_weight, 2), "loop": loop,
+            "loop_instructions": sum(loop.values()),
+            "loop_per_weight": round(sum(loop.values()) / weights, 2),
+            "kinds_per_weight": {k: round(n / weights, 3) for k, n in kinds.items()}, "loop": loop,
         }  # fmt: skip
         rows.append(row)
-        print(f"{row['kernel']} {row['type']} {row['arithmetic']}, {row['rows']} x {row['warps']} warps: "
-              f"{row['kernel_instructions']} instructions, the unit loop {row['loop_instructions']} "
-              f"= {per_weight:.2f} a weight")  # fmt: skip
+        print(f"{row['kernel']} {row['type']} {row['arithmetic']}, {row['rows']} x {row['warps']} x "
+              f"{row['stages']}: {row['registers']} registers, {row['spill_bytes']} B spilled, "
+              f"{row['shared_bytes']} B shared; the unit loop {row['loop_instructions']} "
+              f"= {row['loop_per_weight']:.2f} a weight")  # fmt: skip
+        print("   per weight: " + ", ".join(f"{k} {v:.2f}" for k, v in row["kinds_per_weight"].items()))
         top = sorted(loop.items(), key=lambda kv: -kv[1])[:SHOWN]
         print("   " + ", ".join(f"{op} {n}" for op, n in top))
-    out.write_text(json.dumps({**provenance(), "cols": COLS, "kernels": rows}, indent=1) + "\n")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    report = {**provenance(), "triton": compiled[0]["triton"], "cols": COLS, "kernels": rows}
+    out.write_text(json.dumps(report, indent=1) + "\n")
     return 0
 
 
 if __name__ == "__main__":
+    if len(sys.argv) > 2:  # compile under the Triton in this folder (pip install --target DIR triton==X)
+        os.environ["PYTHONPATH"] = sys.argv[2]  # the child's only: this process recorded under its own
     sys.exit(main(Path(sys.argv[1] if len(sys.argv) > 1 else "sm90_opcodes.json")))

@@ -525,6 +525,20 @@ def _field(x, SRC: tl.constexpr, WIDTH: tl.constexpr, DST: tl.constexpr, ASM: tl
 
 
 @triton.jit
+def _nibble(x, high, ASM: tl.constexpr):
+    """The low nibble of every byte of a uint8 tensor, its high nibble where `high` (a bool tensor)."""
+    if ASM:  # one select of x or x >> 4 per byte, 4 bytes at a time (a select of bytes would unpack them)
+        sel = tl.where(high, 0xFF, 0).to(tl.uint8)
+        out = tl.inline_asm_elementwise(
+            "{ .reg .b32 t; shr.b32 t, $1, 4; lop3.b32 t, $1, t, $2, 0xD8; and.b32 $0, t, 0x0F0F0F0F; }",
+            "=r,r,r", [x, sel], dtype=tl.uint8, is_pure=True, pack=4,
+        )  # fmt: skip
+    else:
+        out = tl.where(high, x >> 4, x & 15)
+    return out
+
+
+@triton.jit
 def _centered(c, BITS: tl.constexpr, ASM: tl.constexpr):
     """c - 2**(BITS - 1) as int8, for BITS-bit unsigned codes c (uint8): flip the top bit, sign-extend."""
     v = c ^ (1 << (BITS - 1))
@@ -563,7 +577,7 @@ def _group_raw(QTYPE: tl.constexpr, q_ptr, qh_ptr, rows, N, blk, row_ok, g: tl.c
         codes = _field(low, 4 * (g % 4 // 2), 4, 0, ASM) | _field(high, 2 * (g % 4), 2, 4, ASM)
     elif QTYPE == _Q4_0 or QTYPE == _Q4_1:  # noqa: SIM109 - bytes 0-15: values j and j + 16
         byte = tl.load(q_ptr + _at(r, N, blk + g, 1, 0, 16) + byte, mask=ok, other=0)
-        codes = tl.where(j < 16, _field(byte, 0, 4, 0, ASM), _field(byte, 4, 4, 0, ASM))
+        codes = _nibble(byte, j >= 16, ASM)
     else:  # Q4_K / Q5_K
         byte = tl.load(q_ptr + _at(r, N, blk, 8, 2 * (g // 2) + half, 16) + byte, mask=ok, other=0)
         codes = _field(byte, 4 * (g % 2), 4, 0, ASM)

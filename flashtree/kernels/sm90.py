@@ -93,8 +93,8 @@ def recording() -> Iterator[list[dict]]:
 
 
 # Compiles each record (JSON on stdin) with the switches in argv[1] on; reports what its PTX does before
-# and after griddepcontrol.wait, or why it did not compile; with argv[2] == "registers", ptxas -v's
-# registers and spill bytes too; with "sass", how many SASS instructions of each opcode it holds.
+# and after griddepcontrol.wait, or why it did not compile; with "registers" among argv[2]'s words (comma-
+# separated), ptxas -v's registers and spill bytes too; with "sass", its SASS instructions per opcode.
 _COMPILE = """
 import collections, importlib, inspect, json, pathlib, re, subprocess, sys, tempfile, traceback
 import triton
@@ -159,11 +159,11 @@ for rec in json.load(sys.stdin):
     before, wait, _ = ptx.partition("griddepcontrol.wait")
     facts = {
         "name": rec["name"], "failure": None, "waits": bool(wait), "loads_before": before.count("ld.global"),
-        "shared_bytes": kernel.metadata.shared,
+        "shared_bytes": kernel.metadata.shared, "triton": triton.__version__,
     }
-    if sys.argv[2] == "registers":
+    if "registers" in sys.argv[2].split(","):
         facts |= ptxas_facts(ptx)
-    if sys.argv[2] == "sass":
+    if "sass" in sys.argv[2].split(","):
         facts["opcodes"] = sass_opcodes(kernel.asm["cubin"])
     report.append(facts)
 print(json.dumps(report))
@@ -173,7 +173,7 @@ print(json.dumps(report))
 def compile_for_sm90(records: list[dict], also: str = "-") -> list[dict]:
     """Each record compiled for sm_90 with GDC and ASM on: its PTX facts, or its failure, in the records'
     order; also="registers": ptxas's registers and spill bytes too; also="sass": its SASS instructions
-    per opcode, in the whole kernel and in its longest loop."""
+    per opcode, in the whole kernel and in its longest loop; "registers,sass": both."""
     env = settings.environment_without("TRITON_INTERPRET")  # the child compiles for the GPU
     done = subprocess.run(
         [sys.executable, "-c", _COMPILE, json.dumps(GPU_SWITCHES), also],
