@@ -81,24 +81,6 @@ class GenerationStats:
         }
 
 
-def check_exact_speculation(model: DecoderModel, mode: str, kv_types: tuple[str | None, str | None]) -> None:
-    """Chain/tree output equals AR's where a verify computes each row as the AR step does: our kernels
-    (CUDA, or FLASHTREE_KERNELS=triton). The CPU's torch matmuls are not row-invariant, and a cache that
-    rounds what it stores (a KV type other than the compute dtype's) can turn their last-bit differences
-    into other cache entries (bench/results/cpu-kv-quality-2026-12-06): refused there, not left to chance."""
-    from flashtree import kernels
-    from flashtree.quant.kv import resolve_kv_type
-
-    native = resolve_kv_type(None, model.dtype)
-    rounded = [kind for kind in kv_types if kind is not None and kind != native]
-    if rounded and not kernels.triton_kernels_for(torch.empty(0, device=model.device)):
-        raise FlashtreeError(
-            f"--kv-type {rounded[0]} with --mode {mode} is not exact on the {model.device.type}: its matmuls"
-            f" are not row-invariant and the cache rounds them; use --mode ar (auto's choice there) or"
-            f" --kv-type {native}"
-        )
-
-
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -212,8 +194,6 @@ class Engine:
         mode = mode or ("ar" if draft_model is None else spec.mode)
         spec = replace(spec, mode=mode)
         speculative = draft_model is not None and mode != "ar"
-        if speculative:
-            check_exact_speculation(model, mode, kv_types or (None, None))
         use_kernels(model, settings.kernels, speculative)
         return cls(
             model,
