@@ -61,10 +61,16 @@ def held_out(tokenizer, n_seq: int, seq_len: int) -> list[list[int]]:
     return [ids[i * seq_len : (i + 1) * seq_len] for i in range(n_seq)]
 
 
+def kv_pair(kind: str) -> tuple[str, str]:
+    """(K type, V type) of `kind`: one type for both, or K/V (e.g. q8_0/tq3_0)."""
+    k, _, v = kind.partition("/")
+    return k, v or k
+
+
 def perplexity(target, kind: str, seqs: list[list[int]], chunk: int) -> dict:
     """exp(mean NLL) of every token after the first of each sequence, the logits read chunk by chunk off
     committing forwards (the prefill's own path), so each position attends to the cache in `kind`."""
-    target.set_kv_types(kind, kind)
+    target.set_kv_types(*kv_pair(kind))
     nll, count, per_seq = 0.0, 0, []
     for seq in seqs:
         state = target.new_state(len(seq))
@@ -84,7 +90,7 @@ def perplexity(target, kind: str, seqs: list[list[int]], chunk: int) -> dict:
 
 def engine_for(base: Engine, kind: str, mode: str, max_ctx: int) -> Engine:
     draft = base.draft if mode != "ar" else None
-    return Engine(base.target, base.tokenizer, draft, SpecConfig(mode=mode), max_ctx, kv_types=(kind, kind))
+    return Engine(base.target, base.tokenizer, draft, SpecConfig(mode=mode), max_ctx, kv_types=kv_pair(kind))
 
 
 def decode(engine: Engine, ids: list[int], max_tokens: int) -> tuple[list[int], GenerationStats]:
@@ -153,7 +159,9 @@ def parse_args() -> argparse.Namespace:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--out", required=True, type=Path)
-    parser.add_argument("--types", default=",".join(TYPES), help="KV types, comma-separated (K = V)")
+    parser.add_argument(
+        "--types", default=",".join(TYPES), help="KV types, comma-separated: one for K and V, or K/V"
+    )
     parser.add_argument("--parts", default="ppl,al,needle", help="which measurements, comma-separated")
     parser.add_argument("--tables", action="store_true", help="print the tables of the JSONs in --out")
     parser.add_argument("--quick", action="store_true", help="small sizes: a first pass over everything")
