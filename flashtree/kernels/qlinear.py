@@ -60,7 +60,7 @@ class QuantLinear(nn.Module):
         if kernels.triton_kernels_for(x):
             shape = (self.out_features, self.in_features)
             y = quant_matmul(x2, self.fields, self.qtype, *shape, self.arithmetic, int8, self.kernels)
-        elif self.row_invariant and not torch.is_grad_enabled():
+        elif row_invariant.wanted(self.row_invariant, x2):
             y = row_invariant.linear(x2, self.dense_weight(x.dtype))
         else:
             y = F.linear(x2, self.dense_weight(x.dtype))

@@ -43,6 +43,12 @@ def block_rows(dtype: torch.dtype) -> int:
     return BLOCK_ROWS
 
 
+def wanted(on: bool, x: torch.Tensor) -> bool:
+    """Whether a module whose row_invariant flag is `on` computes x's rows here: on the CPU, outside
+    autograd (the self-check is of the CPU's BLAS; a GPU's torch path keeps its plain calls)."""
+    return on and x.device.type == "cpu" and not torch.is_grad_enabled()
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """F.linear(x, weight) with every row of x (..., K) computed by the same call whatever the number of
     rows: in zero-padded blocks of block_rows(dtype) rows (up to DECODE_ROWS rows; more: plain F.linear)."""

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from flashtree import kernels
+from flashtree.kernels import row_invariant
 from flashtree.kernels.attention import tree_attention
 from flashtree.kernels.prefill_attention import prefill_attention
 from flashtree.kernels.qmatmul import MatmulInput
@@ -61,7 +62,7 @@ class Attention(nn.Module):
             out = tree_attention(q, kv.k, kv.v, fp.start, *paths, fp.n_keys, hd**-0.5, window=fp.window)
         elif ours and fp.exact:  # a prefill chunk: causal over slots 0 .. start + T - 1, no mask tensor
             out = prefill_attention(q, kv.k, kv.v, fp.n_keys - t, hd**-0.5, fp.window)
-        elif decode and self.row_invariant and not ours:  # the torch path, each row as its AR step
+        elif decode and not ours and row_invariant.wanted(self.row_invariant, q):  # each row as its AR step
             out = kv.attend_each_row(q, fp.host_start, fp.ancestors_list, hd**-0.5, fp.window)
         else:  # all past + ancestors in the block, by a (T, S) bool mask
             out = kv.attend(q, fp.n_keys, fp.attn_mask, hd**-0.5)
