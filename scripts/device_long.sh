@@ -19,7 +19,7 @@ q=/root/stash/q27.gguf; d=/root/stash/d5
 wait_synth() { while [ ! -f /root/stash/synth.done ] && pgrep -f "flashtree synth" >/dev/null; do sleep 2; done; }
 case "${STAGE:-tests}" in
 tests)
-  if [ ! -f /root/stash/synth.done ]; then
+  if [ ! -f /root/stash/synth.done ] && ! pgrep -f "flashtree synth" >/dev/null; then
     setsid nohup bash -c "python3 -m flashtree synth --shape qwen3.6-27b --type q4_k_m $q && python3 -m flashtree \
       synth --draft-for $q --layers 5 $d && touch /root/stash/synth.done" > /root/stash/synth.log 2>&1 &
   fi
