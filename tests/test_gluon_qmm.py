@@ -42,3 +42,23 @@ def test_fragment_decoding_gives_the_same_codes_and_values(raw):
     # the same values as the reference decoder, with the scales of the (shared) header
     ref = dequantize(raw, QT.Q4_K, (N, K))
     assert torch.equal(dequantize(gluon_qmm.unpack(frag, K), QT.Q4_K, (N, K)), ref)
+
+
+def test_the_kernel_compiles_for_sm90_with_its_layouts_checked(raw):
+    """The verify's product (M = 23, the b32 tile) compiled for sm_90 here: every assert_trivial
+    conversion holds (a mismatch is a compile error), and its unit loop decodes with bit ops and bf16x2
+    FMAs only: no byte shuffles (PRMT) and no ldmatrix (the weights never pass through shared memory)."""
+    pytest.importorskip("triton.experimental.gluon")
+    from flashtree.kernels.sm90 import compile_for_sm90, launch_record
+
+    frag = gluon_qmm.fragment_fields(qmatmul.repack(raw, QT.Q4_K, K))
+    x = torch.randn(23, K).bfloat16()
+    _, args, kwargs, *_ = gluon_qmm.launch_args(x, frag, N, K, qmatmul.DEFAULT_KERNELS)
+    kernel = gluon_qmm._q4k_bf16_kernel
+    record = launch_record(kernel.fn, args, kwargs, tuple(kernel.do_not_specialize))
+    assert record["constexprs"]["BM"] == 32
+    (facts,) = compile_for_sm90([record], also="sass")
+    assert facts["failure"] is None, facts["failure"]
+    loop = facts["opcodes"]["loop"]
+    assert loop.get("HGMMA", 0) > 0 and loop.get("HFMA2", 0) > 0
+    assert not [op for op in loop if op.startswith(("PRMT", "LDSM"))], loop

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flashtree import kernels
+from flashtree import kernels, settings
 from flashtree.errors import FlashtreeError
 from flashtree.kernels import row_invariant
 from flashtree.kernels.qmatmul import MatmulInput, packed_fields, quant_matmul, repack, unpack
@@ -37,6 +37,7 @@ class QuantLinear(nn.Module):
         self.arithmetic = "int8"  # see use_arithmetic
         self.row_invariant = True  # decode rows on the CPU: models.layers.use_row_invariant
         self.kernels = DEFAULT_KERNELS  # tiles and K-splits: models.layers.use_kernels
+        self._fragment: list[torch.Tensor] | None = None  # gluon_qmm's copy of the fields, on first use
 
     @property
     def fields(self) -> list[torch.Tensor]:
@@ -59,6 +60,14 @@ class QuantLinear(nn.Module):
         x2 = x.reshape(-1, self.in_features)  # (M, in)
         if kernels.triton_kernels_for(x):
             shape = (self.out_features, self.in_features)
+            if self.arithmetic == "bf16" and settings.qmm_kernel() == "gluon":
+                from flashtree.kernels import gluon_qmm  # imports Triton's Gluon: only when chosen
+
+                if gluon_qmm.supports(x2, self.qtype, self.in_features):
+                    if self._fragment is None:
+                        self._fragment = gluon_qmm.fragment_fields(self.fields)
+                    y = gluon_qmm.matmul(x2, self._fragment, *shape, self.kernels)
+                    return y.reshape(*x.shape[:-1], self.out_features)
             y = quant_matmul(x2, self.fields, self.qtype, *shape, self.arithmetic, int8, self.kernels)
         elif row_invariant.wanted(self.row_invariant, x2):
             y = row_invariant.linear(x2, self.dense_weight(x.dtype))

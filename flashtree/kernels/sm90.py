@@ -150,7 +150,11 @@ for rec in json.load(sys.stdin):
     sig = rec["signature"] | {k: "constexpr" for k in const}
     try:
         attrs = {(names.index(k),): [["tt.divisibility", 16]] for k in rec["aligned"]}
-        src = ASTSource(fn, sig, {(names.index(k),): v for k, v in const.items()}, attrs)
+        if fn.is_gluon():  # a Gluon kernel (explicit layouts) has its own source type
+            from triton.experimental.gluon._runtime import GluonASTSource as source
+        else:
+            source = ASTSource
+        src = source(fn, sig, {(names.index(k),): v for k, v in const.items()}, attrs)
         kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=rec["options"])
         ptx = kernel.asm["ptx"]
     except Exception:

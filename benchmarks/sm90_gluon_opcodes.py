@@ -1,0 +1,91 @@
+"""The Gluon Q4_K bf16 kernel's sm_90 SASS per weight (kernels/gluon_qmm.py), next to the `tl` kernel's.
+
+    python -m benchmarks.sm90_gluon_opcodes OUT.json [TRITON_DIR]
+
+Both kernels compiled for sm_90 on this machine (flashtree/kernels/sm90.py; TRITON_DIR: under the Triton
+installed there, e.g. the device's 3.6) at the same products (a 128 x 1024 Q4_K matrix, M = 1, 8, 23, 32
+rows of x, default tiles), and their longest loop (one 256-value unit of every row of the tile) counted by
+benchmarks/sm90_opcodes.py's KINDS: instructions x threads / (rows x 256) a weight.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from benchmarks import sm90_opcodes
+from flashtree.bench.run import provenance
+from flashtree.kernels import gluon_qmm, qmatmul
+from flashtree.kernels.sm90 import compile_for_sm90, launch_record, recording
+from flashtree.quant.formats import QT
+from flashtree.quant.pack import random_blocks
+
+ROWS, COLS = 128, 1024
+CHECK_M = (1, 8, 23, 32)
+
+
+def records() -> list[dict]:
+    """The `tl` kernel's bf16 launches (recorded under the interpreter), then the Gluon kernel's."""
+    raw = torch.from_numpy(random_blocks(QT.Q4_K, ROWS, COLS, np.random.default_rng(0)))
+    fields = qmatmul.repack(raw, QT.Q4_K, COLS)
+    with recording() as found:
+        for m in CHECK_M:
+            qmatmul.quant_matmul(torch.randn(m, COLS), fields, QT.Q4_K, ROWS, COLS, "bf16")
+    tl_records = [r for r in found if r["name"] == "_matmul_kernel"]
+    frag = gluon_qmm.fragment_fields(fields)
+    kernel = gluon_qmm._q4k_bf16_kernel
+    gluon_records = []
+    for m in CHECK_M:
+        x = torch.randn(m, COLS).bfloat16()
+        _, args, kwargs, *_ = gluon_qmm.launch_args(x, frag, ROWS, COLS, qmatmul.DEFAULT_KERNELS)
+        record = launch_record(kernel.fn, args, kwargs, tuple(kernel.do_not_specialize))
+        if record not in gluon_records:
+            gluon_records.append(record)
+    return tl_records + gluon_records
+
+
+def main(out: Path) -> int:
+    recs = records()
+    compiled = compile_for_sm90(recs, also="registers,sass")
+    rows = []
+    for record, facts in zip(recs, compiled, strict=True):
+        if facts["failure"]:
+            print(f"{record['name']}: did not compile\n{facts['failure']}")
+            return 1
+        c = record["constexprs"]
+        bn, bm = c["BN"], c.get("BM")
+        threads = 32 * record["options"]["num_warps"]
+        loop = facts["opcodes"]["loop"]
+        weights = bn * 256 / threads
+        kinds = sm90_opcodes.kind_counts(loop)
+        row = {
+            "kernel": record["name"], "rows": bn, "columns": bm, "warps": record["options"]["num_warps"],
+            "stages": record["options"].get("num_stages"), "registers": facts["registers"],
+            "spill_bytes": facts["spill_bytes"], "shared_bytes": facts["shared_bytes"],
+            "kernel_instructions": sum(facts["opcodes"]["kernel"].values()),
+            "loop_instructions": sum(loop.values()),
+            "loop_per_weight": round(sum(loop.values()) / weights, 2),
+            "kinds_per_weight": {k: round(n / weights, 3) for k, n in kinds.items()}, "loop": loop,
+        }  # fmt: skip
+        rows.append(row)
+        print(f"{row['kernel']} Q4_K bf16 b{bm}, {bn} x {row['warps']} x {row['stages']}: {row['registers']} "
+              f"registers, {row['spill_bytes']} B spilled, {row['shared_bytes']} B shared; the unit loop "
+              f"{row['loop_instructions']} = {row['loop_per_weight']:.2f} a weight")  # fmt: skip
+        print("   per weight: " + ", ".join(f"{k} {v:.2f}" for k, v in row["kinds_per_weight"].items()))
+        top = sorted(loop.items(), key=lambda kv: -kv[1])[: sm90_opcodes.SHOWN]
+        print("   " + ", ".join(f"{op} {n}" for op, n in top))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    report = {**provenance(), "triton": compiled[0]["triton"], "cols": COLS, "kernels": rows}
+    out.write_text(json.dumps(report, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 2:  # compile under the Triton in this folder (pip install --target DIR triton==X)
+        os.environ["PYTHONPATH"] = sys.argv[2]  # the child's only: this process recorded under its own
+    sys.exit(main(Path(sys.argv[1] if len(sys.argv) > 1 else "sm90_gluon_opcodes.json")))
