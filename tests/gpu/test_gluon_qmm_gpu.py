@@ -1,0 +1,73 @@
+"""The Gluon bf16 Q4_K kernel (kernels/gluon_qmm.py, FLASHTREE_QMM_KERNEL=gluon) on an sm_90 GPU:
+
+- bit for bit the `tl` kernel's bf16 product (qmatmul.quant_matmul(..., "bf16")) at M = 1, 8, 23, 32
+  and at a 1000-row test shape and the 27B's Q4_K shapes (K = 5120 and 17408), K-splits included;
+- within BF16_TOL (tests/gpu/test_quant_matmul_gpu.py's: the weights' bf16 decoding) of x_bf16 @ W^T;
+- batch-invariant: every M's rows equal the 32-row call's;
+- QuantLinear takes it with the setting, and gives the same bits as without.
+`test_timing` prints one line per shape, both kernels' times (run with -s to see it).
+"""
+
+import numpy as np
+import pytest
+import torch
+
+from flashtree.kernels import gluon_qmm, qmatmul
+from flashtree.kernels.qlinear import QuantLinear
+from flashtree.quant.dequant import dequantize
+from flashtree.quant.formats import QT
+from flashtree.quant.pack import random_blocks
+
+pytestmark = pytest.mark.gpu
+
+DEVICE = torch.device("cuda")
+CHECK_M = (1, 8, 23, 32)
+BF16_TOL = 1e-2
+SHAPES = [(1000, 4096), (6144, 5120), (5120, 17408)]  # (rows, cols): a ragged tile; the 27B's K
+
+
+@pytest.fixture(scope="module", autouse=True)
+def sm90():
+    if torch.cuda.get_device_capability()[0] != 9 or gluon_qmm.gluon is None:
+        pytest.skip("the Gluon kernel is for sm_90 (wgmma), with Triton's Gluon")
+
+
+@pytest.fixture(scope="module", params=SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+def packed(request):
+    n, k = request.param
+    raw = torch.from_numpy(random_blocks(QT.Q4_K, n, k, np.random.default_rng(n + k))).to(DEVICE)
+    fields = qmatmul.repack(raw, QT.Q4_K, k)
+    x = torch.randn(max(CHECK_M), k, generator=torch.Generator().manual_seed(0)).to(DEVICE).bfloat16()
+    return n, k, raw, fields, gluon_qmm.fragment_fields(fields), x
+
+
+@pytest.mark.parametrize("m", CHECK_M)
+def test_bit_identical_to_the_triton_kernel_and_batch_invariant(packed, m):
+    n, k, raw, fields, frag, x = packed
+    assert gluon_qmm.supports(x[:m], QT.Q4_K, k)
+    y = gluon_qmm.matmul(x[:m], frag, n, k)
+    ref = qmatmul.quant_matmul(x[:m], fields, QT.Q4_K, n, k, "bf16")
+    assert y.dtype == ref.dtype and torch.equal(y, ref), (y - ref).abs().max().item()
+    assert torch.equal(y, gluon_qmm.matmul(x, frag, n, k)[:m])  # the 32-row call's rows
+    plain = x[:m].double() @ dequantize(raw, QT.Q4_K, (n, k)).double().t()
+    assert ((y.double() - plain).norm() / plain.norm()).item() < BF16_TOL
+
+
+def test_quant_linear_takes_it_with_the_setting(packed, monkeypatch):
+    n, k, raw, _, _, x = packed
+    layer = QuantLinear(raw, QT.Q4_K, (n, k))
+    layer.arithmetic = "bf16"
+    default = layer(x[:23])
+    monkeypatch.setenv("FLASHTREE_QMM_KERNEL", "gluon")
+    assert torch.equal(layer(x[:23]), default) and layer._fragment is not None
+
+
+def test_timing(packed):
+    from triton.testing import do_bench
+
+    n, k, _, fields, frag, x = packed
+    for m in (1, 23):
+        tl_ms = do_bench(lambda: qmatmul.quant_matmul(x[:m], fields, QT.Q4_K, n, k, "bf16"))  # noqa: B023
+        gl_ms = do_bench(lambda: gluon_qmm.matmul(x[:m], frag, n, k))  # noqa: B023
+        speedup = tl_ms / gl_ms
+        print(f"\nQ4_K {n}x{k} M={m}: tl {tl_ms * 1e3:.1f} us, gluon {gl_ms * 1e3:.1f} us ({speedup:.2f}x)")
