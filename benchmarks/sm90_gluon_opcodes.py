@@ -4,8 +4,9 @@
 
 Both kernels compiled for sm_90 on this machine (flashtree/kernels/sm90.py; TRITON_DIR: under the Triton
 installed there, e.g. the device's 3.6) at the same products (a 128 x 1024 Q4_K matrix, M = 1, 8, 23, 32
-rows of x, default tiles), and their longest loop (one 256-value unit of every row of the tile) counted by
-benchmarks/sm90_opcodes.py's KINDS: instructions x threads / (rows x 256) a weight.
+rows of x, default tiles; and the Gluon kernel's b16 at 128 rows, as b32), and their longest loop (one
+256-value unit of every row of the tile) counted by benchmarks/sm90_opcodes.py's KINDS: instructions x
+threads / (rows x 256) a weight.
 """
 
 from __future__ import annotations
@@ -22,11 +23,13 @@ from benchmarks import sm90_opcodes
 from flashtree.bench.run import provenance
 from flashtree.kernels import gluon_qmm, qmatmul
 from flashtree.kernels.sm90 import compile_for_sm90, launch_record, recording
+from flashtree.kernels.tiles import DEFAULT_TILES, KernelConfig
 from flashtree.quant.formats import QT
 from flashtree.quant.pack import random_blocks
 
 ROWS, COLS = 128, 1024
 CHECK_M = (1, 8, 23, 32)
+B16_AT_128 = KernelConfig(tiles={**DEFAULT_TILES, "b16": DEFAULT_TILES["b32"]})  # one tile for M <= 32
 
 
 def records() -> list[dict]:
@@ -40,9 +43,9 @@ def records() -> list[dict]:
     frag = gluon_qmm.fragment_fields(fields)
     kernel = gluon_qmm._q4k_bf16_kernel
     gluon_records = []
-    for m in CHECK_M:
+    for m, kernels in [(m, qmatmul.DEFAULT_KERNELS) for m in CHECK_M] + [(8, B16_AT_128)]:
         x = torch.randn(m, COLS).bfloat16()
-        _, args, kwargs, *_ = gluon_qmm.launch_args(x, frag, ROWS, COLS, qmatmul.DEFAULT_KERNELS)
+        _, args, kwargs, *_ = gluon_qmm.launch_args(x, frag, ROWS, COLS, kernels)
         record = launch_record(kernel.fn, args, kwargs, tuple(kernel.do_not_specialize))
         if record not in gluon_records:
             gluon_records.append(record)
