@@ -4,9 +4,9 @@
 
 Both kernels compiled for sm_90 on this machine (flashtree/kernels/sm90.py; TRITON_DIR: under the Triton
 installed there, e.g. the device's 3.6) at the same products (a 128 x 1024 Q4_K matrix, M = 1, 8, 23, 32
-rows of x, default tiles; and the Gluon kernel's b16 at 128 rows, as b32), and their longest loop (one
-256-value unit of every row of the tile) counted by benchmarks/sm90_opcodes.py's KINDS: instructions x
-threads / (rows x 256) a weight.
+rows of x, default tiles; the Gluon kernel's b16 also at 128 rows, as b32, and each also with its wgmmas
+synchronous, ASYNC off), and their longest loop (one 256-value unit of every row of the tile) counted by
+benchmarks/sm90_opcodes.py's KINDS: instructions x threads / (rows x 256) a weight.
 """
 
 from __future__ import annotations
@@ -43,9 +43,10 @@ def records() -> list[dict]:
     frag = gluon_qmm.fragment_fields(fields)
     kernel = gluon_qmm._q4k_bf16_kernel
     gluon_records = []
-    for m, kernels in [(m, qmatmul.DEFAULT_KERNELS) for m in CHECK_M] + [(8, B16_AT_128)]:
+    cases = [(m, qmatmul.DEFAULT_KERNELS, True) for m in CHECK_M] + [(8, B16_AT_128, True)]
+    for m, kernels, async_mma in cases + [(23, qmatmul.DEFAULT_KERNELS, False), (8, B16_AT_128, False)]:
         x = torch.randn(m, COLS).bfloat16()
-        _, args, kwargs, *_ = gluon_qmm.launch_args(x, frag, ROWS, COLS, kernels)
+        _, args, kwargs, *_ = gluon_qmm.launch_args(x, frag, ROWS, COLS, kernels, async_mma)
         record = launch_record(kernel.fn, args, kwargs, tuple(kernel.do_not_specialize))
         if record not in gluon_records:
             gluon_records.append(record)
@@ -67,7 +68,8 @@ def main(out: Path) -> int:
         weights = bn * 256 / threads
         kinds = sm90_opcodes.kind_counts(loop)
         row = {
-            "kernel": record["name"], "rows": bn, "columns": bm, "warps": record["options"]["num_warps"],
+            "kernel": record["name"], "async": c.get("ASYNC"), "rows": bn, "columns": bm,
+            "warps": record["options"]["num_warps"],
             "stages": record["options"].get("num_stages"), "registers": facts["registers"],
             "spill_bytes": facts["spill_bytes"], "shared_bytes": facts["shared_bytes"],
             "kernel_instructions": sum(facts["opcodes"]["kernel"].values()),
@@ -76,9 +78,11 @@ def main(out: Path) -> int:
             "kinds_per_weight": {k: round(n / weights, 3) for k, n in kinds.items()}, "loop": loop,
         }  # fmt: skip
         rows.append(row)
-        print(f"{row['kernel']} Q4_K bf16 b{bm}, {bn} x {row['warps']} x {row['stages']}: {row['registers']} "
-              f"registers, {row['spill_bytes']} B spilled, {row['shared_bytes']} B shared; the unit loop "
-              f"{row['loop_instructions']} = {row['loop_per_weight']:.2f} a weight")  # fmt: skip
+        mode = {True: " async", False: " sync"}.get(c.get("ASYNC"), "")
+        print(f"{row['kernel']}{mode} Q4_K bf16 b{bm}, {bn} x {row['warps']} x {row['stages']}: "
+              f"{row['registers']} registers, {row['spill_bytes']} B spilled, {row['shared_bytes']} B "
+              f"shared; the unit loop {row['loop_instructions']} = {row['loop_per_weight']:.2f} a "
+              "weight")  # fmt: skip
         print("   per weight: " + ", ".join(f"{k} {v:.2f}" for k, v in row["kinds_per_weight"].items()))
         top = sorted(loop.items(), key=lambda kv: -kv[1])[: sm90_opcodes.SHOWN]
         print("   " + ", ".join(f"{op} {n}" for op, n in top))

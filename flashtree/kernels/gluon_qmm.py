@@ -89,7 +89,11 @@ def fragment_codes(q: torch.Tensor) -> torch.Tensor:
 try:  # Gluon ships inside Triton (3.6 and later); without it the setting falls back to the tl kernel
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
 except ImportError:  # no Triton, or one without Gluon
     gluon = None
 
@@ -241,10 +245,11 @@ if gluon is not None:
     @gluon.jit(do_not_specialize=["M", "N", "n_units", "units_per_split", "n_splits"])
     def _q4k_bf16_kernel(
         y_ptr, part_ptr, x_ptr, q_ptr, hdr_ptr, M, N, K, n_units, units_per_split, n_splits,
-        BN: gl.constexpr, BM: gl.constexpr,
+        BN: gl.constexpr, BM: gl.constexpr, ASYNC: gl.constexpr,
     ):  # fmt: skip
         """M <= BM rows of bf16 x (M, K): program (i, s) adds split s of rows [i * BN, i * BN + BN) for all
-        M, unit after unit (256 values: 4 group pairs), as qmatmul._matmul_kernel with BF16."""
+        M, unit after unit (256 values: 4 group pairs), as qmatmul._matmul_kernel with BF16. ASYNC: each
+        pair's wgmmas run while the next pair decodes (more registers: 160 against 116 at b32)."""
         split = gl.program_id(1)
         first = split * units_per_split
         last = gl.minimum(first + units_per_split, n_units)
@@ -300,8 +305,18 @@ if gluon is not None:
                 )  # fmt: skip
                 a_even = _weights(v[0:4], v[8:12], BN, BM)
                 a_odd = _weights(v[4:8], v[12:16], BN, BM)
-                acc = warpgroup_mma(a_even, x_smem.index(2 * p), acc)
-                acc = warpgroup_mma(a_odd, x_smem.index(2 * p + 1), acc)
+                if ASYNC:  # pair p's decode above ran while pair p - 1's wgmmas were in flight; their A
+                    # registers stay live (the wait's deps) until the wait that retires them
+                    acc = warpgroup_mma(a_even, x_smem.index(2 * p), acc, is_async=True)
+                    acc = warpgroup_mma(a_odd, x_smem.index(2 * p + 1), acc, is_async=True)
+                    if p > 0:  # prev_*: set by the unrolled iteration p - 1
+                        acc, prev_even, prev_odd = warpgroup_mma_wait(2, deps=[acc, prev_even, prev_odd])  # noqa: F821
+                    prev_even, prev_odd = a_even, a_odd
+                else:
+                    acc = warpgroup_mma(a_even, x_smem.index(2 * p), acc)
+                    acc = warpgroup_mma(a_odd, x_smem.index(2 * p + 1), acc)
+            if ASYNC:  # x_smem is rewritten next unit
+                acc, prev_even, prev_odd = warpgroup_mma_wait(0, deps=[acc, prev_even, prev_odd])
 
         ml: gl.constexpr = _mma_layout(BM)
         rows = base + gl.arange(0, BN, gl.SliceLayout(1, ml))[:, None]
@@ -316,6 +331,7 @@ if gluon is not None:
 # --- launcher -----------------------------------------------------------------------------------------
 
 MAX_M = 32  # the verify's tile (b32) and below
+ASYNC_MMA = True  # the kernel's ASYNC (tests/gpu/test_gluon_qmm_gpu.py times both)
 
 
 def supports(x: torch.Tensor, qtype: int, n_cols: int) -> bool:
@@ -327,7 +343,14 @@ def supports(x: torch.Tensor, qtype: int, n_cols: int) -> bool:
     )  # fmt: skip
 
 
-def launch_args(x: torch.Tensor, fields: list[torch.Tensor], n_rows: int, n_cols: int, kernels) -> tuple:
+def launch_args(
+    x: torch.Tensor,
+    fields: list[torch.Tensor],
+    n_rows: int,
+    n_cols: int,
+    kernels,
+    async_mma: bool = ASYNC_MMA,
+) -> tuple:
     """(grid, args, kwargs, y, parts, n_splits) of the kernel's launch for x (M, n_cols) bf16 and fragment
     fields: the tile's rows and the K-splits those of qmatmul.quant_matmul's bf16 product."""
     m = x.shape[0]
@@ -343,16 +366,18 @@ def launch_args(x: torch.Tensor, fields: list[torch.Tensor], n_rows: int, n_cols
     parts = y if n_splits == 1 else torch.empty(n_splits, m, n_rows, dtype=torch.float32, device=x.device)
     grid = (-(-n_rows // bn), n_splits)
     args = (y, parts, x, *fields, m, n_rows, n_cols, n_units, per_split, n_splits)
-    return grid, args, {"BN": bn, "BM": bm, "num_warps": WARPS, "enable_fp_fusion": False}, y, parts, n_splits
+    kwargs = {"BN": bn, "BM": bm, "ASYNC": async_mma, "num_warps": WARPS, "enable_fp_fusion": False}
+    return grid, args, kwargs, y, parts, n_splits
 
 
 def matmul(
-    x: torch.Tensor, fields: list[torch.Tensor], n_rows: int, n_cols: int, kernels=qmatmul.DEFAULT_KERNELS
-) -> torch.Tensor:
+    x: torch.Tensor, fields: list[torch.Tensor], n_rows: int, n_cols: int, kernels=qmatmul.DEFAULT_KERNELS,
+    async_mma: bool = ASYNC_MMA,
+) -> torch.Tensor:  # fmt: skip
     """x (M, n_cols) @ W^T for fragment-ordered Q4_K fields (`fragment_fields`) -> (M, n_rows) in x's dtype:
     qmatmul.quant_matmul(..., "bf16") bit for bit (see the module doc); `supports` says where it runs."""
     grid, args, kwargs, y, parts, n_splits = launch_args(
-        x.to(torch.bfloat16).contiguous(), fields, n_rows, n_cols, kernels
+        x.to(torch.bfloat16).contiguous(), fields, n_rows, n_cols, kernels, async_mma
     )
     _q4k_bf16_kernel[grid](*args, **kwargs)
     if n_splits > 1:

@@ -4,8 +4,9 @@
   and at a 1000-row test shape and the 27B's Q4_K shapes (K = 5120 and 17408), K-splits included;
 - within BF16_TOL (tests/gpu/test_quant_matmul_gpu.py's: the weights' bf16 decoding) of x_bf16 @ W^T;
 - batch-invariant: every M's rows equal the 32-row call's;
-- QuantLinear takes it with the setting, and gives the same bits as without.
-`test_timing` prints one line per shape, both kernels' times (run with -s to see it).
+- QuantLinear takes it with the setting, and gives the same bits as without;
+each with its wgmmas async (the default, gluon_qmm.ASYNC_MMA) and sync. `test_timing` prints one line per
+shape and M, the tl kernel's and both Gluon variants' times (run with -s to see it).
 """
 
 import numpy as np
@@ -41,14 +42,15 @@ def packed(request):
     return n, k, raw, fields, gluon_qmm.fragment_fields(fields), x
 
 
+@pytest.mark.parametrize("async_mma", [True, False], ids=["async", "sync"])
 @pytest.mark.parametrize("m", CHECK_M)
-def test_bit_identical_to_the_triton_kernel_and_batch_invariant(packed, m):
+def test_bit_identical_to_the_triton_kernel_and_batch_invariant(packed, m, async_mma):
     n, k, raw, fields, frag, x = packed
     assert gluon_qmm.supports(x[:m], QT.Q4_K, k)
-    y = gluon_qmm.matmul(x[:m], frag, n, k)
+    y = gluon_qmm.matmul(x[:m], frag, n, k, async_mma=async_mma)
     ref = qmatmul.quant_matmul(x[:m], fields, QT.Q4_K, n, k, "bf16")
     assert y.dtype == ref.dtype and torch.equal(y, ref), (y - ref).abs().max().item()
-    assert torch.equal(y, gluon_qmm.matmul(x, frag, n, k)[:m])  # the 32-row call's rows
+    assert torch.equal(y, gluon_qmm.matmul(x, frag, n, k, async_mma=async_mma)[:m])  # the 32-row call's rows
     plain = x[:m].double() @ dequantize(raw, QT.Q4_K, (n, k)).double().t()
     assert ((y.double() - plain).norm() / plain.norm()).item() < BF16_TOL
 
@@ -67,7 +69,11 @@ def test_timing(packed):
 
     n, k, _, fields, frag, x = packed
     for m in (1, 23):
-        tl_ms = do_bench(lambda: qmatmul.quant_matmul(x[:m], fields, QT.Q4_K, n, k, "bf16"))  # noqa: B023
-        gl_ms = do_bench(lambda: gluon_qmm.matmul(x[:m], frag, n, k))  # noqa: B023
-        speedup = tl_ms / gl_ms
-        print(f"\nQ4_K {n}x{k} M={m}: tl {tl_ms * 1e3:.1f} us, gluon {gl_ms * 1e3:.1f} us ({speedup:.2f}x)")
+        tl_us = do_bench(lambda: qmatmul.quant_matmul(x[:m], fields, QT.Q4_K, n, k, "bf16")) * 1e3  # noqa: B023
+        gl_us = [
+            do_bench(lambda: gluon_qmm.matmul(x[:m], frag, n, k, async_mma=a)) * 1e3  # noqa: B023
+            for a in (True, False)
+        ]
+        print(
+            f"\nQ4_K {n}x{k} M={m}: tl {tl_us:.1f} us, gluon async {gl_us[0]:.1f} us, sync {gl_us[1]:.1f} us"
+        )
