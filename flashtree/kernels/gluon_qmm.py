@@ -122,7 +122,7 @@ def _decode_asm() -> str:
                     lines.append(f"shr.b32 s, {src}, {shift};")
                     src = "s"
                 lines += [
-                    f"lop3.b32 p, {src}, 0x000F000F, 0x43004300, 0xEA;",
+                    f"lop3.b32 p, {src}, 0x000F000F, 0x43004300, 0xEA;",  # 0xEA: (a & b) | c
                     "fma.rn.bf16x2 p, p, one, off;",
                     f"fma.rn.bf16x2 p, p, ${scale}, ${scale + 1};",
                     f"mov.b32 {{${out}, ${out + 1}}}, p;",
@@ -132,10 +132,12 @@ def _decode_asm() -> str:
 
 DECODE_ASM = _decode_asm()
 DECODE_CONSTRAINTS = ",".join(["=h"] * 16 + ["r"] * 10)
-if gluon is not None:  # what the kernel reads of them: compile-time constants
-    _DECODE_ASM, _DECODE_CONSTRAINTS = gl.constexpr(DECODE_ASM), gl.constexpr(DECODE_CONSTRAINTS)
 
 if gluon is not None:
+    _DECODE_ASM, _DECODE_CONSTRAINTS = (
+        gl.constexpr(DECODE_ASM),
+        gl.constexpr(DECODE_CONSTRAINTS),
+    )  # for the jit
     _barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier  # 3.9 / 3.6 name
 
     @gluon.constexpr_function
@@ -150,7 +152,8 @@ if gluon is not None:
     @gluon.constexpr_function
     def _rows_layout(BN):
         """(BN / 2, 2) [n', m8]: row n' + (n' & ~7) + 8 m8, one a thread (two for BN = 64), each warp the
-        rows its fragment holds: a conversion to `_pairs_layout` stays inside the warp (shuffles)."""
+        rows its fragment holds: a conversion to `_pairs_layout` stays inside the warp (Triton lowers it
+        through shared memory at BN = 128, with shuffles at BN = 64)."""
         lanes = [[1, 0], [2, 0], [4, 0], [0, 1], [32, 0] if BN == 128 else [0, 0]]
         return gl.DistributedLinearLayout([], lanes, [[8, 0], [16, 0]], [], [BN // 2, 2])
 
