@@ -1,7 +1,7 @@
 """llama.cpp's draft-dflash against flashtree on the same GPU, GGUFs and prompts (scripts/llama_dflash.sh).
 
     python3 -m benchmarks.llama_dflash prompts TARGET DIR            the 30 `flashtree bench` prompts
-    python3 -m benchmarks.llama_dflash llama BIN TARGET DRAFT DIR OUT.json [--n-max 3,7,15]
+    python3 -m benchmarks.llama_dflash llama BIN TARGET DRAFT DIR OUT.json [--n-max 3,7,15] [--threads N]
     python3 -m benchmarks.llama_dflash merge LLAMA.json FLASHTREE_DIR... OUT.json
 
 `prompts` renders each prompt through the target's chat template as `flashtree bench` does (REPORT_N per
@@ -9,7 +9,8 @@ set at REPORT_SEED) and keeps its text (DIR/NN.txt) and flashtree's token ids. `
 llama-tokenize gives the same ids, then times llama.cpp greedy AR (llama-completion: its eval rate) and
 llama-speculative-simple --spec-type draft-dflash with the draft at each --spec-draft-n-max (decode rate,
 tokens per target step = generated / (generated - accepted), acceptance = accepted / drafted), and
-llama-bench tg256. `merge` puts those and `flashtree bench` results (results.json) into one JSON.
+llama-bench tg256 (--threads N: -t N and the draft's -td N everywhere, for a CPU build; default: its own).
+`merge` puts those and `flashtree bench` results (results.json) into one JSON.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ SPEC = re.compile(
     re.S,
 )
 EVAL = re.compile(r"\s eval time =\s+([\d.]+) ms /\s+(\d+) runs")
+THREADS: list[str] = []  # ["-t", N] from `llama --threads N`
 BENCH_TG = re.compile(r"\|\s+tg\d+\s+\|\s+([\d.]+) ± ([\d.]+)")
 
 
@@ -80,7 +82,7 @@ def _tokens_match(bin: Path, target: str, rows: list[dict], pdir: Path, log) -> 
 def _prompt_args(row: dict, pdir: Path) -> list[str]:
     """The prompt's bytes as they are (-bf: no trailing-newline strip, --no-escape), greedy, MAX_TOKENS."""
     prompt = ["-bf", str(pdir / row["file"]), "--no-escape"]
-    return [*prompt, "-n", str(MAX_TOKENS), "--temp", "0", "--top-k", "1", *CTX]
+    return [*prompt, "-n", str(MAX_TOKENS), "--temp", "0", "--top-k", "1", *CTX, *THREADS]
 
 
 def _ar(bin: Path, target: str, row: dict, pdir: Path, log) -> dict:
@@ -98,6 +100,7 @@ def _ar(bin: Path, target: str, row: dict, pdir: Path, log) -> dict:
 
 def _dflash(bin: Path, target: str, draft: str, n_max: int, row: dict, pdir: Path, log) -> dict:
     spec = ["-md", draft, "--spec-type", "draft-dflash", "--spec-draft-n-max", str(n_max), "-ngld", "99"]
+    spec += ["-td", THREADS[1]] if THREADS else []
     cmd = [str(bin / "llama-speculative-simple"), "-m", target, *spec, *_prompt_args(row, pdir)]
     n, seconds, n_predict, drafted, accepted = SPEC.search(_run(cmd, log)).groups()
     steps = int(n_predict) - int(accepted)  # a step commits its accepted tokens and one of the target's
@@ -123,11 +126,14 @@ def _by_set(rows: list[dict], runs: list[dict]) -> dict:
     }
 
 
-def llama(bin: str, target: str, draft: str, pdir: str, out: str, n_max: str = "3,7,15") -> None:
+def llama(
+    bin: str, target: str, draft: str, pdir: str, out: str, n_max: str = "3,7,15", threads: str | None = None
+) -> None:
     """Every llama.cpp measurement; OUT is written again after each, so a cut-short run keeps the rest."""
     bin_dir, pdir_ = Path(bin), Path(pdir)
     rows = json.loads((pdir_ / "prompts.json").read_text())
-    result: dict = {"max_tokens": MAX_TOKENS, "n_max": [int(n) for n in n_max.split(",")]}
+    THREADS[:] = ["-t", threads] if threads else []
+    result: dict = {"max_tokens": MAX_TOKENS, "n_max": [int(n) for n in n_max.split(",")], "threads": threads}
 
     def keep(name: str, value) -> None:
         result[name] = value
@@ -136,7 +142,7 @@ def llama(bin: str, target: str, draft: str, pdir: str, out: str, n_max: str = "
 
     with open(Path(out).with_suffix(".log"), "w") as log:
         keep("tokenizer_mismatches", _tokens_match(bin_dir, target, rows, pdir_, log))
-        tg = ["-p", "0", "-n", str(MAX_TOKENS), "-ngl", "99"]
+        tg = ["-p", "0", "-n", str(MAX_TOKENS), "-ngl", "99", *THREADS]
         bench = _run([str(bin_dir / "llama-bench"), "-m", target, *tg], log)
         keep("llama_bench_tg", [float(m) for m, _ in BENCH_TG.findall(bench)])
         keep("ar", _by_set(rows, [_ar(bin_dir, target, r, pdir_, log) for r in rows]))
@@ -184,6 +190,8 @@ def merge(llama_json: str, *rest: str) -> None:
 if __name__ == "__main__":
     commands = {"prompts": prompts, "llama": llama, "merge": merge}
     command, *args = sys.argv[1:]
-    if command == "llama" and args[-2:-1] == ["--n-max"]:
-        args = [*args[:-2], args[-1]]
-    commands[command](*args)
+    options = {}
+    while len(args) >= 2 and args[-2] in ("--n-max", "--threads"):
+        options[args[-2][2:].replace("-", "_")] = args[-1]
+        args = args[:-2]
+    commands[command](*args, **options)
