@@ -172,8 +172,8 @@ VARIABLES: dict[str, Variable] = {
         "(TRITON_INTERPRET=1 on a CPU); torch: the reference everywhere (an A/B on a GPU)"),
     "FLASHTREE_QMM_KERNEL": Variable(
         "qmm_kernel", _choice(QMM_KERNELS), "triton", "one of triton, gluon",
-        "gluon: the bf16 Q4_K products of up to 32 rows on sm_90 by the Gluon kernel (kernels/gluon_qmm.py; "
-        "a second copy of those matrices' codes), the Triton kernel elsewhere"),
+        "gluon: the bf16 Q4_K and Q6_K products of up to 32 rows on sm_90 by the Gluon kernel "
+        "(kernels/gluon_qmm.py; a second copy of those matrices' codes), the Triton kernel elsewhere"),
     "FLASHTREE_QMM_ARITH": Variable(
         "kernels.arithmetic", _choice(ARITHMETICS), "per engine", "one of int8, bf16",
         "the packed matmuls' arithmetic (default: bf16 when speculating, int8 for plain decoding)"),

@@ -65,8 +65,8 @@ class QuantLinear(nn.Module):
 
                 if gluon_qmm.supports(x2, self.qtype, self.in_features):
                     if self._fragment is None:
-                        self._fragment = gluon_qmm.fragment_fields(self.fields)
-                    y = gluon_qmm.matmul(x2, self._fragment, *shape, self.kernels)
+                        self._fragment = gluon_qmm.fragment_fields(self.fields, self.qtype)
+                    y = gluon_qmm.matmul(x2, self._fragment, self.qtype, *shape, self.kernels)
                     return y.reshape(*x.shape[:-1], self.out_features)
             y = quant_matmul(x2, self.fields, self.qtype, *shape, self.arithmetic, int8, self.kernels)
         elif row_invariant.wanted(self.row_invariant, x2):

@@ -1,7 +1,7 @@
-"""The Gluon bf16 Q4_K kernel (kernels/gluon_qmm.py, FLASHTREE_QMM_KERNEL=gluon) on an sm_90 GPU:
+"""The Gluon bf16 kernel (kernels/gluon_qmm.py, FLASHTREE_QMM_KERNEL=gluon) on an sm_90 GPU, Q4_K and Q6_K:
 
 - bit for bit the `tl` kernel's bf16 product (qmatmul.quant_matmul(..., "bf16")) at M = 1, 8, 23, 32
-  and at a 1000-row test shape and the 27B's Q4_K shapes (K = 5120 and 17408), K-splits included;
+  and at a 1000-row test shape and the 27B's shapes (K = 5120 and 17408), K-splits included;
 - within BF16_TOL (tests/gpu/test_quant_matmul_gpu.py's: the weights' bf16 decoding) of x_bf16 @ W^T;
 - batch-invariant: every M's rows equal the 32-row call's;
 - QuantLinear takes it with the setting, and gives the same bits as without;
@@ -33,31 +33,36 @@ def sm90():
         pytest.skip("the Gluon kernel is for sm_90 (wgmma), with Triton's Gluon")
 
 
-@pytest.fixture(scope="module", params=SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.fixture(
+    scope="module",
+    params=[(t, s) for t in (QT.Q4_K, QT.Q6_K) for s in SHAPES],
+    ids=lambda p: f"{p[0].name}-{p[1][0]}x{p[1][1]}",
+)
 def packed(request):
-    n, k = request.param
-    raw = torch.from_numpy(random_blocks(QT.Q4_K, n, k, np.random.default_rng(n + k))).to(DEVICE)
-    fields = qmatmul.repack(raw, QT.Q4_K, k)
+    qtype, (n, k) = request.param
+    raw = torch.from_numpy(random_blocks(qtype, n, k, np.random.default_rng(n + k))).to(DEVICE)
+    fields = qmatmul.repack(raw, qtype, k)
     x = torch.randn(max(CHECK_M), k, generator=torch.Generator().manual_seed(0)).to(DEVICE).bfloat16()
-    return n, k, raw, fields, gluon_qmm.fragment_fields(fields), x
+    return qtype, n, k, raw, fields, gluon_qmm.fragment_fields(fields, qtype), x
 
 
 @pytest.mark.parametrize("async_mma", [True, False], ids=["async", "sync"])
 @pytest.mark.parametrize("m", CHECK_M)
 def test_bit_identical_to_the_triton_kernel_and_batch_invariant(packed, m, async_mma):
-    n, k, raw, fields, frag, x = packed
-    assert gluon_qmm.supports(x[:m], QT.Q4_K, k)
-    y = gluon_qmm.matmul(x[:m], frag, n, k, async_mma=async_mma)
-    ref = qmatmul.quant_matmul(x[:m], fields, QT.Q4_K, n, k, "bf16")
+    qtype, n, k, raw, fields, frag, x = packed
+    assert gluon_qmm.supports(x[:m], qtype, k)
+    y = gluon_qmm.matmul(x[:m], frag, qtype, n, k, async_mma=async_mma)
+    ref = qmatmul.quant_matmul(x[:m], fields, qtype, n, k, "bf16")
     assert y.dtype == ref.dtype and torch.equal(y, ref), (y - ref).abs().max().item()
-    assert torch.equal(y, gluon_qmm.matmul(x, frag, n, k, async_mma=async_mma)[:m])  # the 32-row call's rows
-    plain = x[:m].double() @ dequantize(raw, QT.Q4_K, (n, k)).double().t()
+    whole = gluon_qmm.matmul(x, frag, qtype, n, k, async_mma=async_mma)
+    assert torch.equal(y, whole[:m])  # the 32-row call's rows
+    plain = x[:m].double() @ dequantize(raw, qtype, (n, k)).double().t()
     assert ((y.double() - plain).norm() / plain.norm()).item() < BF16_TOL
 
 
 def test_quant_linear_takes_it_with_the_setting(packed, monkeypatch):
-    n, k, raw, _, _, x = packed
-    layer = QuantLinear(raw, QT.Q4_K, (n, k))
+    qtype, n, k, raw, _, _, x = packed
+    layer = QuantLinear(raw, qtype, (n, k))
     layer.arithmetic = "bf16"
     default = layer(x[:23])
     monkeypatch.setenv("FLASHTREE_QMM_KERNEL", "gluon")
@@ -67,13 +72,12 @@ def test_quant_linear_takes_it_with_the_setting(packed, monkeypatch):
 def test_timing(packed):
     from triton.testing import do_bench
 
-    n, k, _, fields, frag, x = packed
+    qtype, n, k, _, fields, frag, x = packed
     for m in (1, 23):
-        tl_us = do_bench(lambda: qmatmul.quant_matmul(x[:m], fields, QT.Q4_K, n, k, "bf16")) * 1e3  # noqa: B023
+        tl_us = do_bench(lambda: qmatmul.quant_matmul(x[:m], fields, qtype, n, k, "bf16")) * 1e3  # noqa: B023
         gl_us = [
-            do_bench(lambda: gluon_qmm.matmul(x[:m], frag, n, k, async_mma=a)) * 1e3  # noqa: B023
+            do_bench(lambda: gluon_qmm.matmul(x[:m], frag, qtype, n, k, async_mma=a)) * 1e3  # noqa: B023
             for a in (True, False)
         ]
-        print(
-            f"\nQ4_K {n}x{k} M={m}: tl {tl_us:.1f} us, gluon async {gl_us[0]:.1f} us, sync {gl_us[1]:.1f} us"
-        )
+        times = f"tl {tl_us:.1f} us, gluon async {gl_us[0]:.1f} us, sync {gl_us[1]:.1f} us"
+        print(f"\n{qtype.name} {n}x{k} M={m}: {times}")
