@@ -12,8 +12,8 @@ check() {  # name, seconds, pytest arguments...
   timeout "$s" python3 -m pytest -q -m gpu -p no:cacheprovider "$@" > "$OUT/$name.log" 2>&1
   echo "rc=$?" >> "$OUT/$name.log"; echo "== $name"; tail -3 "$OUT/$name.log"
 }
-FLASHTREE_QMM_ARITH=int8 check qmm_int8 80 tests/gpu/test_quant_matmul_gpu.py -k Q4_1
-FLASHTREE_QMM_ARITH=bf16 check qmm_bf16 80 tests/gpu/test_quant_matmul_gpu.py -k Q4_1
-check graphs 100 tests/gpu/test_graphs_gpu.py
-check gluon 120 -s tests/gpu/test_gluon_qmm_gpu.py
+FLASHTREE_QMM_ARITH=int8 check qmm_int8 70 tests/gpu/test_quant_matmul_gpu.py -k Q4_1
+FLASHTREE_QMM_ARITH=bf16 check qmm_bf16 70 tests/gpu/test_quant_matmul_gpu.py -k Q4_1
+check graphs 80 tests/gpu/test_graphs_gpu.py
+check gluon 180 -s tests/gpu/test_gluon_qmm_gpu.py
 grep -i "us\|µs" "$OUT/gluon.log" | head -20
