@@ -69,29 +69,17 @@ def main(out: Path) -> int:
             return 1
         c = record["constexprs"]
         bn, bm = c["BN"], c.get("BM")
-        threads = 32 * record["options"]["num_warps"]
-        loop = facts["opcodes"]["loop"]
-        weights = bn * 256 / threads
-        kinds = sm90_opcodes.kind_counts(loop)
+        weights = bn * 256 / (32 * record["options"]["num_warps"])
         row = {
             "kernel": record["name"], "type": type_, "async": c.get("ASYNC"), "rows": bn, "columns": bm,
-            "warps": record["options"]["num_warps"],
-            "stages": record["options"].get("num_stages"), "registers": facts["registers"],
-            "spill_bytes": facts["spill_bytes"], "shared_bytes": facts["shared_bytes"],
-            "kernel_instructions": sum(facts["opcodes"]["kernel"].values()),
-            "loop_instructions": sum(loop.values()),
-            "loop_per_weight": round(sum(loop.values()) / weights, 2),
-            "kinds_per_weight": {k: round(n / weights, 3) for k, n in kinds.items()}, "loop": loop,
+            "warps": record["options"]["num_warps"], "stages": record["options"].get("num_stages"),
+            **sm90_opcodes.loop_facts(facts, weights),
         }  # fmt: skip
         rows.append(row)
         mode = {True: " async", False: " sync"}.get(c.get("ASYNC"), "")
-        print(f"{row['kernel']}{mode} {type_} bf16 b{bm}, {bn} x {row['warps']} x {row['stages']}: "
-              f"{row['registers']} registers, {row['spill_bytes']} B spilled, {row['shared_bytes']} B "
-              f"shared; the unit loop {row['loop_instructions']} = {row['loop_per_weight']:.2f} a "
-              "weight")  # fmt: skip
-        print("   per weight: " + ", ".join(f"{k} {v:.2f}" for k, v in row["kinds_per_weight"].items()))
-        top = sorted(loop.items(), key=lambda kv: -kv[1])[: sm90_opcodes.SHOWN]
-        print("   " + ", ".join(f"{op} {n}" for op, n in top))
+        sm90_opcodes.print_row(
+            f"{row['kernel']}{mode} {type_} bf16 b{bm}, {bn} x {row['warps']} x {row['stages']}", row
+        )
     out.parent.mkdir(parents=True, exist_ok=True)
     report = {**provenance(), "triton": compiled[0]["triton"], "cols": COLS, "kernels": rows}
     out.write_text(json.dumps(report, indent=1) + "\n")

@@ -59,6 +59,28 @@ def kind_counts(loop: dict[str, int]) -> dict[str, int]:
     return out
 
 
+def loop_facts(facts: dict, weights: float) -> dict:
+    """A compiled kernel's resources and its unit loop's instructions, in all and per weight (`weights`:
+    the weights a thread decodes in one unit)."""
+    loop = facts["opcodes"]["loop"]
+    return {
+        **{k: facts[k] for k in ("registers", "spill_bytes", "shared_bytes")},
+        "kernel_instructions": sum(facts["opcodes"]["kernel"].values()),
+        "loop_instructions": sum(loop.values()), "loop_per_weight": round(sum(loop.values()) / weights, 2),
+        "kinds_per_weight": {k: round(n / weights, 3) for k, n in kind_counts(loop).items()}, "loop": loop,
+    }  # fmt: skip
+
+
+def print_row(label: str, row: dict) -> None:
+    """One kernel's lines: resources and loop length, the kinds per weight, the commonest opcodes."""
+    print(f"{label}: {row['registers']} registers, {row['spill_bytes']} B spilled, {row['shared_bytes']} B "
+          f"shared; the unit loop {row['loop_instructions']} = {row['loop_per_weight']:.2f} a "
+          "weight")  # fmt: skip
+    print("   per weight: " + ", ".join(f"{k} {v:.2f}" for k, v in row["kinds_per_weight"].items()))
+    top = sorted(row["loop"].items(), key=lambda kv: -kv[1])[:SHOWN]
+    print("   " + ", ".join(f"{op} {n}" for op, n in top))
+
+
 def records() -> list[dict]:
     with recording() as found:
         for qtype in TYPES:
@@ -78,28 +100,15 @@ def main(out: Path) -> int:
             print(f"{record['name']}: did not compile\n{facts['failure']}")
             return 1
         c, options = record["constexprs"], record["options"]
-        threads = 32 * options["num_warps"]
-        loop = facts["opcodes"]["loop"]
-        weights = c["BN"] * 256 / threads  # a unit's weights per thread
-        kinds = kind_counts(loop)
+        weights = c["BN"] * 256 / (32 * options["num_warps"])  # a unit's weights per thread
         row = {
             "kernel": record["name"], "type": QT(c["QTYPE"]).name,
             "arithmetic": "bf16" if c.get("BF16") else "int8", "rows": c["BN"], "warps": options["num_warps"],
-            "stages": options.get("num_stages"), "registers": facts["registers"],
-            "spill_bytes": facts["spill_bytes"], "shared_bytes": facts["shared_bytes"],
-            "kernel_instructions": sum(facts["opcodes"]["kernel"].values()),
-            "loop_instructions": sum(loop.values()),
-            "loop_per_weight": round(sum(loop.values()) / weights, 2),
-            "kinds_per_weight": {k: round(n / weights, 3) for k, n in kinds.items()}, "loop": loop,
+            "stages": options.get("num_stages"), **loop_facts(facts, weights),
         }  # fmt: skip
         rows.append(row)
-        print(f"{row['kernel']} {row['type']} {row['arithmetic']}, {row['rows']} x {row['warps']} x "
-              f"{row['stages']}: {row['registers']} registers, {row['spill_bytes']} B spilled, "
-              f"{row['shared_bytes']} B shared; the unit loop {row['loop_instructions']} "
-              f"= {row['loop_per_weight']:.2f} a weight")  # fmt: skip
-        print("   per weight: " + ", ".join(f"{k} {v:.2f}" for k, v in row["kinds_per_weight"].items()))
-        top = sorted(loop.items(), key=lambda kv: -kv[1])[:SHOWN]
-        print("   " + ", ".join(f"{op} {n}" for op, n in top))
+        print_row(f"{row['kernel']} {row['type']} {row['arithmetic']}, {row['rows']} x {row['warps']} x "
+                  f"{row['stages']}", row)  # fmt: skip
     out.parent.mkdir(parents=True, exist_ok=True)
     report = {**provenance(), "triton": compiled[0]["triton"], "cols": COLS, "kernels": rows}
     out.write_text(json.dumps(report, indent=1) + "\n")
