@@ -11,16 +11,12 @@ by benchmarks/sm90_opcodes.py's KINDS: instructions x threads / (rows x 256) a w
 
 from __future__ import annotations
 
-import json
-import os
-import sys
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from benchmarks import sm90_opcodes
-from flashtree.bench.run import provenance
 from flashtree.kernels import gluon_qmm, qmatmul
 from flashtree.kernels.sm90 import compile_for_sm90, launch_record, recording
 from flashtree.kernels.tiles import DEFAULT_TILES, KernelConfig
@@ -80,13 +76,9 @@ def main(out: Path) -> int:
         sm90_opcodes.print_row(
             f"{row['kernel']}{mode} {type_} bf16 b{bm}, {bn} x {row['warps']} x {row['stages']}", row
         )
-    out.parent.mkdir(parents=True, exist_ok=True)
-    report = {**provenance(), "triton": compiled[0]["triton"], "cols": COLS, "kernels": rows}
-    out.write_text(json.dumps(report, indent=1) + "\n")
+    sm90_opcodes.save(out, compiled, rows)
     return 0
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 2:  # compile under the Triton in this folder (pip install --target DIR triton==X)
-        os.environ["PYTHONPATH"] = sys.argv[2]  # the child's only: this process recorded under its own
-    sys.exit(main(Path(sys.argv[1] if len(sys.argv) > 1 else "sm90_gluon_opcodes.json")))
+    sm90_opcodes.run(main, "sm90_gluon_opcodes.json")

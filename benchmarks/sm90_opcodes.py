@@ -109,13 +109,22 @@ def main(out: Path) -> int:
         rows.append(row)
         print_row(f"{row['kernel']} {row['type']} {row['arithmetic']}, {row['rows']} x {row['warps']} x "
                   f"{row['stages']}", row)  # fmt: skip
-    out.parent.mkdir(parents=True, exist_ok=True)
-    report = {**provenance(), "triton": compiled[0]["triton"], "cols": COLS, "kernels": rows}
-    out.write_text(json.dumps(report, indent=1) + "\n")
+    save(out, compiled, rows)
     return 0
 
 
-if __name__ == "__main__":
+def save(out: Path, compiled: list[dict], rows: list[dict]) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    report = {**provenance(), "triton": compiled[0]["triton"], "cols": COLS, "kernels": rows}
+    out.write_text(json.dumps(report, indent=1) + "\n")
+
+
+def run(main, default_out: str) -> None:
+    """`python -m SCRIPT [OUT.json] [TRITON_DIR]`: main(OUT), compiling under TRITON_DIR's Triton if given."""
     if len(sys.argv) > 2:  # compile under the Triton in this folder (pip install --target DIR triton==X)
         os.environ["PYTHONPATH"] = sys.argv[2]  # the child's only: this process recorded under its own
-    sys.exit(main(Path(sys.argv[1] if len(sys.argv) > 1 else "sm90_opcodes.json")))
+    sys.exit(main(Path(sys.argv[1] if len(sys.argv) > 1 else default_out)))
+
+
+if __name__ == "__main__":
+    run(main, "sm90_opcodes.json")
