@@ -84,3 +84,18 @@ def test_bench_step_refuses_missing_files_and_unknown_weights(tmp_path):
         step.bench_step_command(
             tmp_path / "t.gguf", tmp_path, 22, 16, tmp_path / "o.json", "auto", 3, "8", -1
         )
+
+
+def test_bench_step_refuses_a_context_past_the_model_before_measuring(pair, monkeypatch):
+    from flashtree.errors import FlashtreeError
+
+    target, draft = pair
+    measured = []
+    monkeypatch.setattr(step, "_measure", lambda *a: measured.append(a))
+    bench = step.StepBench(target, draft, None, 6, 4, 1)
+    limit = bench.model.config.context_length
+    longest = limit - (1 + 4) * (6 + 1)  # the engine rows' 1 + 4 steps of budget + 1 tokens
+    bench.check_contexts((16, longest))  # the longest that fits
+    with pytest.raises(FlashtreeError, match=f"--context {longest + 1} leaves no room .* at most {longest}"):
+        step.run_bench_step(target, draft, 6, 4, None, 1, context=16, contexts=(16, longest + 1))
+    assert not measured  # refused before the suite ran

@@ -283,10 +283,25 @@ class StepBench:
                 torch.cuda.empty_cache()  # the next engine's cache where this one's was
         return found
 
+    def engine_slots(self) -> int:
+        """The cache slots an engine row needs past its prompt: its timed steps' tokens and two spare."""
+        return (self.repeats + 4) * (self.budget + 1)
+
+    def check_contexts(self, contexts: tuple[int, ...]) -> None:
+        """Before any measurement: each row's prompt and engine steps within the model's context length."""
+        limit = self.model.config.context_length
+        longest = limit - self.engine_slots()
+        for n in contexts:
+            if n > longest:
+                raise FlashtreeError(
+                    f"--context {n} leaves no room for the timed steps within the model's context length "
+                    f"of {limit}: at most {longest} at --budget {self.budget} and --repeats {self.repeats}"
+                )
+
     def _engine_step(self, mode: str, context: int) -> dict:
         spec = SpecConfig(mode=mode, budget=self.budget, block_size=self.block_size)
         steps = 2 + self.repeats
-        max_ctx = context + (steps + 2) * (self.budget + 1)
+        max_ctx = context + self.engine_slots()
         draft = self.draft if mode == "tree" else None
         engine = Engine(self.model, None, draft, spec, max_ctx, current_settings(), self.attn_window)
         stats = GenerationStats(mode)
@@ -369,6 +384,7 @@ def run_bench_step(
     ceilings = measure_ceilings(device)
     longest = max(contexts, default=0)
     bench = StepBench(target, draft, quantized, budget, block_size, repeats, context, longest, attn_window)
+    bench.check_contexts(contexts)
     bench.model.set_kv_types(kv_type, kv_type)  # every state from here: the suite's, the rows' engines'
     results = _measure(bench, device, verify_sizes, prefill_sizes)
     info = describe(bench.gguf)
