@@ -30,6 +30,23 @@ def planned(args: argparse.Namespace, draft_dtype: str) -> dict:
     return json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
 
 
+class PrefillProgress:
+    """An `on_prefill` callback keeping the engine's chunk and about `points` (tokens done, seconds) pairs
+    along the prompt, the device synchronized at each: where a long prefill slows down."""
+
+    def __init__(self, n_prompt: int, device: torch.device, points: int = 32):
+        self.every, self.device, self.t0 = max(1, n_prompt // points), device, time.perf_counter()
+        self.chunk: int | None = None
+        self.points: list[tuple[int, float]] = [(0, 0.0)]
+
+    def __call__(self, done: int, total: int) -> None:
+        self.chunk = self.chunk or done
+        if done == total or done // self.every > self.points[-1][0] // self.every:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self.points.append((done, round(time.perf_counter() - self.t0, 3)))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -66,7 +83,8 @@ def main() -> None:
     n_prompt = min(args.prompt_tokens or engine.max_ctx, engine.max_ctx - new)
     prompt = torch.randint(0, vocab, (n_prompt,), generator=generator).tolist()
     stats = GenerationStats("tree")
-    for _ in engine.generate(prompt, max_tokens=new, stop_ids=[], stats=stats):
+    progress = PrefillProgress(len(prompt), engine.device)
+    for _ in engine.generate(prompt, max_tokens=new, stop_ids=[], stats=stats, on_prefill=progress):
         if stats.steps >= args.steps:
             break
     torch.cuda.synchronize()
@@ -78,6 +96,7 @@ def main() -> None:
         "prompt_tokens": len(prompt),
         "tree_steps": stats.steps, "generated": stats.n_generated, "load_s": load_s,
         "prefill_s": stats.prefill_s, "prefill_tok_s": len(prompt) / stats.prefill_s,
+        "prefill_chunk": progress.chunk, "prefill_progress": progress.points,
         "decode_s": stats.decode_s, "peak_after_load_bytes": loaded, "peak_reserved_bytes": peak,
         "peak_allocated_bytes": torch.cuda.max_memory_allocated(), "plan": plan,
         "peak_over_plan": peak / plan["total_bytes"],
@@ -86,7 +105,8 @@ def main() -> None:
         json.dump(result, f, indent=1)
     gib = 2**30
     print(f"peak {peak / gib:.2f} GiB reserved vs plan {plan['total_bytes'] / gib:.2f} GiB "
-          f"({result['peak_over_plan']:.3f}); prefill {result['prefill_tok_s']:.0f} tok/s, "
+          f"({result['peak_over_plan']:.3f}); prefill {result['prefill_tok_s']:.0f} tok/s in chunks of "
+          f"{progress.chunk}, "
           f"{stats.steps} steps")  # fmt: skip
 
 
