@@ -22,11 +22,20 @@ def pair(tmp_path_factory):
 def test_bench_step_measures_everything(pair, monkeypatch):
     monkeypatch.setattr(step, "DRAFT_RING", 16)  # the draft's ring keeps the last 16 of the 24 positions
     monkeypatch.setenv("FLASHTREE_PREFILL_CHUNK", "10")  # the context prefilled in 3 chunks
+    kernels_for = []  # each use_kernels call's engine kind: the speculating one's only for tree rows
+    real_use_kernels = step.use_kernels
+    monkeypatch.setattr(
+        step,
+        "use_kernels",
+        lambda m, k, speculative: kernels_for.append(speculative) or real_use_kernels(m, k, speculative),
+    )
     target, draft = pair
     r = step.run_bench_step(
         target, draft, 6, 4, None, 1, verify_sizes=(4, 7), prefill_sizes=(16, 40), context=24,
         contexts=(24, 40), kv_type="q8_0",
     )  # fmt: skip
+    # the suite's, then AR, tree and the suite's again for the suite's engine steps and each context row
+    assert kernels_for == [False] + [False, True, False] * 3
     json.dumps(r)  # JSON-ready
     assert r["context_tokens"] == 24 and r["lossy"] is None and r["kv_types"] == ["q8_0", "q8_0"]
     assert r["weights"] == "dense" and r["quant_linears"] == 0  # CPU: the dense path

@@ -186,10 +186,8 @@ class StepBench:
         """longest: the longest prompt a context row prefills; attn_window: the decode steps' window."""
         self.device = default_device()
         self.model, self.gguf = load_target(target, device=self.device, quantized=quantized)
-        # the settings' kernels; the arithmetic theirs or int8, decode rows of fp32 matrices in our kernel
         self.kernels = current_settings().kernels
-        use_kernels(self.model, self.kernels, speculative=False)
-        use_dense_kernel(self.model, self.kernels.dense_kernel_for(speculative=True))
+        self.use_suite_kernels()
         self.draft = load_draft(draft, self.model, fp8_mode="off")
         # the same draft in each fp8 mode (kernels/fp8.py), timed next to it where the device has fp8
         modes = fp8.MODES[1:] if fp8.supported(self.device) else ()
@@ -202,6 +200,12 @@ class StepBench:
         gen = torch.Generator(device="cpu").manual_seed(0)
         n_prompt = max(*PREFILL_SIZES, context, longest)
         self.prompt = torch.randint(0, self.vocab, (n_prompt,), generator=gen).to(self.device)
+
+    def use_suite_kernels(self) -> None:
+        """The settings' kernels for the suite's steps: the arithmetic theirs or the plain AR engine's (int8
+        unless set), decode rows of fp32 matrices in our kernel."""
+        use_kernels(self.model, self.kernels, speculative=False)
+        use_dense_kernel(self.model, self.kernels.dense_kernel_for(speculative=True))
 
     def time(self, fn: Callable[[], object], repeats: int | None = None) -> float:
         return time_ms(fn, self.device, repeats or self.repeats)
@@ -275,12 +279,16 @@ class StepBench:
         """Per-step time of the engine's own decoding (Engine.generate, greedy, stop tokens off) from
         `context` prompt tokens (default: the suite's): AR, and tree mode with this draft (random
         weights accept little, so the tree step costs what it costs whatever the acceptance); and each
-        engine's prefill of the prompt (`{mode}_prefill_ms`). One engine at a time holds a cache."""
+        engine's prefill of the prompt (`{mode}_prefill_ms`). Each engine in its own kernels, as
+        Engine.load gives them (the tree's arithmetic is the speculating engine's: bf16 unless set). One
+        engine at a time holds a cache."""
         found = {}
         for mode in ("ar", "tree"):
+            use_kernels(self.model, self.kernels, speculative=mode != "ar")
             found |= self._engine_step(mode, context or self.context)
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()  # the next engine's cache where this one's was
+        self.use_suite_kernels()
         return found
 
     def engine_slots(self) -> int:
@@ -396,6 +404,10 @@ def run_bench_step(
     if bench.n_quant_linears:
         results["tiles"] = {key: list(astuple(tile)) for key, tile in bench.kernels.tiles.items()}
         results["arithmetic"] = bench.kernels.arithmetic_for(speculative=False)
+        results["engine_arithmetic"] = {
+            "ar": results["arithmetic"],
+            "tree": bench.kernels.arithmetic_for(True),
+        }
     return {
         "schema": SCHEMA,
         **made_by,  # git, settings
@@ -475,6 +487,10 @@ def _arithmetic(r: dict) -> str:
     return f" ({r['arithmetic']} arithmetic, FLASHTREE_QMM_ARITH)" if "arithmetic" in r else ""
 
 
+def _engine_arithmetic(arithmetic: dict, mode: str) -> str:
+    return f" ({arithmetic[mode]})" if mode in arithmetic else ""
+
+
 def summary_lines(r: dict) -> list[str]:
     ar = r["ratios"]
     best = ar["ar_roofline_ms"] / ar["ar_roofline_ratio"]
@@ -497,8 +513,11 @@ def summary_lines(r: dict) -> list[str]:
                 f"{label:<18}{_ms(_best(d, 'total_ms'))}  {_best(d, 'total_ms') / best:5.2f}x AR"
                 f" (eager: propose {d['propose_ms']:.3f} + tree {d['tree_ms']:.3f})"
             )
-    e = r["engine_step_ms"]
-    lines.append(f"engine AR step    {_ms(e['ar_ms'])}   engine tree step {_ms(e['tree_ms'])}")
+    e, arith = r["engine_step_ms"], r.get("engine_arithmetic", {})
+    lines.append(
+        f"engine AR step    {_ms(e['ar_ms'])}{_engine_arithmetic(arith, 'ar')}   "
+        f"engine tree step {_ms(e['tree_ms'])}{_engine_arithmetic(arith, 'tree')}"
+    )
     lines += [f"prefill {p['tokens']:>5}     {p['tok_s']:8.0f} tok/s" for p in r["prefill"]]
     if r["peak_memory_gb"] is not None:
         lines.append(f"peak memory       {r['peak_memory_gb']:.1f} GB")
