@@ -40,8 +40,8 @@ def centroid(idx):
 def _centroid_of(low, neg):
     """CENTROIDS[idx] in fp32 from the index's low two bits (bits 0-1 of `low`; its higher bits are
     ignored) and `neg`, -1 where the third bit is 0 (the negative half) and 0 where it is 1: the level of
-    the magnitude is low's bits, flipped in the negative half; a few bit operations and selects a value
-    (a chain of compares took half the AR step's tq3_0 attention loop)."""
+    the magnitude is low's bits, flipped in the negative half; a few bit operations and selects a value,
+    not a chain of compares (bench/results/cpu-sm90-tq3-attention-2026-12-07)."""
     level = (low ^ neg) & 3
     odd = (level & 1) != 0
     mag = tl.where((level & 2) != 0, tl.where(odd, C3, C2), tl.where(odd, C1, C0))
