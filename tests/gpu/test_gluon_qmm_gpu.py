@@ -24,7 +24,8 @@ pytestmark = pytest.mark.gpu
 DEVICE = torch.device("cuda")
 CHECK_M = (1, 8, 23, 32)
 BF16_TOL = 1e-2
-SHAPES = [(1000, 4096), (6144, 5120), (5120, 17408)]  # (rows, cols): a ragged tile; the 27B's K
+# (rows, cols): a ragged tile; the 27B's matrices: DeltaNet z / qkv, FFN gate and up, FFN down
+SHAPES = [(1000, 4096), (6144, 5120), (10240, 5120), (17408, 5120), (5120, 17408)]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -73,7 +74,7 @@ def test_timing(packed):
     from triton.testing import do_bench
 
     qtype, n, k, _, fields, frag, x = packed
-    for m in (1, 23):
+    for m in (1, 16, 23):
         tl_us = do_bench(lambda: qmatmul.quant_matmul(x[:m], fields, qtype, n, k, "bf16")) * 1e3  # noqa: B023
         gl_us = [
             do_bench(lambda: gluon_qmm.matmul(x[:m], frag, qtype, n, k, async_mma=a)) * 1e3  # noqa: B023
