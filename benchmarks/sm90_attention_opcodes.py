@@ -64,8 +64,8 @@ def main(out: Path) -> int:
                **sm90_opcodes.loop_facts(facts, values)}  # fmt: skip
         rows.append(row)
         label = f"{kind}, {t} rows ({c['R']} a program, {c['QB']} queries), {warps} warps"
-        sm90_opcodes.print_row(label, row)
-    sm90_opcodes.save(out, compiled, rows)
+        sm90_opcodes.print_row(label, row, per="value")
+    sm90_opcodes.save(out, compiled, rows, slots=SLOTS, head_dim=HEAD_DIM)
     return 0
 
 

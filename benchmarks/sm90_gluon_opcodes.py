@@ -76,7 +76,7 @@ def main(out: Path) -> int:
         sm90_opcodes.print_row(
             f"{row['kernel']}{mode} {type_} bf16 b{bm}, {bn} x {row['warps']} x {row['stages']}", row
         )
-    sm90_opcodes.save(out, compiled, rows)
+    sm90_opcodes.save(out, compiled, rows, cols=COLS)
     return 0
 
 

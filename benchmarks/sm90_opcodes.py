@@ -71,12 +71,13 @@ def loop_facts(facts: dict, weights: float) -> dict:
     }  # fmt: skip
 
 
-def print_row(label: str, row: dict) -> None:
-    """One kernel's lines: resources and loop length, the kinds per weight, the commonest opcodes."""
+def print_row(label: str, row: dict, per: str = "weight") -> None:
+    """One kernel's lines: resources and loop length, the kinds per weight (or what `per` names: the value
+    a thread handles), the commonest opcodes."""
     print(f"{label}: {row['registers']} registers, {row['spill_bytes']} B spilled, {row['shared_bytes']} B "
           f"shared; the unit loop {row['loop_instructions']} = {row['loop_per_weight']:.2f} a "
-          "weight")  # fmt: skip
-    print("   per weight: " + ", ".join(f"{k} {v:.2f}" for k, v in row["kinds_per_weight"].items()))
+          f"{per}")  # fmt: skip
+    print(f"   per {per}: " + ", ".join(f"{k} {v:.2f}" for k, v in row["kinds_per_weight"].items()))
     top = sorted(row["loop"].items(), key=lambda kv: -kv[1])[:SHOWN]
     print("   " + ", ".join(f"{op} {n}" for op, n in top))
 
@@ -109,13 +110,14 @@ def main(out: Path) -> int:
         rows.append(row)
         print_row(f"{row['kernel']} {row['type']} {row['arithmetic']}, {row['rows']} x {row['warps']} x "
                   f"{row['stages']}", row)  # fmt: skip
-    save(out, compiled, rows)
+    save(out, compiled, rows, cols=COLS)
     return 0
 
 
-def save(out: Path, compiled: list[dict], rows: list[dict]) -> None:
+def save(out: Path, compiled: list[dict], rows: list[dict], **about) -> None:
+    """The report: provenance, the compiling Triton, `about` (the recorded launches' sizes), the rows."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    report = {**provenance(), "triton": compiled[0]["triton"], "cols": COLS, "kernels": rows}
+    report = {**provenance(), "triton": compiled[0]["triton"], **about, "kernels": rows}
     out.write_text(json.dumps(report, indent=1) + "\n")
 
 

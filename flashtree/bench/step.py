@@ -291,9 +291,13 @@ class StepBench:
         self.use_suite_kernels()
         return found
 
+    def engine_step_count(self) -> int:
+        """Steps an engine row runs: a warm-up pair, then the timed ones."""
+        return 2 + self.repeats
+
     def engine_slots(self) -> int:
-        """The cache slots an engine row needs past its prompt: its timed steps' tokens and two spare."""
-        return (self.repeats + 4) * (self.budget + 1)
+        """The cache slots an engine row needs past its prompt: its steps' tokens and two spare steps'."""
+        return (self.engine_step_count() + 2) * (self.budget + 1)
 
     def check_contexts(self, contexts: tuple[int, ...]) -> None:
         """Before any measurement: each row's prompt and engine steps within the model's context length."""
@@ -308,7 +312,7 @@ class StepBench:
 
     def _engine_step(self, mode: str, context: int) -> dict:
         spec = SpecConfig(mode=mode, budget=self.budget, block_size=self.block_size)
-        steps = 2 + self.repeats
+        steps = self.engine_step_count()
         max_ctx = context + self.engine_slots()
         draft = self.draft if mode == "tree" else None
         engine = Engine(self.model, None, draft, spec, max_ctx, current_settings(), self.attn_window)
