@@ -21,6 +21,7 @@ from flashtree.kernels.tiles import (
     ARITHMETICS,
     DEFAULT_DENSE_TILES,
     DEFAULT_TILES,
+    QMM_KERNELS,
     DenseTiles,
     KernelConfig,
     TileConfig,
@@ -29,7 +30,6 @@ from flashtree.kernels.tiles import (
 
 DRAFT_FP8_MODES = ("off", "matrices", "all")
 KERNEL_PATHS = ("auto", "triton", "torch")  # auto: Triton on CUDA, the torch reference elsewhere
-QMM_KERNELS = ("triton", "gluon")  # gluon: kernels/gluon_qmm.py where it applies (opt-in, issue #40)
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,6 @@ class Settings:
     draft_fp8: str = "off"
     prefill_chunk: int | None = None  # None: by the prompt length and free memory (engine/prefill.py)
     kernel_path: str = "auto"  # kernels.triton_kernels_for: auto, triton (the interpreter on a CPU) or torch
-    qmm_kernel: str = "triton"  # the packed bf16 matmul's kernel: triton, or gluon where it applies
     kernels: KernelConfig = field(default_factory=KernelConfig)
     git_commit: str | None = None
 
@@ -171,7 +170,7 @@ VARIABLES: dict[str, Variable] = {
         "auto: Triton kernels on CUDA, the torch reference elsewhere; triton: the kernels everywhere "
         "(TRITON_INTERPRET=1 on a CPU); torch: the reference everywhere (an A/B on a GPU)"),
     "FLASHTREE_QMM_KERNEL": Variable(
-        "qmm_kernel", _choice(QMM_KERNELS), "triton", "one of triton, gluon",
+        "kernels.qmm_kernel", _choice(QMM_KERNELS), "triton", "one of triton, gluon",
         "gluon: the bf16 Q4_K and Q6_K products of up to 32 rows on sm_90 by the Gluon kernel "
         "(kernels/gluon_qmm.py; a second copy of those matrices' codes), the Triton kernel elsewhere"),
     "FLASHTREE_QMM_ARITH": Variable(
@@ -213,16 +212,6 @@ def kernel_path() -> str:
 @functools.lru_cache(maxsize=4)
 def _kernel_path_of(value: str | None) -> str:
     return "auto" if value is None else Settings.from_env({"FLASHTREE_KERNELS": value}).kernel_path
-
-
-def qmm_kernel() -> str:
-    """FLASHTREE_QMM_KERNEL, checked: `current().qmm_kernel` for one variable, cheap enough per layer."""
-    return _qmm_kernel_of(os.environ.get("FLASHTREE_QMM_KERNEL"))
-
-
-@functools.lru_cache(maxsize=4)
-def _qmm_kernel_of(value: str | None) -> str:
-    return "triton" if value is None else Settings.from_env({"FLASHTREE_QMM_KERNEL": value}).qmm_kernel
 
 
 @functools.lru_cache(maxsize=8)

@@ -53,7 +53,7 @@ def test_every_variable_is_parsed_into_its_field(tmp_path):
     )
     assert k.dense_tiles["960x576"] == DEFAULT_DENSE_TILES["960x576"]
     assert s.git_commit == "bd1996c" and s.prefill_chunk == 512 and s.kernel_path == "torch"
-    assert s.qmm_kernel == "gluon"
+    assert k.qmm_kernel == "gluon"
     assert "FLASHTREE_CACHE" not in s.explicit(env) and s.explicit(env)["FLASHTREE_PDL"] == "0"
 
 

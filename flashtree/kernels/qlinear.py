@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flashtree import kernels, settings
+from flashtree import kernels
 from flashtree.errors import FlashtreeError
 from flashtree.kernels import row_invariant
 from flashtree.kernels.qmatmul import MatmulInput, packed_fields, quant_matmul, repack, unpack
@@ -60,7 +60,7 @@ class QuantLinear(nn.Module):
         x2 = x.reshape(-1, self.in_features)  # (M, in)
         if kernels.triton_kernels_for(x):
             shape = (self.out_features, self.in_features)
-            if self.arithmetic == "bf16" and settings.qmm_kernel() == "gluon":
+            if self.arithmetic == "bf16" and self.kernels.qmm_kernel == "gluon":
                 from flashtree.kernels import gluon_qmm  # imports Triton's Gluon: only when chosen
 
                 if gluon_qmm.supports(x2, self.qtype, self.in_features):

@@ -11,6 +11,7 @@ from types import MappingProxyType
 from flashtree.errors import FlashtreeError
 
 ARITHMETICS = ("int8", "bf16")
+QMM_KERNELS = ("triton", "gluon")  # gluon: kernels/gluon_qmm.py where it applies (opt-in, issue #40)
 
 
 @dataclass(frozen=True)
@@ -75,7 +76,8 @@ class KernelConfig:
     arithmetic: the packed matmuls' (int8 or bf16; None: bf16 when speculating, int8 for plain decoding);
     tiles / dense_tiles: launch tables; splits: K-split targets per matrix ("ARITH:TYPE:NxK");
     dense_kernel: the fp32 decode-row kernel instead of cuBLAS (None: when speculating);
-    delta_tile: the tree DeltaNet kernel's (BV, warps)."""
+    delta_tile: the tree DeltaNet kernel's (BV, warps); qmm_kernel: the packed bf16 matmul's kernel
+    (QMM_KERNELS)."""
 
     arithmetic: str | None = None
     tiles: Mapping[str, TileConfig] = field(default_factory=lambda: DEFAULT_TILES)
@@ -83,10 +85,13 @@ class KernelConfig:
     dense_kernel: bool | None = None
     dense_tiles: Mapping[str, DenseTiles] = field(default_factory=lambda: DEFAULT_DENSE_TILES)
     delta_tile: tuple[int, int] = (16, 1)
+    qmm_kernel: str = "triton"
 
     def __post_init__(self) -> None:
         if self.arithmetic is not None and self.arithmetic not in ARITHMETICS:
             raise FlashtreeError(f"arithmetic {self.arithmetic!r}: expected one of {', '.join(ARITHMETICS)}")
+        if self.qmm_kernel not in QMM_KERNELS:
+            raise FlashtreeError(f"matmul kernel {self.qmm_kernel!r}: one of {', '.join(QMM_KERNELS)}")
         # the defaults' keys are known (tests/test_cli.py), and checking them would import gguf
         given = () if self.tiles is DEFAULT_TILES else self.tiles
         unknown = [key for key in given if not known_tile_key(key)]

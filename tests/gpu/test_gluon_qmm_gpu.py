@@ -18,6 +18,7 @@ from flashtree.kernels.qlinear import QuantLinear
 from flashtree.quant.dequant import dequantize
 from flashtree.quant.formats import QT
 from flashtree.quant.pack import random_blocks
+from flashtree.settings import Settings
 
 pytestmark = pytest.mark.gpu
 
@@ -61,12 +62,12 @@ def test_bit_identical_to_the_triton_kernel_and_batch_invariant(packed, m, async
     assert ((y.double() - plain).norm() / plain.norm()).item() < BF16_TOL
 
 
-def test_quant_linear_takes_it_with_the_setting(packed, monkeypatch):
+def test_quant_linear_takes_it_with_the_setting(packed):
     qtype, n, k, raw, _, _, x = packed
     layer = QuantLinear(raw, qtype, (n, k))
     layer.arithmetic = "bf16"
     default = layer(x[:23])
-    monkeypatch.setenv("FLASHTREE_QMM_KERNEL", "gluon")
+    layer.kernels = Settings.from_env({"FLASHTREE_QMM_KERNEL": "gluon"}).kernels  # as use_kernels gives it
     assert torch.equal(layer(x[:23]), default) and layer._fragment is not None
 
 
