@@ -31,25 +31,7 @@ imports (fla-core), else its torch path (chunked, fp32, launch-bound; same math)
 Budget on one H100/H200 (~12.5 min in all): data 4.5 min (SmolLM2 batch-decodes 41-71k tok/s on real
 prompts: ~12-18M response tokens), training 6 min (55M parameters, ~0.33 GFLOP a token: ~100-200M tokens
 with fla, fewer on the torch path), loading, saving, convert and check ~2 min. The device has no PyPI
-and takes 64 MiB a call; make the calls back to back (the machine and its /root/stash go when idle):
-  here:     bash scripts/gpu_wheels.sh                       (.wheels/issue6: the gguf wheel)
-            pip download --no-deps -d .wheels/fla fla-core==0.6.0 einops
-            python -m benchmarks.hybrid_target stage --out .stage/hybrid
-  calls 1-3 (carry .stage/hybrid/teacher.part.aa, then ab, then ac):
-            mkdir -p /root/stash/hybrid && cp .stage/hybrid/* /root/stash/hybrid/
-  call 4 (carry .stage/hybrid/teacher.part.ad, .stage/hybrid/prompts.jsonl.gz, .stage/hybrid/teacher.md5,
-            .wheels/issue6, .wheels/fla), COMMIT the checkout's:
-            S=/root/stash/hybrid; cp .stage/hybrid/* $S/ && cd $S && cat teacher.part.* > teacher.gguf &&
-            md5sum -c teacher.md5 && cd - && pip install -q --no-index --no-deps --target /tmp/site
-            .wheels/issue6/*.whl .wheels/fla/*.whl && cp -r flashtree benchmarks bench $S/ && cd $S &&
-            (FLASHTREE_GIT_COMMIT=COMMIT PYTHONPATH=/tmp/site:$S setsid nohup python3 -m
-            benchmarks.hybrid_target all --out run --target teacher.gguf --prompts prompts.jsonl.gz
-            --device cuda > log 2>&1 < /dev/null & echo $! > pid); for i in $(seq 112); do
-            kill -0 $(cat pid) 2> /dev/null || break; sleep 5; done; tail -n 30 log
-  call 5:   cd /root/stash/hybrid; for i in $(seq 110); do kill -0 $(cat pid) 2> /dev/null || break;
-            sleep 5; done; tail -n 40 log; tar -czf $OUT/results.tar.gz log run/data.json run/train.json
-            run/loss_curve.json run/check.json run/provenance.json;
-            split -b 15M run/hybrid-q4_k_m.gguf $OUT/hybrid-q4_k_m.gguf.part.
+and takes 64 MiB a call: `scripts/device_hybrid.sh` stages and runs it in two back-to-back calls.
 A failure on the fla path: `rm -rf /tmp/site/fla` and run `all` again (the data stays; training restarts).
 """
 
