@@ -31,7 +31,7 @@ imports (fla-core), else its torch path (chunked, fp32, launch-bound; same math)
 Budget on one H100/H200 (~12.5 min in all): data 4.5 min (SmolLM2 batch-decodes 41-71k tok/s on real
 prompts: ~12-18M response tokens), training 6 min (55M parameters, ~0.33 GFLOP a token: ~100-200M tokens
 with fla, fewer on the torch path), loading, saving, convert and check ~2 min. The device has no PyPI
-and takes 64 MiB a call: `scripts/device_hybrid.sh` stages and runs it in two back-to-back calls.
+and takes 64 MiB a call: `scripts/device_hybrid.sh` stages and runs it (then the draft, #43 part 2).
 A failure on the fla path: `rm -rf /tmp/site/fla` and run `all` again (the data stays; training restarts).
 """
 
