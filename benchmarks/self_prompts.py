@@ -1,11 +1,12 @@
 """Self-written prompts (issue #43, part 3; flashtree/train/self_prompts.py): write a pool of them with
 the target, and measure a draft's tree acceptance length on their held-out split.
 
-    python -m benchmarks.self_prompts write --out DIR [--n 1000] [--minutes 35] [--seed 0]
+    python -m benchmarks.self_prompts write --out DIR [--n 1000] [--minutes 35] [--seed 0] [--batch N]
     python -m benchmarks.self_prompts al --out DIR [--n 15] [--max-tokens 64] [--draft PATH]
 
-`write` appends each raw turn to DIR/raw.jsonl as it comes (a stopped run goes on where it stopped,
-and its turns are usable), then filters them all into DIR/prompts.jsonl (records {"text", "index",
+`write` (--batch N: N turns a generation, train/data.py's batched decoding, the GPU's way; else one at a
+time through the Engine) appends each raw turn to DIR/raw.jsonl as it comes (a stopped run goes on where
+it stopped, and its turns are usable), then filters them all into DIR/prompts.jsonl (records {"text", "index",
 "n_tokens", "held_out"}; `flashtree train-draft --self-prompts` reads it) and DIR/provenance.json (the
 settings, the counts after each filter, the rate). `al`: tree decoding (greedy, the draft: the shipped one
 unless --draft) on the first --n held-out prompts, each output checked token-identical to AR; the mean
@@ -25,6 +26,7 @@ import torch
 
 from benchmarks.kv_quality import decode, git_commit, say
 from flashtree.bench.datasets import DATASETS, question_texts
+from flashtree.bench.hf_baseline import hf_model_from
 from flashtree.config import SpecConfig
 from flashtree.engine.generate import Engine
 from flashtree.train import self_prompts as S
@@ -44,8 +46,13 @@ def write(args: argparse.Namespace) -> None:
     done = read_jsonl(raw_path)
     engine = Engine.load(target=args.target, draft="none", mode="ar", device=args.device)
     t0, start = time.perf_counter(), len(done)
+    if args.batch:
+        turns = S.sample_user_turns_batched(hf_model_from(engine.target), engine.tokenizer, settings, start,
+                                            args.batch)  # fmt: skip
+    else:
+        turns = S.sample_user_turns(engine, settings, start=start)
     with raw_path.open("a") as f:
-        for sample in islice(S.sample_user_turns(engine, settings, start=start), max(args.n - start, 0)):
+        for sample in islice(turns, max(args.n - start, 0)):
             f.write(json.dumps(sample) + "\n")
             f.flush()
             done.append(sample)
@@ -66,7 +73,8 @@ def write(args: argparse.Namespace) -> None:
     # every run's rate, a re-filtering run's (no turns) included: what the next run can plan by
     earlier = args.out / PROVENANCE
     runs = json.loads(earlier.read_text())["runs"] if earlier.exists() else []
-    run = {"turns": len(done) - start, "minutes": minutes, "turns_per_minute": (len(done) - start) / minutes}
+    made = len(done) - start
+    run = {"turns": made, "batch": args.batch, "minutes": minutes, "turns_per_minute": made / minutes}
     report = {
         **S.provenance(settings, S.FilterSettings(), counts),
         "target": str(args.target or "default (SmolLM2-135M-Instruct Q4_1)"),
@@ -118,6 +126,7 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=None, help="turns to write (1000) / prompts to measure (15)")
     parser.add_argument("--minutes", type=float, default=None, help="write: stop after this")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--batch", type=int, default=0, help="write: turns a generation (0: one at a time)")
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--top-p", type=float, default=0.95)
     parser.add_argument(

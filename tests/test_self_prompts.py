@@ -70,6 +70,32 @@ def test_user_turns_are_seeded_resumable_and_sampled_from_the_prefix(tiny_engine
         assert (t["n_tokens"] < 6) if t["ended"] else (t["n_tokens"] == 6)
 
 
+def test_batched_user_turns_are_seeded_resumable_at_a_batch_and_records_like_single_ones(tiny_engine):
+    from flashtree.bench.hf_baseline import hf_model_from
+
+    hf = hf_model_from(tiny_engine.target)
+
+    def take(settings, start=0, n=6):
+        turns = S.sample_user_turns_batched(hf, tiny_engine.tokenizer, settings, start, batch=3)
+        return list(islice(turns, n))
+
+    settings = S.SampleSettings(seed=3, max_tokens=6)
+    first = take(settings)
+    assert [t["index"] for t in first] == list(range(6))
+    assert take(settings) == first  # seeded
+    assert take(settings, start=3, n=3) == first[3:]  # a run resumed at a batch boundary
+    assert len({t["text"] for t in first}) > 1  # sampled, not greedy
+    assert [t["text"] for t in take(S.SampleSettings(seed=4, max_tokens=6))] != [t["text"] for t in first]
+    single = next(S.sample_user_turns(tiny_engine, settings))
+    for t in first:
+        assert t.keys() == single.keys()
+        assert (t["n_tokens"] < 6) if t["ended"] else (t["n_tokens"] == 6)
+    prefix = tiny_engine.tokenizer.encode(S.user_prefix(tiny_engine.tokenizer), add_bos=False)
+    greedy = take(S.SampleSettings(seed=3, temperature=0.0, max_tokens=6), n=3)
+    want = [t for step in tiny_engine.generate(prefix, 6) for t in step]  # the engine's greedy turn
+    assert all(g == S._turn(tiny_engine.tokenizer, g["index"], want) for g in greedy)  # the same decoding
+
+
 def test_a_turn_ends_at_the_stop_token_which_is_not_in_its_text(tiny_engine):
     tokenizer = tiny_engine.tokenizer
     end, start = tokenizer.eos_id, tokenizer.encode("<|im_start|>", add_bos=False)

@@ -58,30 +58,58 @@ def sample_seed(seed: int, index: int) -> int:
 
 def sample_user_turns(engine, settings: SampleSettings, start: int = 0) -> Iterator[dict]:
     """Raw user turns written by the engine's target from the template's user prefix, turn start,
-    start + 1, ... (without end): {"index", "text", "n_tokens", "ended", "specials"}. `ended`: the turn
-    stopped at an end-of-turn (stop) token rather than max_tokens; `specials`: control tokens inside it.
-    The text is decoded with control tokens' text in it (for the filters to see)."""
+    start + 1, ... (without end), one generation each: {"index", "text", "n_tokens", "ended",
+    "specials"}. `ended`: the turn stopped at an end-of-turn (stop) token rather than max_tokens;
+    `specials`: control tokens inside it. The text is decoded with control tokens' text in it (for the
+    filters to see)."""
     from flashtree.config import SamplingParams
 
     tokenizer = engine.tokenizer
     prefix = tokenizer.encode(user_prefix(tokenizer), add_bos=False)
-    stop = set(tokenizer.stop_ids)
     index = start
     while True:
         sampling = SamplingParams(
             settings.temperature, settings.top_p, seed=sample_seed(settings.seed, index)
         )
         out = [t for step in engine.generate(prefix, settings.max_tokens, sampling) for t in step]
-        ended = bool(out) and out[-1] in stop
-        body = out[:-1] if ended else out
-        yield {
-            "index": index,
-            "text": tokenizer.decode(body),
-            "n_tokens": len(body),
-            "ended": ended,
-            "specials": sum(tokenizer.is_special(t) for t in body),
-        }
+        yield _turn(tokenizer, index, out)
         index += 1
+
+
+def sample_user_turns_batched(hf_model, tokenizer, settings: SampleSettings, start: int = 0,
+                              batch: int = 256) -> Iterator[dict]:  # fmt: skip
+    """`sample_user_turns`, `batch` turns a generation (a GPU's way: train/data.py's batched decoding of
+    a transformers model, `hf_model`): the turns start .. start + batch - 1 drawn together from torch's
+    generator seeded by sample_seed(seed, start), so a run resumed at a batch boundary draws the same
+    turns; other draws than one turn at a time."""
+    import torch
+
+    from flashtree.train.data import generate_responses
+
+    prefix = tokenizer.encode(user_prefix(tokenizer), add_bos=False)
+    index = start
+    while True:
+        torch.manual_seed(sample_seed(settings.seed, index))
+        outs = generate_responses(
+            hf_model, [prefix] * batch, settings.max_tokens, list(tokenizer.stop_ids), settings.temperature,
+            settings.top_p,
+        )  # fmt: skip
+        for out in outs:
+            yield _turn(tokenizer, index, out)
+            index += 1
+
+
+def _turn(tokenizer, index: int, out: list[int]) -> dict:
+    """The record of turn `index` whose generated tokens are `out` (its stop token last, if it ended)."""
+    ended = bool(out) and out[-1] in set(tokenizer.stop_ids)
+    body = out[:-1] if ended else out
+    return {
+        "index": index,
+        "text": tokenizer.decode(body),
+        "n_tokens": len(body),
+        "ended": ended,
+        "specials": sum(tokenizer.is_special(t) for t in body),
+    }
 
 
 def control_texts(tokenizer) -> frozenset[str]:
