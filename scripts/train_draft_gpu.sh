@@ -42,6 +42,11 @@
 # once the first pool's greedy responses are used (with SAMPLED_EVERY=0 PASSES=1: greedy responses
 # to new prompts are what moved the draft; the sixth run's sampled ones did not); prompts-fresh2.jsonl.gz
 # once both are used (the eighth run trained on both: stage its data and the seventh's under extra/).
+# SELF_N (default 0; issue #43 part 3): before training, the target writes self-prompts on the GPU
+# (`benchmarks.self_prompts write --batch 1024`) until SELF_N raw turns, going on from the CPU run's
+# committed raw.jsonl (bench/results/cpu-self-prompts-2026-12-06); train-draft takes their training split
+# (--self-prompts), and after the bench the held-out split's tree AL is measured for the new draft and for
+# init.gguf (al.json, al_init.json; 50 prompts x 64 tokens), returned with the results.
 # SEED (default 0) orders the prompt batches: keep it, SAMPLED_EVERY and PASSES while data/ holds an
 # earlier run's shards (the fourth and fifth runs': SEED=1 SAMPLED_EVERY=0 PASSES=4, shards 0-63 of 108).
 # SAMPLED_EVERY (default 4): in the first pass over the prompts every n-th batch gets sampled
@@ -77,7 +82,8 @@ pipeline_running() {  # a failed pipeline ends the wait at once instead of after
 
 results() {  # what exists of the log, the run's configs, training and validation logs, the bench
   tar -czf $OUT/results.tar.gz -C $STASH log run/config.json run/train_log.jsonl run/val_log.jsonl \
-    run/train_config.json bench 2>/dev/null || true
+    run/train_config.json bench self/prompts.jsonl self/provenance.json self/al.json self/al_init.json \
+    2>/dev/null || true
 }
 
 collect() {  # the artifacts, at most 8 files of 16 MiB for $OUT; the draft only once
@@ -131,6 +137,7 @@ launch)
   done
   # The pipeline runs from its own copy: later calls re-sync the working tree under it.
   rm -rf $STASH/src && mkdir -p $STASH/src && cp -r flashtree scripts benchmarks $STASH/src/
+  [ "${SELF_N:-0}" = 0 ] || { mkdir -p $STASH/self && cp bench/results/cpu-self-prompts-2026-12-06/raw.jsonl $STASH/self/; }
   cd $STASH/src
   setsid nohup bash scripts/train_draft_gpu.sh pipeline > $STASH/log 2>&1 < /dev/null &
   for _ in $(seq "${WAIT_SECONDS:-540}"); do sleep 1; pipeline_running || break; done
@@ -144,6 +151,11 @@ pipeline)  # run from $STASH/src
   earlier=() && [ ! -f $STAGE/init.gguf ] || earlier=(--init $STAGE/init.gguf)  # what earlier runs left
   for d in $STASH/extra/*/data; do [ ! -d "$d" ] || earlier+=(--extra-data "$d"); done
   prompts=() && for f in ${PROMPTS:-prompts.jsonl.gz}; do prompts+=(--prompts "$STAGE/$f"); done
+  if [ "${SELF_N:-0}" != 0 ]; then  # self-written prompts, their training split (see the header)
+    python3 -m benchmarks.self_prompts write --out $STASH/self --target $GGUF --n "$SELF_N" --batch 1024 \
+      --device cuda || exit 1
+    prompts+=(--self-prompts $STASH/self/prompts.jsonl)
+  fi
   python3 -m flashtree train-draft --target $GGUF --out $RUN --layers 5 "${prompts[@]}" \
     "${earlier[@]}" --seed "${SEED:-0}" --gen-batch 2048 --sampled-every "${SAMPLED_EVERY:-4}" --passes "${PASSES:-1}" \
     --gen-minutes "${GEN_MINUTES:-7}" \
@@ -155,6 +167,11 @@ pipeline)  # run from $STASH/src
   if [ "${BENCH_INIT:-0}" = 1 ] && [ -f $STAGE/init.gguf ]; then  # the draft trained from, side by side
     python3 -m flashtree bench --target $GGUF --draft $STAGE/init.gguf --n 10 --max-tokens 256 --modes tree \
       --budget 22 --baseline plain --seed 0 --out $BENCH/init --device cuda
+  fi
+  if [ "${SELF_N:-0}" != 0 ]; then  # held-out self-prompts' tree AL: the draft trained from, then the new
+    [ ! -f $STAGE/init.gguf ] || { python3 -m benchmarks.self_prompts al --out $STASH/self --target $GGUF \
+      --draft $STAGE/init.gguf --n 50 --device cuda && mv $STASH/self/al.json $STASH/self/al_init.json; }
+    python3 -m benchmarks.self_prompts al --out $STASH/self --target $GGUF --draft $DRAFT_GGUF --n 50 --device cuda
   fi
   [ "${PROFILE:-1}" = 0 ] || python3 -m benchmarks.gpu_profile_steps $BENCH/profile_steps $GGUF $DRAFT_GGUF 2>&1 \
     | grep -v USDT | tail -n 60
