@@ -173,10 +173,6 @@ VARIABLES: dict[str, Variable] = {
         "kernels.qmm_kernel", _choice(QMM_KERNELS), "triton", "one of triton, gluon",
         "gluon: the bf16 Q4_K and Q6_K products of up to 32 rows on sm_90 by the Gluon kernel "
         "(kernels/gluon_qmm.py; a second copy of those matrices' codes), the Triton kernel elsewhere"),
-    "FLASHTREE_QMM_PREFETCH": Variable(
-        "kernels.prefetch_units", int, "0", "an integer 0 to 8",
-        "units of its weights each packed-matmul program asks into L2 before waiting for the kernel before "
-        "it (PDL); 0: none"),
     "FLASHTREE_QMM_ARITH": Variable(
         "kernels.arithmetic", _choice(ARITHMETICS), "per engine", "one of int8, bf16",
         "the packed matmuls' arithmetic (default: bf16 when speculating, int8 for plain decoding)"),

@@ -26,7 +26,6 @@ def test_every_variable_is_parsed_into_its_field(tmp_path):
         "FLASHTREE_KERNELS": "torch",
         "FLASHTREE_QMM_KERNEL": "gluon",
         "FLASHTREE_QMM_ARITH": "bf16",
-        "FLASHTREE_QMM_PREFETCH": "0",
         "FLASHTREE_QMM_TILES": '{"m1": [128, 4, 1, 2], "b32:Q6_K": [64, 4, 1, 1, 0]}',
         "FLASHTREE_QMM_SPLITS": '{"int8:Q4_K:5120x6144": 32768}',
         "FLASHTREE_DENSE_KERNEL": "0",
@@ -54,7 +53,7 @@ def test_every_variable_is_parsed_into_its_field(tmp_path):
     )
     assert k.dense_tiles["960x576"] == DEFAULT_DENSE_TILES["960x576"]
     assert s.git_commit == "bd1996c" and s.prefill_chunk == 512 and s.kernel_path == "torch"
-    assert k.qmm_kernel == "gluon" and k.prefetch_units == 0
+    assert k.qmm_kernel == "gluon"
     assert "FLASHTREE_CACHE" not in s.explicit(env) and s.explicit(env)["FLASHTREE_PDL"] == "0"
 
 

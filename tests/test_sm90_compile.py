@@ -16,15 +16,12 @@ from flashtree.convert.synth import synth_model
 from flashtree.kernels import attention, dense_matmul, fp8, qmatmul
 from flashtree.kernels.prefill_attention import prefill_attention
 from flashtree.kernels.sm90 import compile_for_sm90, recording
-from flashtree.kernels.tiles import DEFAULT_KERNELS, KernelConfig
 from flashtree.kernels.tree_deltanet import tree_gated_delta_rule
 from flashtree.models.block import BlockLayout
 from flashtree.models.loader import load_target
 from flashtree.models.state import KVStore
 from flashtree.quant.kv import quantize
 from flashtree.quant.pack import random_blocks
-
-PREFETCHING = KernelConfig(prefetch_units=2)  # FLASHTREE_QMM_PREFETCH=2
 
 
 @pytest.fixture(scope="module")
@@ -48,9 +45,7 @@ def decode_launches(tmp_path_factory, tiny_root) -> list[dict]:
             raw = torch.from_numpy(random_blocks(qtype, 16, 256, np.random.default_rng(qtype)))
             fields = qmatmul.repack(raw, qtype, 256)
             for rows, arithmetic in ((1, "int8"), (3, "int8"), (1, "bf16")):
-                x = torch.randn(rows, 256)
-                for kernels in (DEFAULT_KERNELS, PREFETCHING):
-                    qmatmul.quant_matmul(x, fields, qtype, 16, 256, arithmetic, None, kernels)
+                qmatmul.quant_matmul(torch.randn(rows, 256), fields, qtype, 16, 256, arithmetic)
         fp8.quantize_rows(torch.randn(3, 96).bfloat16())  # an fp8 draft's activations
         # a bf16 model's attention at 256-dim heads (the 27B's), with the dots it takes on CUDA
         kv = torch.randn(1, 80, 256).bfloat16()
@@ -125,15 +120,6 @@ def test_under_pdl_nothing_is_read_before_the_wait(sm90):
     kernel waits, and loads nothing before it waits."""
     for r in sm90:
         assert r["waits"] and r["loads_before"] == 0, r
-
-
-def test_under_pdl_the_packed_matmuls_ask_their_first_weights_into_l2_before_the_wait(decode_launches, sm90):
-    """Weights are never written, so with FLASHTREE_QMM_PREFETCH the packed matmuls ask for their first
-    units before the PDL wait (qmatmul._prefetch_units); nothing else touches memory there."""
-    prefetching = [r["constexprs"].get("PREFETCH", 0) > 0 for r in decode_launches]
-    assert sum(prefetching) >= 3 * len(qmatmul.KERNEL_TYPES)
-    for wanted, r in zip(prefetching, sm90, strict=True):
-        assert (r["prefetches_before"] > 0) == wanted, r
 
 
 def test_every_decode_kernel_fits_an_sms_shared_memory(sm90):

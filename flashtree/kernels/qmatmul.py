@@ -231,49 +231,6 @@ def _at(rows, N, blk, CHUNKS: tl.constexpr, chunk, WIDTH: tl.constexpr):
 
 
 @triton.jit
-def _prefetch_l2(ptr, ok):
-    """A hint, no value: the cache line at each `ptr` where `ok` fetched into L2 (PTX prefetch.global.L2)."""
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.b32 $0, 0; }",
-        "=r,l,r", [ptr, ok.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1,
-    )  # fmt: skip
-
-
-@triton.jit
-def _prefetch_field(ptr, rows, N, blk, CHUNKS: tl.constexpr, WIDTH: tl.constexpr, lead):
-    for c in tl.static_range(CHUNKS):
-        _prefetch_l2(ptr + _at(rows, N, blk, CHUNKS, c, WIDTH), lead)
-
-
-@triton.jit
-def _prefetch_units(
-    QTYPE: tl.constexpr, G: tl.constexpr, q_ptr, hdr_ptr, qh_ptr, rows, N, row_ok, first, last,
-    UNITS: tl.constexpr, WIDTH: tl.constexpr,
-):  # fmt: skip
-    """The codes, high bits and headers of a program's first UNITS units on their way to L2, issued
-    before the PDL wait: the weights are never written, so they may be read while the kernel before
-    still runs, and the first loads find them in L2 instead of waiting a trip to memory. One thread of 8
-    rows asks for each 128-byte line (8 rows' 16-byte chunks, `_at`). WIDTH: q / qh elements of 16 /
-    WIDTH bytes (the headers are words)."""
-    lead = row_ok & (rows % 8 == 0)
-    for u in tl.static_range(UNITS):
-        ok = lead & (first + u < last)
-        for g in tl.static_range(G):
-            blk = (first + u) * G + g
-            if QTYPE == _Q4_K or QTYPE == _Q5_K or QTYPE == _Q6_K:  # noqa: SIM109
-                _prefetch_field(q_ptr, rows, N, blk, 8, WIDTH, ok)
-                _prefetch_field(hdr_ptr, rows, N, blk, 1, 4, ok)
-                if QTYPE == _Q5_K:
-                    _prefetch_field(qh_ptr, rows, N, blk, 2, WIDTH, ok)
-                elif QTYPE == _Q6_K:
-                    _prefetch_field(qh_ptr, rows, N, blk, 4, WIDTH, ok)
-            elif QTYPE == _Q8_0:
-                _prefetch_field(q_ptr, rows, N, blk, 2, WIDTH, ok)
-            else:
-                _prefetch_field(q_ptr, rows, N, blk, 1, WIDTH, ok)
-
-
-@triton.jit
 def _unit_header(QTYPE: tl.constexpr, hdr_ptr, d_ptr, rows, N, blk, row_ok):
     """What a unit's groups share: (d, dmin, s0, s1, s2, s3), (BN,) each. Q4_K/Q5_K: d, dmin and the
     scale words s0-s2; Q6_K: d and the four words of int8 scales; legacy types: placeholders (their
@@ -526,15 +483,11 @@ def _matvec_kernel(
     N, n_blocks, units_per_split, n_splits,
     QTYPE: tl.constexpr, G: tl.constexpr, V: tl.constexpr, HAS_OFFSET: tl.constexpr, BN: tl.constexpr,
     UNROLL: tl.constexpr, FUSED_SUM: tl.constexpr, ASM: tl.constexpr, GDC: tl.constexpr,
-    PREFETCH: tl.constexpr,
 ):  # fmt: skip
     """One row of x: program (i, s) adds split s of rows [i * BN, i * BN + BN), one thread per row,
-    UNROLL units per step (their loads can be in flight together). PREFETCH: units asked into L2 before
-    the PDL wait (`_prefetch_units`)."""
+    UNROLL units per step (their loads can be in flight together)."""
     rows, row_ok, split, first, last = _split_rows(BN, N, units_per_split, n_blocks // G)
     rows64 = rows.to(tl.int64)
-    if GDC and PREFETCH > 0:
-        _prefetch_units(QTYPE, G, q_ptr, hdr_ptr, qh_ptr, rows64, N, row_ok, first, last, PREFETCH, 4)
     wait_for_inputs(GDC)
     acc = tl.zeros((BN,), tl.float32)
     unrolled_end = first + (last - first) // UNROLL * UNROLL
@@ -766,18 +719,14 @@ def _matmul_kernel(
     M, N, K, n_blocks, units_per_split, n_splits,
     QTYPE: tl.constexpr, G: tl.constexpr, V: tl.constexpr, HAS_OFFSET: tl.constexpr, BN: tl.constexpr,
     BM: tl.constexpr, FUSED_SUM: tl.constexpr, BF16: tl.constexpr, ASM: tl.constexpr, GDC: tl.constexpr,
-    PREFETCH: tl.constexpr,
 ):  # fmt: skip
     """M <= BM rows of x (x_ptr: its int8 codes padded with zero rows to (BM, K), or with BF16 x itself
     in bf16, (M, K)): program (i, s) adds split s of rows [i * BN, i * BN + BN) for all M, unit after
     unit. Each unit's header is loaded while the unit before it is computed (the pipeliner only
-    overlaps the loads that feed the dots: a header load would stall every unit for a trip to memory).
-    PREFETCH: units asked into L2 before the PDL wait (`_prefetch_units`)."""
+    overlaps the loads that feed the dots: a header load would stall every unit for a trip to memory)."""
+    wait_for_inputs(GDC)
     rows, row_ok, split, first, last = _split_rows(BN, N, units_per_split, n_blocks // G)
     rows64 = rows.to(tl.int64)
-    if GDC and PREFETCH > 0:
-        _prefetch_units(QTYPE, G, q_ptr, hdr_ptr, qh_ptr, rows64, N, row_ok, first, last, PREFETCH, 16)
-    wait_for_inputs(GDC)
     acc = tl.zeros((BN, BM), tl.float32)
     header = _unit_header(QTYPE, hdr_ptr, d_ptr, rows64, N, first * G, row_ok)
     for unit in range(first, last):
@@ -980,7 +929,6 @@ def quant_matmul(
     counters = tile_counters(x.device, grid[0])
     launch = _static_args(lay, x.device) | {"BN": tile.rows, "num_warps": tile.warps}
     launch |= {"num_stages": tile.stages, "FUSED_SUM": bool(tile.fused_sum)}
-    launch["PREFETCH"] = kernels.prefetch_units
     if bf16:
         xb = x.to(torch.bfloat16).contiguous()  # also passed for the int8 scale pointers it never reads
         _matmul_kernel[grid](

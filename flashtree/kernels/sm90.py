@@ -163,7 +163,6 @@ for rec in json.load(sys.stdin):
     before, wait, _ = ptx.partition("griddepcontrol.wait")
     facts = {
         "name": rec["name"], "failure": None, "waits": bool(wait), "loads_before": before.count("ld.global"),
-        "prefetches_before": before.count("prefetch.global.L2"),
         "shared_bytes": kernel.metadata.shared, "triton": triton.__version__,
     }
     if "registers" in sys.argv[2].split(","):

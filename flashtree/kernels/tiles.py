@@ -77,8 +77,7 @@ class KernelConfig:
     tiles / dense_tiles: launch tables; splits: K-split targets per matrix ("ARITH:TYPE:NxK");
     dense_kernel: the fp32 decode-row kernel instead of cuBLAS (None: when speculating);
     delta_tile: the tree DeltaNet kernel's (BV, warps); qmm_kernel: the packed bf16 matmul's kernel
-    (QMM_KERNELS); prefetch_units: the units of its weights a packed-matmul program asks into L2 before
-    its PDL wait (0: none; opt-in until timed on the device)."""
+    (QMM_KERNELS)."""
 
     arithmetic: str | None = None
     tiles: Mapping[str, TileConfig] = field(default_factory=lambda: DEFAULT_TILES)
@@ -87,13 +86,10 @@ class KernelConfig:
     dense_tiles: Mapping[str, DenseTiles] = field(default_factory=lambda: DEFAULT_DENSE_TILES)
     delta_tile: tuple[int, int] = (16, 1)
     qmm_kernel: str = "triton"
-    prefetch_units: int = 0
 
     def __post_init__(self) -> None:
         if self.arithmetic is not None and self.arithmetic not in ARITHMETICS:
             raise FlashtreeError(f"arithmetic {self.arithmetic!r}: expected one of {', '.join(ARITHMETICS)}")
-        if not 0 <= self.prefetch_units <= 8:
-            raise FlashtreeError(f"prefetch units {self.prefetch_units}: 0 to 8")
         if self.qmm_kernel not in QMM_KERNELS:
             raise FlashtreeError(f"matmul kernel {self.qmm_kernel!r}: one of {', '.join(QMM_KERNELS)}")
         # the defaults' keys are known (tests/test_cli.py), and checking them would import gguf

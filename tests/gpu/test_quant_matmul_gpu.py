@@ -9,12 +9,10 @@
   and batch invariance: every M's rows equal the 64-row call's, fp32 and bf16 (M <= 64);
 - single rows (the dp4a path) equal their rows of the 64-row call;
 - the kernels' dequantizer equal to the reference dequantizer;
-- the inline PTX equal to its integer emulation (qmatmul.EMULATE_PTX) at M = 1, 23 and in the dequantizer;
-- the L2 prefetch (FLASHTREE_QMM_PREFETCH) changing no bit.
+- the inline PTX equal to its integer emulation (qmatmul.EMULATE_PTX) at M = 1, 23 and in the dequantizer.
 The timings of these kernels are benchmarks/gpu_kernels.py.
 """
 
-from dataclasses import replace
 from types import SimpleNamespace
 
 import numpy as np
@@ -22,7 +20,6 @@ import pytest
 import torch
 
 from benchmarks import knobs
-from flashtree.kernels import qmatmul
 from flashtree.kernels.qmatmul import (
     MAX_FUSED_M,
     dequantize_packed,
@@ -121,16 +118,3 @@ def test_inline_ptx_equals_emulation(packed):
     else:
         for name, a, b in zip(("M=1", "M=23", "dequantizer"), with_ptx, emulated, strict=True):
             assert torch.equal(a, b), f"{p.qtype.name} {name}"
-
-
-def test_prefetch_changes_no_bit(packed):
-    """FLASHTREE_QMM_PREFETCH's L2 prefetch before the PDL wait (qmatmul._prefetch_units) is a hint: every
-    row the same bits with it as without, in both arithmetics."""
-    p = packed
-    prefetching = replace(knobs.kernels(), prefetch_units=2)
-    for arithmetic in ("int8", "bf16"):
-        for m in (1, 23, 64):
-            x = p.x[:m]
-            plain = qmatmul.quant_matmul(x, p.fields, p.qtype, p.n, p.k, arithmetic, kernels=knobs.kernels())
-            ahead = qmatmul.quant_matmul(x, p.fields, p.qtype, p.n, p.k, arithmetic, kernels=prefetching)
-            assert torch.equal(plain, ahead), f"{p.qtype.name} {arithmetic} M={m}"
