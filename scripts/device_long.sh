@@ -8,7 +8,9 @@
 #   STAGE=run    flashtree plan's 27B table, and benchmarks/long_run.py: a real 262,144-token tq3_0 run with
 #                fp8 draft matrices in a 22 GiB budget (the allocator capped), its peak GPU memory next to
 #                the plan
-#   STAGE=rows   bench-step --context CONTEXTS in KV type KV (default 8192,65536 in tq3_0 and bf16)
+#   STAGE=rows   bench-step --context CONTEXTS in KV type KV (default 8192,65536 in tq3_0 and bf16); the suite
+#                runs at the first length, so the 256K row is KV=tq3_0 CONTEXTS=8192,261000 (~8 min: two
+#                261K prefills at ~1600 tok/s), never CONTEXTS=261000 alone (bench/results/h100-long-rows-2026-12-07)
 # Results under $OUT.
 set -u
 pip install -q --no-index --no-deps --target /tmp/site .wheels/issue6/*.whl 2>/dev/null

@@ -5,7 +5,7 @@ benchmarks/sm90_registers.py's registers and spills per tile.
 Under TRITON_INTERPRET=1 a kernel runs its CPU form (GDC and ASM false). `recording` notes each launch the
 interpreter runs (argument types, constexprs, compile options, the JIT's specializations: integers of 1,
 16-divisible integers and addresses); `compile_for_sm90` compiles the records in
-a process without the interpreter, with the GPU switches on, and reports what each PTX does around
+processes without the interpreter (one a CPU), with the GPU switches on, and reports what each PTX does around
 griddepcontrol.wait and, with `registers`, what Triton's own ptxas says of registers and spills.
 """
 
@@ -14,9 +14,11 @@ from __future__ import annotations
 import contextlib
 import inspect
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -178,11 +180,21 @@ def compile_for_sm90(records: list[dict], also: str = "-") -> list[dict]:
     """Each record compiled for sm_90 with GDC and ASM on: its PTX facts, or its failure, in the records'
     order; also="registers": ptxas's registers and spill bytes too; also="sass": its SASS instructions
     per opcode, in the whole kernel and in its longest loop; "registers,sass": both."""
-    env = settings.environment_without("TRITON_INTERPRET")  # the child compiles for the GPU
-    done = subprocess.run(
-        [sys.executable, "-c", _COMPILE, json.dumps(GPU_SWITCHES), also],
-        input=json.dumps(records), env=env, capture_output=True, text=True,
-    )  # fmt: skip
-    if done.returncode != 0:
-        raise RuntimeError(f"compiling for sm_90 failed:\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.splitlines()[-1])
+    env = settings.environment_without("TRITON_INTERPRET")  # the children compile for the GPU
+    workers = max(1, min(os.cpu_count() or 1, len(records)))  # a child a CPU, each an interleaved share
+
+    def compile_share(share: list[dict]) -> list[dict]:
+        done = subprocess.run(
+            [sys.executable, "-c", _COMPILE, json.dumps(GPU_SWITCHES), also],
+            input=json.dumps(share), env=env, capture_output=True, text=True,
+        )  # fmt: skip
+        if done.returncode != 0:
+            raise RuntimeError(f"compiling for sm_90 failed:\n{done.stderr[-3000:]}")
+        return json.loads(done.stdout.splitlines()[-1])
+
+    with ThreadPoolExecutor(workers) as pool:
+        reports = list(pool.map(compile_share, [records[i::workers] for i in range(workers)]))
+    merged: list[dict] = [{}] * len(records)
+    for i, report in enumerate(reports):
+        merged[i::workers] = report
+    return merged
