@@ -11,6 +11,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from flashtree.kernels import attention  # noqa: E402
 from flashtree.kernels.attention import (  # noqa: E402
     MAX_SPLIT,
     ROWS_FROM_KEYS,
@@ -48,6 +49,7 @@ ROW_CASES = [
     ("long", "fill"),
     ("many-splits", "fill"),
     ("short", "wide"),
+    ("short", "reads"),
 ]
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
 
@@ -113,17 +115,21 @@ def test_splits_combine_under_the_largest_maximum_of_all():
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=list(DTYPES))
 @pytest.mark.parametrize("shape, tile", ROW_CASES, ids=[f"{shape}-{tile}" for shape, tile in ROW_CASES])
-def test_verify_rows_are_the_ar_steps_bit_for_bit(shape, dtype, tile):
+def test_verify_rows_are_the_ar_steps_bit_for_bit(shape, dtype, tile, monkeypatch):
     """Each tree node vs one AR step at its position after its path was committed (its ancestors' K/V
     moved to their positions, as commit_path does), and vs a call with more (empty) splits. The AR step's
     program takes its one row alone, the verify's as many rows as `tile` says (row_group's choice at the
-    key counts where it takes that tile, launched here at the case's few keys)."""
+    key counts where it takes that tile, launched here at the case's few keys; "reads": the 64-query tile
+    a sweep's WIDE_BY "reads" gives, 10 rows of the 27B's 6 heads)."""
     q, k, v, start, layout = case(shape, "tree", DTYPES[dtype], seed=1)
     group = q.shape[1] // k.shape[0]
-    keys = {"short": start, "fill": ROWS_FROM_KEYS, "wide": WIDE_FROM_KEYS}[tile]
-    want = {"short": min(2, 16 // group), "fill": 16 // group, "wide": 5}[tile]  # wide: the 27B's 6 heads
+    if tile == "reads":
+        monkeypatch.setattr(attention, "VERIFY_QUERIES", 64)
+        monkeypatch.setattr(attention, "WIDE_BY", "reads")
+    keys = {"short": start, "fill": ROWS_FROM_KEYS}.get(tile, WIDE_FROM_KEYS)
+    want = {"short": min(2, 16 // group), "fill": 16 // group, "wide": 5, "reads": 10}[tile]  # the 27B's 6
     rows = row_group(group, layout.size, keys)
-    assert rows == (want, VERIFY_QUERIES if tile == "wide" else 16)
+    assert rows == (want, {"wide": VERIFY_QUERIES, "reads": 64}.get(tile, 16))
     assert row_group(group, 1, keys) == (1, 16)
     got = run(q, k, v, start, layout, tile=rows)
     more = start + 3 * split_positions(k.shape[1])
@@ -151,6 +157,18 @@ def test_rows_fill_the_query_tile_one_row_pads_to():
     # a verify 23 at a long context: the wider tile only where it computes fewer query slots (the 27B:
     # 5 programs x 32 instead of 12 x 16); SmolLM2's 3 would take 3 x 32 instead of 5 x 16, the 8B's a tie
     assert [row_group(g, 23, WIDE_FROM_KEYS) for g in groups] == [(5, 32), *narrow[1:]]
+
+
+def test_a_sweep_may_choose_the_verify_tile_by_its_reads_of_the_cache(monkeypatch):
+    """WIDE_BY "reads" (a sweep's setting): the tile with the fewest programs, each of which reads the cache;
+    the 27B's 23 rows in 3 programs of 10 rows x 64 queries instead of 5 of 5 x 32."""
+    monkeypatch.setattr(attention, "VERIFY_QUERIES", 64)
+    assert row_group(6, 23, WIDE_FROM_KEYS) == (2, 16)  # by slots: 12 x 16 ties 3 x 64, the narrow one
+    monkeypatch.setattr(attention, "WIDE_BY", "reads")
+    assert row_group(6, 23, WIDE_FROM_KEYS) == (10, 64)
+    assert row_group(3, 23, WIDE_FROM_KEYS) == (16, 64)  # SmolLM2's 3 heads: 2 programs, not 5
+    assert row_group(6, 23, WIDE_FROM_KEYS - 1) == (2, 16)  # a shorter context keeps the narrow tile
+    assert row_group(6, 1, 65536) == (1, 16)  # the AR step's row alone
 
 
 def test_split_sizes_follow_the_cache_between_one_tile_and_the_maximum():
