@@ -418,7 +418,7 @@ def test_the_norms_quantization_inside_a_packed_model(monkeypatch, kernels_path,
     real = qmatmul.quantize_activations
     monkeypatch.setattr(qmatmul, "quantize_activations", lambda *a: quantized.append(1) or real(*a))
 
-    def ar_logits() -> torch.Tensor:  # one AR step after a prefill: the interpreter takes ~50 s a step
+    def ar_logits() -> torch.Tensor:  # one AR step after a prefill (the interpreter's steps are slow)
         state = model.new_state(16)
         with torch.no_grad():
             feed(model, ids[:3], state, logits="none")

@@ -49,8 +49,8 @@ def wilson_hilferty_z(chi2: float, dof: int) -> float:
     return ((chi2 / dof) ** (1 / 3) - (1 - 2 / (9 * dof))) / math.sqrt(2 / (9 * dof))
 
 
-# 6000 generations, about a minute a case on 2 cores: the tree's samples with noise shared by neighbouring
-# positions score z = 68 (t0.6-p0.8) and 110 (t1), with top-p left out of the sampler 25, against the bound 4.
+# Enough that noise shared by neighbouring positions, or top-p left out of the sampler, fails far past the
+# bound (z 25-110 against 4 when tried); about a minute a case on 2 cores.
 JOINT_SAMPLES = 6000
 
 

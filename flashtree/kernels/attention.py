@@ -51,11 +51,11 @@ ROWS_FROM_KEYS = 2048
 # (bench/results/h100-default-pair-2026-12-06).
 VERIFY_QUERIES = 32  # a verify's wider query tile, where it pays (`row_group`)
 WIDE_FROM_KEYS = 4096  # key positions from which a verify may take the wider tile
-WIDE_BY = "slots"  # how a verify's tile is chosen there: fewest query slots, or "reads" (fewest programs)
-# Why "reads" is a setting: each program re-reads the cache, which at 64K costs more than the padded
-# slots, but a 64-query tile spills (bench/results/cpu-sm90-verify-tile64-2026-12-07): a device sweep's.
 # Why: the wider tile reads each KV head's cache fewer times for a long verify, but pads more queries, which
 # costs at short contexts and for few heads a KV head (bench/results/attention-rows-2026-12-06).
+WIDE_BY = "slots"  # how a verify's tile is chosen there: fewest query slots, or "reads" (fewest programs)
+# Why "reads" is a sweep's setting: each program re-reads the cache, but a 64-query tile spills
+# (bench/results/cpu-sm90-verify-tile64-2026-12-07); only a device sweep can say which costs more.
 
 
 def row_group(group: int, rows: int, n_keys: int) -> tuple[int, int]:
@@ -65,8 +65,8 @@ def row_group(group: int, rows: int, n_keys: int) -> tuple[int, int]:
     below ROWS_FROM_KEYS keys; an AR step's one row is alone. A program's rows share every committed K/V
     tile they read. From WIDE_FROM_KEYS keys a verify takes VERIFY_QUERIES queries instead where that
     computes fewer query slots (programs x QB) than the narrow tile (or, WIDE_BY "reads", takes fewer
-    programs): the 27B's 5 rows in 32. A row's bits
-    do not depend on the tile or its rows (`_tile_update`), so a verify's rows equal the AR step's."""
+    programs): the 27B's 5 rows in 32. A row's bits do not depend on the tile or its rows
+    (`_tile_update`), so a verify's rows equal the AR step's."""
     narrow = max(16, triton.next_power_of_2(group))
     if rows == 1:  # the AR step
         return 1, narrow
@@ -77,9 +77,8 @@ def row_group(group: int, rows: int, n_keys: int) -> tuple[int, int]:
     ]
     if n_keys < WIDE_FROM_KEYS or narrow >= VERIFY_QUERIES:
         return tiles[0]
-    if WIDE_BY == "reads":
-        return min(tiles, key=lambda tile: triton.cdiv(rows, tile[0]))  # a tie: the narrow one
-    return min(tiles, key=lambda tile: triton.cdiv(rows, tile[0]) * tile[1])
+    by_slots = WIDE_BY != "reads"  # a program costs its query slots, or one read of the cache; a tie: narrow
+    return min(tiles, key=lambda tile: triton.cdiv(rows, tile[0]) * (tile[1] if by_slots else 1))
 
 
 def split_positions(slots: int) -> int:

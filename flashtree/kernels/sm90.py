@@ -4,9 +4,9 @@ benchmarks/sm90_registers.py's registers and spills per tile.
 
 Under TRITON_INTERPRET=1 a kernel runs its CPU form (GDC and ASM false). `recording` notes each launch the
 interpreter runs (argument types, constexprs, compile options, the JIT's specializations: integers of 1,
-16-divisible integers and addresses); `compile_for_sm90` compiles the records in
-processes without the interpreter (one a CPU), with the GPU switches on, and reports what each PTX does around
-griddepcontrol.wait and, with `registers`, what Triton's own ptxas says of registers and spills.
+16-divisible integers and addresses); `compile_for_sm90` compiles the records in processes without the
+interpreter (one a CPU), with the GPU switches on, and reports what each PTX does around griddepcontrol.wait
+and, with `registers`, what Triton's own ptxas says of registers and spills.
 """
 
 from __future__ import annotations
