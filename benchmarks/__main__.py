@@ -249,10 +249,15 @@ def registers() -> None:
 @stage("attention")
 def attention() -> None:
     """benchmarks.gpu_attention: the decode/verify attention's settings (--attn-settings, --attn-heads,
-    --attn-contexts, --attn-slots: its own options) each checked (verify rows = AR step bit for bit) and
-    timed at the 27B's and SmolLM2's heads (AR step and 23-node verify)."""
-    given = [(flag, getattr(OPTIONS, f"attn_{flag}")) for flag in ("settings", "heads", "contexts", "slots")]
-    options = [arg for flag, value in given if value is not None for arg in (f"--{flag}", value)]
+    --attn-contexts, --attn-slots, --attn-kv-types: its own options) each checked (verify rows = AR step
+    bit for bit) and timed at the 27B's and SmolLM2's heads (AR step and 23-node verify)."""
+    given = [
+        (flag, getattr(OPTIONS, f"attn_{flag}"))
+        for flag in ("settings", "heads", "contexts", "slots", "kv_types")
+    ]
+    options = [
+        arg for flag, value in given if value is not None for arg in (f"--{flag.replace('_', '-')}", value)
+    ]
     run(module("benchmarks.gpu_attention", out(), *options), log=out() / "attention.log")
 
 
@@ -500,6 +505,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--attn-heads", help="attention: heads timed (27B,SmolLM2)")
     p.add_argument("--attn-contexts", help="attention: cached tokens, comma-separated")
     p.add_argument("--attn-slots", help="attention: the cache's slots (default: the context + 1024)")
+    p.add_argument("--attn-kv-types", help="attention: KV cache types timed (default bf16: the heads' dtype)")
     p.add_argument("--ab-dir", type=Path, default=Path(".ab"), help="ab: the b side's files (%(default)s)")
     p.add_argument(
         "--ab-stages",

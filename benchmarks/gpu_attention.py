@@ -7,9 +7,10 @@ programs, each a read of the cache).
 
     python -m benchmarks.gpu_attention OUT_DIR  -> OUT_DIR/attention.json; exit 1 when a value fails its check
     python -m benchmarks.gpu_attention OUT_DIR --settings '[{}, {"MAX_ROWS": 1}]' --heads SmolLM2
-        --contexts 128,512 --slots 8215
-        other settings (a JSON list of changes, {} = the defaults), heads, contexts, and the cache's slots
-        (default: the context + 1024; the default pair's engine holds 8215: SmolLM2's 8192 + a tree)
+        --contexts 128,512 --slots 8215 --kv-types bf16,tq3_0
+        other settings (a JSON list of changes, {} = the defaults), heads, contexts, the cache's slots
+        (default: the context + 1024; the default pair's engine holds 8215: SmolLM2's 8192 + a tree) and
+        KV types (default: the heads' own dtype; a quantized type is read in the kernel, as the engine does)
 
 Why: a split is one program's serial walk over its positions, one tile a step, and the program that
 finishes a row's splits last combines them in rounds of L2 loads: the settings decide how long those
@@ -42,6 +43,7 @@ from benchmarks.timing import graph_time_us
 from flashtree.bench.run import provenance
 from flashtree.kernels import attention
 from flashtree.models.block import BlockLayout
+from flashtree.quant.kv import KV_TYPES, KVPlane, quantize
 
 HEADS = {"27B": (4, 24, 256, torch.bfloat16), "SmolLM2": (3, 9, 64, torch.float32)}  # KV heads, heads, dim
 LAYERS = 16
@@ -56,6 +58,7 @@ def options(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--heads", default=",".join(HEADS), help="heads timed (%(default)s)")
     p.add_argument("--contexts", default="512,2048,4096,8192,32768", help="cached tokens (%(default)s)")
     p.add_argument("--slots", type=int, default=0, help="the cache's slots (0: the context + 1024)")
+    p.add_argument("--kv-types", default="bf16", help="KV cache types timed (%(default)s: the heads' dtype)")
     args = p.parse_args(argv)
     if unknown := sorted({knob for change in args.settings for knob in change} - set(knobs.ATTENTION_KNOBS)):
         p.error(f"--settings: unknown settings {unknown} (known: {', '.join(knobs.ATTENTION_KNOBS)})")
@@ -63,16 +66,27 @@ def options(argv: list[str] | None = None) -> argparse.Namespace:
     if unknown := sorted(set(args.heads) - set(HEADS)):
         p.error(f"--heads: unknown heads {unknown} (known: {', '.join(HEADS)})")
     args.contexts = [int(c) for c in args.contexts.split(",")]
+    args.kv_types = args.kv_types.split(",")
+    if unknown := sorted(set(args.kv_types) - set(KV_TYPES)):
+        p.error(f"--kv-types: unknown types {unknown} (known: {', '.join(KV_TYPES)})")
     return args
 
 
-def timings(heads: str, context: int, slots: int, paths: torch.Tensor, depths: torch.Tensor) -> dict:
-    """AR and verify 23 times per layer (us) at `context` cached tokens under the current settings."""
+def timings(
+    heads: str, kv_type: str, context: int, slots: int, paths: torch.Tensor, depths: torch.Tensor
+) -> dict:
+    """AR and verify 23 times per layer (us) at `context` cached tokens of `kv_type` (bf16: the heads'
+    own dtype) under the current settings."""
     n_kv, n_heads, hd, dtype = HEADS[heads]
     slots = slots or context + 1024  # an engine's cache past the context: its split size follows the slots
     gen = torch.Generator().manual_seed(context)
     shape = (n_kv, slots, hd)
-    caches = [[torch.randn(shape, generator=gen).to(DEVICE, dtype) for _ in range(2)] for _ in range(LAYERS)]
+
+    def cache() -> torch.Tensor | KVPlane:
+        x = torch.randn(shape, generator=gen).to(DEVICE, dtype)
+        return x if kv_type == "bf16" else quantize(x, kv_type)
+
+    caches = [[cache() for _ in range(2)] for _ in range(LAYERS)]
     q = torch.randn(len(TREE), n_heads, hd, generator=gen).to(DEVICE, dtype)
     start = torch.tensor(context, device=DEVICE)
     n_keys = context + 32  # the step's key bucket
@@ -82,6 +96,7 @@ def timings(heads: str, context: int, slots: int, paths: torch.Tensor, depths: t
 
     return {
         "heads": heads,
+        "kv_type": kv_type,
         "context": context,
         "split": attention.split_positions(slots),
         "ar_us": graph_time_us([lambda c=c: verify(*c, t=1) for c in caches]),
@@ -101,8 +116,8 @@ def main(args: argparse.Namespace) -> int:
                 checks = check_attention()
                 ok = all(c["ok"] and c["rows_bitwise"] for c in checks)
                 row = {"setting": setting, "ok": ok, "checks": checks}
-                times = itertools.product(args.heads, args.contexts)
-                row["times"] = [timings(h, c, args.slots, paths, depths) for h, c in times]
+                times = itertools.product(args.heads, args.kv_types, args.contexts)
+                row["times"] = [timings(h, kv, c, args.slots, paths, depths) for h, kv, c in times]
         except triton.runtime.errors.OutOfResources as e:  # a setting the GPU cannot hold: not a failure
             print(f"{change}: {e}", flush=True)
             continue
@@ -111,7 +126,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"{change or 'defaults'}: checks ok {ok} (err {err:.1e})", flush=True)
         for t in row.get("times", []):
             times = f"AR {t['ar_us']:6.1f} verify 23 {t['verify_23_us']:7.1f} us (split {t['split']})"
-            print(f"  {t['heads']:>8} {t['context']:>6}: {times}", flush=True)
+            print(f"  {t['heads']:>8} {t['kv_type']:>6} {t['context']:>6}: {times}", flush=True)
     heads = {name: [*shape[:3], str(shape[3])] for name, shape in HEADS.items()}
     result = {**provenance(), "device": str(DEVICE), "heads": heads, "layers": LAYERS,
               "default": default, "rows": rows}  # fmt: skip
