@@ -43,6 +43,7 @@ NUM_STAGES = 2  # the software pipeline's depth over the committed K/V tiles: tw
 # Why: 64-position steps of bf16 dots instead of a serial walk of small tf32 dots; three stages did not
 # fit an SM's shared memory (bench/results/h100-attention-tiles64-2026-12-06).
 COMBINE_ROUND = tl.constexpr(16)  # splits whose maxima the combine loads at once
+COMBINE_SLOTS = 128  # ... and query slots x splits whose partial outputs it loads at once
 MAX_ROWS = 16  # rows of a tree a program takes at most
 SHORT_ROWS = 2  # ... and below ROWS_FROM_KEYS key positions at most this many
 ROWS_FROM_KEYS = 2048
@@ -79,6 +80,13 @@ def row_group(group: int, rows: int, n_keys: int) -> tuple[int, int]:
         return tiles[0]
     by_slots = WIDE_BY != "reads"  # a program costs its query slots, or one read of the cache; a tie: narrow
     return min(tiles, key=lambda tile: triton.cdiv(rows, tile[0]) * (tile[1] if by_slots else 1))
+
+
+def combine_in_flight(queries: int) -> int:
+    """Splits whose partial outputs a combine of a `queries`-query tile loads at once: COMBINE_SLOTS query
+    rows' worth, 1 to 4. More rounds cost more L2 round trips; more loads at once need their registers
+    in the same kernel as the split's loop (a 64-query tile's 4 x 64 KB spilled into it)."""
+    return max(1, min(4, COMBINE_SLOTS // queries))
 
 
 def split_positions(slots: int) -> int:
@@ -255,7 +263,7 @@ def _split_kernel(
     G: tl.constexpr, R: tl.constexpr, QB: tl.constexpr, HD: tl.constexpr, BD: tl.constexpr,
     SPLIT_N: tl.constexpr, BLOCK: tl.constexpr, DOTS: tl.constexpr, KEY_MASK: tl.constexpr,
     WINDOW: tl.constexpr, KIND_K: tl.constexpr, KIND_V: tl.constexpr, ROT: tl.constexpr,
-    RSCALE: tl.constexpr, GDC: tl.constexpr,
+    RSCALE: tl.constexpr, IN_FLIGHT: tl.constexpr, GDC: tl.constexpr,
 ):  # fmt: skip
     """Program (row group, kv head, split): the G query heads of R rows (query i: row i // G, head i % G)
     over the split's positions (committed position p at slot p, block node j at slot block + j): the
@@ -306,7 +314,7 @@ def _split_kernel(
     )  # fmt: skip
     _finish(m, denom, acc, row * n_heads + heads, real, head_dims, d, m_ptr, l_ptr, acc_ptr, out_ptr,
             counter_ptr + group * n_kv + kvh, s, n_splits, signs, QB, HD, BD, ROT, RSCALE,
-            KIND_V)  # fmt: skip
+            KIND_V, IN_FLIGHT)  # fmt: skip
 
 
 @triton.jit
@@ -335,7 +343,7 @@ def _output(x, signs, QB: tl.constexpr, BD: tl.constexpr, ROT: tl.constexpr, RSC
 def _finish(
     m, denom, acc, rows, real, head_dims, d, m_ptr, l_ptr, acc_ptr, out_ptr, tile, s, n_splits, signs,
     QB: tl.constexpr, HD: tl.constexpr, BD: tl.constexpr, ROT: tl.constexpr, RSCALE: tl.constexpr,
-    KIND_V: tl.constexpr,
+    KIND_V: tl.constexpr, IN_FLIGHT: tl.constexpr,
 ):  # fmt: skip
     """Store the split's running max m, sum l and unnormalized output acc (fp32) of heads `rows`
     (row, query head); the program of (row group, kv head) whose count at `tile` arrives last combines
@@ -352,17 +360,17 @@ def _finish(
         tl.store(acc_ptr + at[:, None] * BD + d[None, :], acc, mask=real[:, None])
         tl.debug_barrier()  # every thread's partial is stored before the count (released by it)
         if tl.atomic_add(tile, 1, sem="acq_rel", scope="gpu") == n_splits - 1:
-            combined = _combine(m_ptr, l_ptr, acc_ptr, rows, real, n_splits, BD)
+            combined = _combine(m_ptr, l_ptr, acc_ptr, rows, real, n_splits, BD, IN_FLIGHT)
             out = _output(combined, signs, QB, BD, ROT, RSCALE, KIND_V)
             tl.store(outs, out.to(out_ptr.dtype.element_ty), mask=out_ok)
             tl.atomic_xchg(tile, 0, sem="relaxed", scope="gpu")  # zero again for the next call
 
 
 @triton.jit
-def _combine(m_ptr, l_ptr, acc_ptr, rows, head_ok, n_splits, BD: tl.constexpr):
+def _combine(m_ptr, l_ptr, acc_ptr, rows, head_ok, n_splits, BD: tl.constexpr, IN_FLIGHT: tl.constexpr):
     """The output (before its cast) of heads `rows`: their splits combined in split order, the max,
     then the rescaled sums. The reads bypass L1: other SMs wrote them. They go in rounds whose loads are
-    in flight together (COMBINE_ROUND splits' maxima, then four splits' sums and outputs,
+    in flight together (COMBINE_ROUND splits' maxima, then IN_FLIGHT splits' sums and outputs,
     `_add_split_terms`): loaded one after another, each split would cost an L2 round trip."""
     first = rows * n_splits
     d = tl.arange(0, BD)
@@ -376,35 +384,29 @@ def _combine(m_ptr, l_ptr, acc_ptr, rows, head_ok, n_splits, BD: tl.constexpr):
         top = tl.maximum(top, tl.max(maxima, axis=1))
     top = tl.where(head_ok, top, 0.0)  # padding heads: their weights exp(0) = 1, their sums 0 / 1
     acc_at = acc_ptr + first[:, None] * BD + d[None, :]
-    unused = top  # the first round starts the sums
+    w, total, acc = _split_terms(m_ptr, l_ptr, acc_at, first, head_ok, 0, n_splits, top, BD)
+    total, acc = w * total, w[:, None] * acc  # split 0 starts the sums
     total, acc = _add_split_terms(
-        unused, unused, m_ptr, l_ptr, acc_at, first, head_ok, 0, n_splits, top, BD, True
-    )
-    for s in range(4, n_splits, 4):  # an empty split: exp(-inf) = 0, exact zeros added
+        total, acc, m_ptr, l_ptr, acc_at, first, head_ok, 1, n_splits, top, BD, IN_FLIGHT - 1
+    )  # fmt: skip
+    for s in range(IN_FLIGHT, n_splits, IN_FLIGHT):  # an empty split: exp(-inf) = 0, exact zeros added
         total, acc = _add_split_terms(
-            total, acc, m_ptr, l_ptr, acc_at, first, head_ok, s, n_splits, top, BD, False
+            total, acc, m_ptr, l_ptr, acc_at, first, head_ok, s, n_splits, top, BD, IN_FLIGHT
         )  # fmt: skip
     return acc / total[:, None]
 
 
 @triton.jit
 def _add_split_terms(
-    total, acc, m_ptr, l_ptr, acc_at, first, head_ok, s, n_splits, top, BD: tl.constexpr, FIRST: tl.constexpr
+    total, acc, m_ptr, l_ptr, acc_at, first, head_ok, s, n_splits, top, BD: tl.constexpr, N: tl.constexpr
 ):  # fmt: skip
-    """(total, acc) plus splits s .. s + 3 (those < n_splits) in split order, each weighted by
-    exp(m - top); their loads in flight together. FIRST: the round of split 0, which starts the sums."""
-    w0, l0, acc0 = _split_terms(m_ptr, l_ptr, acc_at, first, head_ok, s, n_splits, top, BD)
-    w1, l1, acc1 = _split_terms(m_ptr, l_ptr, acc_at, first, head_ok, s + 1, n_splits, top, BD)
-    w2, l2, acc2 = _split_terms(m_ptr, l_ptr, acc_at, first, head_ok, s + 2, n_splits, top, BD)
-    w3, l3, acc3 = _split_terms(m_ptr, l_ptr, acc_at, first, head_ok, s + 3, n_splits, top, BD)
-    total = w0 * l0 if FIRST else total + w0 * l0  # s < n_splits: the caller's loop
-    acc = w0[:, None] * acc0 if FIRST else acc + w0[:, None] * acc0
-    total = tl.where(s + 1 < n_splits, total + w1 * l1, total)
-    acc = tl.where(s + 1 < n_splits, acc + w1[:, None] * acc1, acc)
-    total = tl.where(s + 2 < n_splits, total + w2 * l2, total)
-    acc = tl.where(s + 2 < n_splits, acc + w2[:, None] * acc2, acc)
-    total = tl.where(s + 3 < n_splits, total + w3 * l3, total)
-    return total, tl.where(s + 3 < n_splits, acc + w3[:, None] * acc3, acc)
+    """(total, acc) plus splits s .. s + N - 1 (those < n_splits) in split order, each weighted by
+    exp(m - top); unrolled, so their loads (which no sum waits on) are in flight together."""
+    for j in tl.static_range(N):
+        w, part_l, part_acc = _split_terms(m_ptr, l_ptr, acc_at, first, head_ok, s + j, n_splits, top, BD)
+        total = tl.where(s + j < n_splits, total + w * part_l, total)
+        acc = tl.where(s + j < n_splits, acc + w[:, None] * part_acc, acc)
+    return total, acc
 
 
 @triton.jit
@@ -467,6 +469,7 @@ def tree_attention(
         rotation_signs(rot, q.device), G=group, R=rows, QB=queries, HD=hd, BD=bd, SPLIT_N=split,
         BLOCK=TILE_POSITIONS, DOTS=dots or dot_mode(q), KEY_MASK=key_ok is not None, WINDOW=window > 0,
         KIND_K=kind_k, KIND_V=kind_v, ROT=rot, RSCALE=rotation_scale(rot),
+        IN_FLIGHT=combine_in_flight(queries),
         num_warps=NUM_WARPS if bd >= 256 else 4, num_stages=NUM_STAGES, enable_fp_fusion=False,
         **pdl_options(q),
     )  # fmt: skip
