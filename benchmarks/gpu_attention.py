@@ -2,8 +2,9 @@
 MAX_SPLIT, the longest split; TILE_POSITIONS, the inner step; BF16_DOTS, the dots' operands of bf16
 models; NUM_WARPS, for 256-dim heads; NUM_STAGES, the K/V tiles in flight; MAX_ROWS, SHORT_ROWS and
 ROWS_FROM_KEYS, a verify's rows a program; WIDE_FROM_KEYS, the key positions from which a verify takes
-VERIFY_QUERIES queries a program where that computes fewer, or with WIDE_BY "reads" where that takes fewer
-programs, each a read of the cache).
+VERIFY_QUERIES queries a program where that computes fewer; UNPACKED_FROM_KEYS and UNPACKED_QUERIES, the
+same over a q4_0 / tq3_0 cache where that takes fewer programs, each a read and unpack of the cache;
+COMBINE_SLOTS, the splits' partial outputs the combine loads at once).
 
     python -m benchmarks.gpu_attention OUT_DIR  -> OUT_DIR/attention.json; exit 1 when a value fails its check
     python -m benchmarks.gpu_attention OUT_DIR --settings '[{}, {"MAX_ROWS": 1}]' --heads SmolLM2

@@ -17,6 +17,8 @@ from flashtree.kernels.attention import (  # noqa: E402
     ROWS_FROM_KEYS,
     SPLITS_PER_CACHE,
     TILE_POSITIONS,
+    UNPACKED_FROM_KEYS,
+    UNPACKED_QUERIES,
     VERIFY_QUERIES,
     WIDE_FROM_KEYS,
     block_attention,
@@ -25,7 +27,9 @@ from flashtree.kernels.attention import (  # noqa: E402
     tree_attention,
 )
 from flashtree.kernels.qmatmul import tile_counters  # noqa: E402
+from flashtree.kernels.sm90 import recording  # noqa: E402
 from flashtree.models.block import BlockLayout  # noqa: E402
+from flashtree.quant.kv import quantize  # noqa: E402
 
 TREES = {
     "ar": [-1],
@@ -49,7 +53,7 @@ ROW_CASES = [
     ("long", "fill"),
     ("many-splits", "fill"),
     ("short", "wide"),
-    ("short", "reads"),
+    ("short", "unpacked"),
 ]
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
 
@@ -119,17 +123,14 @@ def test_verify_rows_are_the_ar_steps_bit_for_bit(shape, dtype, tile, monkeypatc
     """Each tree node vs one AR step at its position after its path was committed (its ancestors' K/V
     moved to their positions, as commit_path does), and vs a call with more (empty) splits. The AR step's
     program takes its one row alone, the verify's as many rows as `tile` says (row_group's choice at the
-    key counts where it takes that tile, launched here at the case's few keys; "reads": the 64-query tile
-    a sweep's WIDE_BY "reads" gives, 10 rows of the 27B's 6 heads)."""
+    key counts where it takes that tile, launched here at the case's few keys; "unpacked": the 64-query
+    tile of a long verify over a q4_0 / tq3_0 cache, 10 rows of the 27B's 6 heads)."""
     q, k, v, start, layout = case(shape, "tree", DTYPES[dtype], seed=1)
     group = q.shape[1] // k.shape[0]
-    if tile == "reads":
-        monkeypatch.setattr(attention, "VERIFY_QUERIES", 64)
-        monkeypatch.setattr(attention, "WIDE_BY", "reads")
-    keys = {"short": start, "fill": ROWS_FROM_KEYS}.get(tile, WIDE_FROM_KEYS)
-    want = {"short": min(2, 16 // group), "fill": 16 // group, "wide": 5, "reads": 10}[tile]  # the 27B's 6
-    rows = row_group(group, layout.size, keys)
-    assert rows == (want, {"wide": VERIFY_QUERIES, "reads": 64}.get(tile, 16))
+    keys = {"short": start, "fill": ROWS_FROM_KEYS, "unpacked": UNPACKED_FROM_KEYS}.get(tile, WIDE_FROM_KEYS)
+    want = {"short": min(2, 16 // group), "fill": 16 // group, "wide": 5, "unpacked": 10}[tile]  # 27B's 6
+    rows = row_group(group, layout.size, keys, unpacks=tile == "unpacked")
+    assert rows == (want, {"wide": VERIFY_QUERIES, "unpacked": UNPACKED_QUERIES}.get(tile, 16))
     assert row_group(group, 1, keys) == (1, 16)
     got = run(q, k, v, start, layout, tile=rows)
     more = start + 3 * split_positions(k.shape[1])
@@ -159,16 +160,35 @@ def test_rows_fill_the_query_tile_one_row_pads_to():
     assert [row_group(g, 23, WIDE_FROM_KEYS) for g in groups] == [(5, 32), *narrow[1:]]
 
 
-def test_a_sweep_may_choose_the_verify_tile_by_its_reads_of_the_cache(monkeypatch):
-    """WIDE_BY "reads" (a sweep's setting): the tile with the fewest programs, each of which reads the cache;
-    the 27B's 23 rows in 3 programs of 10 rows x 64 queries instead of 5 of 5 x 32."""
-    monkeypatch.setattr(attention, "VERIFY_QUERIES", 64)
-    assert row_group(6, 23, WIDE_FROM_KEYS) == (2, 16)  # by slots: 12 x 16 ties 3 x 64, the narrow one
-    monkeypatch.setattr(attention, "WIDE_BY", "reads")
-    assert row_group(6, 23, WIDE_FROM_KEYS) == (10, 64)
-    assert row_group(3, 23, WIDE_FROM_KEYS) == (16, 64)  # SmolLM2's 3 heads: 2 programs, not 5
-    assert row_group(6, 23, WIDE_FROM_KEYS - 1) == (2, 16)  # a shorter context keeps the narrow tile
-    assert row_group(6, 1, 65536) == (1, 16)  # the AR step's row alone
+def test_a_long_verify_over_an_unpacked_cache_takes_the_fewest_programs():
+    """Over a q4_0 / tq3_0 cache (each program unpacks every tile it reads) from UNPACKED_FROM_KEYS keys:
+    the tile of the fewest programs, the narrower of a tie; the 27B's 23 rows in 3 programs of 10 rows x
+    64 queries instead of 5 of 5 x 32. Over float caches, at shorter contexts, and for the AR step: as
+    before."""
+    assert row_group(6, 23, UNPACKED_FROM_KEYS, unpacks=True) == (10, 64)
+    assert row_group(6, 23, UNPACKED_FROM_KEYS - 1, unpacks=True) == (5, 32)
+    assert row_group(6, 23, UNPACKED_FROM_KEYS) == (5, 32)
+    assert row_group(3, 23, UNPACKED_FROM_KEYS, unpacks=True) == (16, 64)  # SmolLM2's 3: 2 programs, not 3
+    assert row_group(1, 23, UNPACKED_FROM_KEYS, unpacks=True) == (16, 16)  # 2 programs of any tile: narrow
+    assert row_group(24, 23, UNPACKED_FROM_KEYS, unpacks=True) == (2, 64)  # MQA: 12 programs, not 23
+    assert row_group(6, 1, 65536, unpacks=True) == (1, 16)  # the AR step's row alone
+
+
+@pytest.mark.parametrize("kinds", [("tq3_0", "tq3_0"), ("q4_0", "bf16")], ids=["tq3_0", "q4_0-k"])
+def test_the_unpacked_tile_is_taken_and_keeps_the_rows_bits(kinds, monkeypatch):
+    """tree_attention over a quantized cache takes the 64-query tile where row_group says (the threshold
+    lowered to this case's keys), and its rows are those of the 32-query tile bit for bit."""
+    q, k, v, start, layout = case("many-splits", "tree", torch.bfloat16, seed=2)
+    q = torch.cat([q] * 3, dim=1)  # the 27B's 6 query heads a KV head
+    k, v = (x if kind == "bf16" else quantize(x.float(), kind) for x, kind in zip((k, v), kinds, strict=True))
+    path, depths = layout.paths().to(torch.int32), layout.depths.to(torch.int32)
+    n_keys = start + layout.size
+    wide = tree_attention(q, k, v, torch.tensor(start), path, depths, n_keys, 0.0625, tile=(5, 32))
+    monkeypatch.setattr(attention, "UNPACKED_FROM_KEYS", n_keys)
+    with recording() as found:
+        got = tree_attention(q, k, v, torch.tensor(start), path, depths, n_keys, 0.0625)
+    assert [(r["constexprs"]["R"], r["constexprs"]["QB"]) for r in found] == [(10, 64)]
+    assert torch.equal(got, wide)
 
 
 def test_split_sizes_follow_the_cache_between_one_tile_and_the_maximum():

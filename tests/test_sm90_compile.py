@@ -62,13 +62,16 @@ def decode_launches(tmp_path_factory, tiny_root) -> list[dict]:
         # RoPE + quantizing write
         for kinds in (("q4_0", "tq3_0"), ("tq3_0", "q8_0")):
             k, v = (quantize(torch.randn(1, 80, 256), kind) for kind in kinds)
-            for rows in (1, 3):
+            for rows in (1, 3, 10):  # 10: a long context's verify, in the unpacked cache's 64-query tile
                 layout = BlockLayout.chain(rows)
                 paths, depths = layout.paths().to(torch.int32), layout.depths.to(torch.int32)
                 q = torch.randn(rows, 6, 256).bfloat16()
+                tile = attention.row_group(6, rows, attention.UNPACKED_FROM_KEYS, unpacks=True)
+                assert rows < 10 or tile == (10, attention.UNPACKED_QUERIES)
                 attention.tree_attention(
-                    q, k, v, torch.tensor(60), paths, depths, 60 + rows, 0.0625, window=30, dots="bf16"
-                )
+                    q, k, v, torch.tensor(60), paths, depths, 60 + rows, 0.0625, window=30, tile=tile,
+                    dots="bf16",
+                )  # fmt: skip
             q, new = torch.randn(2, 6, 256).bfloat16(), torch.randn(2, 1, 256).bfloat16()
             cos_sin = torch.randn(2, 64).bfloat16()
             KVStore(1, 1, 8, 256, torch.bfloat16, "cpu", kinds).layer(0).write_rotated(

@@ -54,32 +54,37 @@ VERIFY_QUERIES = 32  # a verify's wider query tile, where it pays (`row_group`)
 WIDE_FROM_KEYS = 4096  # key positions from which a verify may take the wider tile
 # Why: the wider tile reads each KV head's cache fewer times for a long verify, but pads more queries, which
 # costs at short contexts and for few heads a KV head (bench/results/attention-rows-2026-12-06).
-WIDE_BY = "slots"  # how a verify's tile is chosen there: fewest query slots, or "reads" (fewest programs)
-# Why "reads" is a sweep's setting: each program re-reads the cache, but a 64-query tile spills
-# (bench/results/cpu-sm90-verify-tile64-2026-12-07); only a device sweep can say which costs more.
+UNPACKED_QUERIES = 64  # a verify's widest tile, over a cache the kernel unpacks (UNPACKED_TYPES) ...
+UNPACKED_FROM_KEYS = 16384  # ... from this many key positions, where it takes the fewest programs
+# Why: each program unpacks every tile it reads, so there programs cost, not padded queries; over bf16
+# and q8_0 caches and below 16K keys the 64-query tile loses (bench/results/h100-verify-tile64-2026-12-07).
+UNPACKED_TYPES = ("q4_0", "tq3_0")
 
 
-def row_group(group: int, rows: int, n_keys: int) -> tuple[int, int]:
+def row_group(group: int, rows: int, n_keys: int, unpacks: bool = False) -> tuple[int, int]:
     """(rows R, query tile QB) of one program of a call of `rows` rows over `n_keys` key positions: QB
     is the tile one row's `group` query heads pad to (a power of two, >= 16 for the dots), and a verify's
     R rows fill it (the 27B's 6 heads a KV head: 2 rows in 16; SmolLM2's 3: 5 rows), at most SHORT_ROWS
     below ROWS_FROM_KEYS keys; an AR step's one row is alone. A program's rows share every committed K/V
     tile they read. From WIDE_FROM_KEYS keys a verify takes VERIFY_QUERIES queries instead where that
-    computes fewer query slots (programs x QB) than the narrow tile (or, WIDE_BY "reads", takes fewer
-    programs): the 27B's 5 rows in 32. A row's bits do not depend on the tile or its rows
-    (`_tile_update`), so a verify's rows equal the AR step's."""
+    computes fewer query slots (programs x QB) than the narrow tile: the 27B's 5 rows in 32. Over a cache
+    the kernel unpacks (`unpacks`), from UNPACKED_FROM_KEYS keys, it takes the tile of the fewest programs
+    of these and UNPACKED_QUERIES (the 27B's 10 rows in 64; a tie: the narrower). A row's bits do not
+    depend on the tile or its rows (`_tile_update`), so a verify's rows equal the AR step's."""
     narrow = max(16, triton.next_power_of_2(group))
     if rows == 1:  # the AR step
         return 1, narrow
-    most = SHORT_ROWS if n_keys < ROWS_FROM_KEYS else MAX_ROWS
-    tiles = [
-        (max(1, min(most, narrow // group)), narrow),
-        (max(1, min(MAX_ROWS, VERIFY_QUERIES // group)), VERIFY_QUERIES),
-    ]
-    if n_keys < WIDE_FROM_KEYS or narrow >= VERIFY_QUERIES:
-        return tiles[0]
-    by_slots = WIDE_BY != "reads"  # a program costs its query slots, or one read of the cache; a tie: narrow
-    return min(tiles, key=lambda tile: triton.cdiv(rows, tile[0]) * (tile[1] if by_slots else 1))
+
+    def filled(queries: int, most: int = MAX_ROWS) -> tuple[int, int]:
+        return max(1, min(most, queries // group)), queries
+
+    tiles = [filled(narrow, SHORT_ROWS if n_keys < ROWS_FROM_KEYS else MAX_ROWS)]
+    if n_keys >= WIDE_FROM_KEYS and narrow < VERIFY_QUERIES:
+        tiles.append(filled(VERIFY_QUERIES))
+    if unpacks and n_keys >= UNPACKED_FROM_KEYS and narrow < UNPACKED_QUERIES:
+        tiles.append(filled(UNPACKED_QUERIES))
+        return min(tiles, key=lambda tile: (triton.cdiv(rows, tile[0]), tile[1]))  # fewest programs
+    return min(tiles, key=lambda tile: triton.cdiv(rows, tile[0]) * tile[1])  # fewest query slots
 
 
 def combine_in_flight(queries: int) -> int:
@@ -448,7 +453,10 @@ def tree_attention(
     n_kv = k_cache.data.shape[0]
     group = n_heads // n_kv
     bd = triton.next_power_of_2(hd)
-    rows, queries = tile or row_group(group, t, n_keys)
+    *k_args, kind_k = plane_args(k_cache)
+    *v_args, kind_v = plane_args(v_cache)
+    unpacks = k_cache.kind in UNPACKED_TYPES or v_cache.kind in UNPACKED_TYPES
+    rows, queries = tile or row_group(group, t, n_keys, unpacks)
     split = split_positions(split_for or k_cache.data.shape[1])
     n_splits = triton.cdiv(n_keys, split)
     n_groups = triton.cdiv(t, rows)
@@ -459,8 +467,6 @@ def tree_attention(
     acc = torch.empty(t, n_heads, n_splits, bd, dtype=torch.float32, device=q.device)
     out = torch.empty(t, n_heads, hd, dtype=q.dtype, device=q.device)
     rot = rotation_size(hd)
-    *k_args, kind_k = plane_args(k_cache)
-    *v_args, kind_v = plane_args(v_cache)
     _split_kernel[(n_groups, n_kv, n_splits)](
         q, *k_args, *v_args, path, depths, start, start if block_at is None else block_at,
         start if key_ok is None else key_ok.view(torch.uint8),
