@@ -119,7 +119,7 @@ def test_splits_combine_under_the_largest_maximum_of_all():
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=list(DTYPES))
 @pytest.mark.parametrize("shape, tile", ROW_CASES, ids=[f"{shape}-{tile}" for shape, tile in ROW_CASES])
-def test_verify_rows_are_the_ar_steps_bit_for_bit(shape, dtype, tile, monkeypatch):
+def test_verify_rows_are_the_ar_steps_bit_for_bit(shape, dtype, tile):
     """Each tree node vs one AR step at its position after its path was committed (its ancestors' K/V
     moved to their positions, as commit_path does), and vs a call with more (empty) splits. The AR step's
     program takes its one row alone, the verify's as many rows as `tile` says (row_group's choice at the
