@@ -8,9 +8,10 @@ so what the loop over the cache issues per value it dequantizes is the number to
 recorded under Triton's interpreter at the 27B's heads (24 query heads of 256, 4 KV heads) over a cache
 of each type (K and V alike), for the AR step (1 row) and a 23-node verify (its committed-tile loop is
 the same code for 2 rows a program), with the bf16 dots a CUDA bf16 model takes, compiled for sm_90
-(flashtree/kernels/sm90.py; TRITON_DIR: under the Triton installed there), and its longest loop (one
-64-position tile of K and V) counted by benchmarks/sm90_opcodes.py's KINDS: instructions x threads /
-(64 positions x 256 values x 2) a value.
+(flashtree/kernels/sm90.py; TRITON_DIR: under the Triton installed there), and its loop over committed
+tiles (one 64-position tile of K and V; the loop whose K/V loads are cp.async copies, not the kernel's
+longest: that can be the rows' own tiles or the combine) counted by benchmarks/sm90_opcodes.py's KINDS:
+instructions x threads / (64 positions x 256 values x 2) a value.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ def main(out: Path) -> int:
         c, warps = record["constexprs"], record["options"]["num_warps"]
         values = c["BLOCK"] * c["HD"] * 2 / (32 * warps)  # a tile's K and V values per thread
         row = {"kv_type": kind, "rows": t, "program_rows": c["R"], "queries": c["QB"], "warps": warps,
-               **sm90_opcodes.loop_facts(facts, values)}  # fmt: skip
+               **sm90_opcodes.loop_facts(facts, values, "pipelined_loop")}  # fmt: skip
         rows.append(row)
         label = f"{kind}, {t} rows ({c['R']} a program, {c['QB']} queries), {warps} warps"
         sm90_opcodes.print_row(label, row, per="value")

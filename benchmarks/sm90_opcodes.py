@@ -59,10 +59,11 @@ def kind_counts(loop: dict[str, int]) -> dict[str, int]:
     return out
 
 
-def loop_facts(facts: dict, weights: float) -> dict:
+def loop_facts(facts: dict, weights: float, which: str = "loop") -> dict:
     """A compiled kernel's resources and its unit loop's instructions, in all and per weight (`weights`:
-    the weights a thread decodes in one unit)."""
-    loop = facts["opcodes"]["loop"]
+    the weights a thread decodes in one unit); the unit loop is `sass_opcodes`' `which` (its longest
+    loop, or "pipelined_loop": its longest with cp.async copies)."""
+    loop = facts["opcodes"][which]
     return {
         **{k: facts[k] for k in ("registers", "spill_bytes", "shared_bytes")},
         "kernel_instructions": sum(facts["opcodes"]["kernel"].values()),

@@ -27,7 +27,7 @@ from flashtree.kernels.attention import (  # noqa: E402
     tree_attention,
 )
 from flashtree.kernels.qmatmul import tile_counters  # noqa: E402
-from flashtree.kernels.sm90 import recording  # noqa: E402
+from flashtree.kernels.sm90 import compile_for_sm90, recording  # noqa: E402
 from flashtree.models.block import BlockLayout  # noqa: E402
 from flashtree.quant.kv import quantize  # noqa: E402
 
@@ -239,3 +239,24 @@ def test_block_attention_is_the_draft_blocks_masked_softmax(n_ctx, dtype, window
                              hd**-0.5)[0].transpose(0, 1)  # fmt: skip
     tol = 1e-5 if dtype == torch.float32 else 1.6e-2
     torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+
+
+def test_the_ar_steps_quantized_tiles_unpack_in_registers_on_sm90():
+    """The AR step over q4_0 and tq3_0 caches at the 27B's heads compiled for sm_90 here: the loop over
+    committed tiles copies K/V ahead (cp.async, the software pipeline) and feeds the dots with few
+    shared-memory stores; q4_0's nibbles split along a trailing pair axis took 132 a tile through shared
+    memory (bench/results/cpu-sm90-attention-loops-2026-12-07)."""
+    gen = torch.Generator().manual_seed(0)
+    launches = []
+    for kind in ("q4_0", "tq3_0"):
+        k, v = (quantize(torch.randn(4, 256, 256, generator=gen), kind) for _ in range(2))
+        q = torch.randn(1, 24, 256, generator=gen).bfloat16()
+        one = torch.ones(1, 1, dtype=torch.int32)
+        with recording() as found:
+            tree_attention(q, k, v, torch.tensor(255), one, one - 1, 256, 0.0625, dots="bf16")
+        launches += [r for r in found if r["name"] == "_split_kernel"]
+    for facts in compile_for_sm90(launches, also="sass"):
+        assert facts["failure"] is None, facts["failure"]
+        loop = facts["opcodes"]["pipelined_loop"]
+        assert loop.get("LDGSTS", 0) > 0 and loop.get("HMMA", 0) > 0, loop
+        assert loop.get("STS", 0) <= 32, loop

@@ -41,7 +41,7 @@ def _centroid_of(low, neg):
     """CENTROIDS[idx] in fp32 from the index's low two bits (bits 0-1 of `low`; its higher bits are
     ignored) and `neg`, -1 where the third bit is 0 (the negative half) and 0 where it is 1: the level of
     the magnitude is low's bits, flipped in the negative half; a few bit operations and selects a value,
-    not a chain of compares (bench/results/cpu-sm90-tq3-attention-2026-12-07)."""
+    not a chain of compares (bench/results/cpu-sm90-attention-loops-2026-12-07)."""
     level = (low ^ neg) & 3
     odd = (level & 1) != 0
     mag = tl.where((level & 2) != 0, tl.where(odd, C3, C2), tl.where(odd, C1, C0))
@@ -90,10 +90,11 @@ def _dequantized(data, scale, high, slot, ok, s_data, s_scale, s_high, HD, N: tl
     and broadcast over its 32 values (HD is a multiple of 32: masks of whole groups are exact)."""
     if KIND == 1:  # q8_0 (an int8-to-float conversion a value: fewer instructions than `_magic` here)
         q = _rows(data, slot, ok, s_data, HD, N, BD).to(tl.float32)
-    elif KIND == 2:  # q4_0: element 2i + j in bits 4j.. of byte i
+    elif KIND == 2:  # q4_0: element 2i + j in bits 4j.. of byte i; split by groups of 8 values (4 bytes),
+        # which stay in a thread's registers (a trailing pair axis went through shared memory: sm_90 SASS)
         byte = _rows(data, slot, ok, s_data, HD // 2, N, BD // 2).to(tl.int32)
-        nibble = (byte[:, :, None] >> (tl.arange(0, 2) * 4)[None, None, :]) & 15  # (N, BD / 2, 2)
-        q = _magic(nibble, 8.0)
+        nibble = tl.reshape(byte, (N, BD // 8, 4, 1)) >> (tl.arange(0, 2) * 4)[None, None, None, :]
+        q = _magic(tl.reshape(nibble, (N, BD // 8, 8)) & 15, 8.0)
     else:  # tq3_0, by groups of 8 values: 2 bytes of low bits (4i + j at bits 2j), 1 of third bits
         low = _rows(data, slot, ok, s_data, HD // 4, N, BD // 4).to(tl.int32)
         top = _rows(high, slot, ok, s_high, HD // 8, N, BD // 8).to(tl.int32)

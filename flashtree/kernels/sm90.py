@@ -120,14 +120,15 @@ def ptxas_facts(ptx):
             "spill_bytes": int(spills.group(1)) if spills else None}
 
 def sass_opcodes(cubin):
-    # instructions per opcode (its first word; PRMT also by its selector) in the whole kernel and in its
-    # longest loop (a label and the last branch back to it), by Triton's nvdisasm
+    # instructions per opcode (its first word; PRMT also by its selector) in the whole kernel, in its
+    # longest loop (a label and the last branch back to it) and in its longest loop that issues cp.async
+    # copies (LDGSTS: a software-pipelined loop; {} if none), by Triton's nvdisasm
     with tempfile.TemporaryDirectory() as tmp:
         path = pathlib.Path(tmp) / "k.cubin"
         path.write_bytes(cubin)
         nvdisasm = pathlib.Path(triton.__file__).parent / "backends/nvidia/bin/nvdisasm"
         sass = subprocess.run([str(nvdisasm), "-c", str(path)], capture_output=True, text=True).stdout
-    ops, labels, loop = [], {}, (0, 0)
+    ops, labels, loops = [], {}, [(0, 0)]
     for line in sass.splitlines():
         label = re.match(r"^(\\.L_x_\\d+):", line)
         if label:
@@ -140,9 +141,12 @@ def sass_opcodes(cubin):
             op += " " + rest.split(",")[2].strip()
         ops.append(op)
         back = re.search(r"BRA `\\((\\.L_x_\\d+)\\)", line)
-        if back and back.group(1) in labels and len(ops) - labels[back.group(1)] > loop[1] - loop[0]:
-            loop = (labels[back.group(1)], len(ops))
-    return {"kernel": collections.Counter(ops), "loop": collections.Counter(ops[loop[0] : loop[1]])}
+        if back and back.group(1) in labels:
+            loops.append((labels[back.group(1)], len(ops)))
+    loops.sort(key=lambda span: span[0] - span[1])  # longest first
+    copying = [(a, z) for a, z in loops if "LDGSTS" in ops[a:z]] + [(0, 0)]
+    return {"kernel": collections.Counter(ops), "loop": collections.Counter(ops[slice(*loops[0])]),
+            "pipelined_loop": collections.Counter(ops[slice(*copying[0])])}
 
 report = []
 for rec in json.load(sys.stdin):
