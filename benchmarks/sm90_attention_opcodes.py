@@ -6,9 +6,9 @@ At long contexts the AR step's attention over a quantized cache runs far below t
 at 64K cached tokens: tq3_0 slower than bf16 with 4.6x fewer bytes, bench/results/h100-device-2026-12-07),
 so what the loop over the cache issues per value it dequantizes is the number to cut. `tree_attention` is
 recorded under Triton's interpreter at the 27B's heads (24 query heads of 256, 4 KV heads) over a cache
-of each type (K and V alike), for the AR step (1 row) and a 23-node verify (its committed-tile loop is
-the same code for 2 rows a program), with the bf16 dots a CUDA bf16 model takes, compiled for sm_90
-(flashtree/kernels/sm90.py; TRITON_DIR: under the Triton installed there), and its loop over committed
+of each type (K and V alike), for the AR step (1 row) and a 23-node verify (in the tile of a short
+context and in the wider one of a long context), with the bf16 dots a CUDA bf16 model takes, compiled for
+sm_90 (flashtree/kernels/sm90.py; TRITON_DIR: under the Triton installed there), and its loop over committed
 tiles (one 64-position tile of K and V; the loop whose K/V loads are cp.async copies, not the kernel's
 longest: that can be the rows' own tiles or the combine) counted by benchmarks/sm90_opcodes.py's KINDS:
 instructions x threads / (64 positions x 256 values x 2) a value.
@@ -24,6 +24,7 @@ os.environ["TRITON_INTERPRET"] = "1"  # record the launches on the CPU; sm90.py 
 import torch  # noqa: E402
 
 from benchmarks import sm90_opcodes  # noqa: E402
+from flashtree.kernels import attention  # noqa: E402
 from flashtree.kernels.attention import tree_attention  # noqa: E402
 from flashtree.kernels.sm90 import compile_for_sm90, recording  # noqa: E402
 from flashtree.quant.kv import quantize  # noqa: E402
@@ -31,10 +32,12 @@ from flashtree.quant.kv import quantize  # noqa: E402
 SLOTS, HEAD_DIM, KV_HEADS, GROUP = 1024, 256, 4, 6  # the 27B's heads; the loop is the same at any length
 KV_TYPES = ("bf16", "q8_0", "q4_0", "tq3_0")
 ROWS = (1, 23)  # the AR step, the verify of the default budget
+LONG_KEYS = attention.UNPACKED_FROM_KEYS  # ... and that verify's tile from this many keys
 
 
 def records() -> list[tuple[str, int, dict]]:
-    """(KV type, rows, launch) of `tree_attention` over each type's cache."""
+    """(KV type, rows, launch) of `tree_attention` over each type's cache: the AR step, the verify in the
+    tile it takes at SLOTS keys and in the one it takes at LONG_KEYS (`row_group`)."""
     gen = torch.Generator().manual_seed(0)
     out = []
     for kind in KV_TYPES:
@@ -45,9 +48,11 @@ def records() -> list[tuple[str, int, dict]]:
             path = torch.tril(torch.ones(t, t, dtype=torch.int32))
             depths = torch.arange(t, dtype=torch.int32)
             start, scale = torch.tensor(SLOTS - t), HEAD_DIM**-0.5
-            with recording() as found:
-                tree_attention(q, k, v, start, path, depths, SLOTS, scale, dots="bf16")
-            out += [(kind, t, r) for r in found if r["name"] == "_split_kernel"]
+            long_tile = attention.row_group(GROUP, t, LONG_KEYS, kind in attention.UNPACKED_TYPES)
+            for tile in [None] if t == 1 else [None, long_tile]:
+                with recording() as found:
+                    tree_attention(q, k, v, start, path, depths, SLOTS, scale, tile=tile, dots="bf16")
+                out += [(kind, t, r) for r in found if r["name"] == "_split_kernel"]
     return out
 
 
