@@ -33,6 +33,7 @@ SLOTS, HEAD_DIM, KV_HEADS, GROUP = 1024, 256, 4, 6  # the 27B's heads; the loop 
 KV_TYPES = ("bf16", "q8_0", "q4_0", "tq3_0")
 ROWS = (1, 23)  # the AR step, the verify of the default budget
 LONG_KEYS = attention.UNPACKED_FROM_KEYS  # ... and that verify's tile from this many keys
+UNPACKED = attention.UNPACKED_TYPES
 
 
 def records() -> list[tuple[str, int, dict]]:
@@ -48,8 +49,8 @@ def records() -> list[tuple[str, int, dict]]:
             path = torch.tril(torch.ones(t, t, dtype=torch.int32))
             depths = torch.arange(t, dtype=torch.int32)
             start, scale = torch.tensor(SLOTS - t), HEAD_DIM**-0.5
-            long_tile = attention.row_group(GROUP, t, LONG_KEYS, kind in attention.UNPACKED_TYPES)
-            for tile in [None] if t == 1 else [None, long_tile]:
+            tiles = [None] if t == 1 else [None, attention.row_group(GROUP, t, LONG_KEYS, kind in UNPACKED)]
+            for tile in tiles:
                 with recording() as found:
                     tree_attention(q, k, v, start, path, depths, SLOTS, scale, tile=tile, dots="bf16")
                 out += [(kind, t, r) for r in found if r["name"] == "_split_kernel"]
