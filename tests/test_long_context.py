@@ -55,6 +55,9 @@ def test_the_prefill_chunk_follows_the_prompt_and_the_free_memory():
     assert MIN_CHUNK <= small < MAX_CHUNK["cuda"] and small & (small - 1) == 0
     assert prefill_chunk(c, 100_000, 0, "cuda") == MIN_CHUNK
     assert prefill_chunk(c, 100_000, GIB, "cuda", fixed=300) == 300  # FLASHTREE_PREFILL_CHUNK
+    # the 27B's 262K prompt in a 22 GiB budget, 0.98 GiB free after the load: 1024-token chunks, whose
+    # activations the H100 measured at 1 / 3 of that (bench/results/h100-long-rows-2026-12-08)
+    assert prefill_chunk(c, 261_760, int(0.98 * GIB), "cuda") == 1024
     # the CPU's torch path: the mask and scores over the whole prompt shrink the chunk as it grows, and
     # a 256K prompt's chunk holds them in half of 24 GiB, far from a 256K x 256K anything
     cpu = [prefill_chunk(c, n, 24 * GIB, "cpu") for n in (4096, 65536, 262144)]

@@ -108,8 +108,8 @@ class MemoryPlan:
 class Planner:
     """A target (and draft) built on `meta`, and the memory a run of it holds at any context length."""
 
-    def __init__(self, target: nn.Module, draft: nn.Module | None, options: PlanOptions):
-        self.target, self.draft, self.options = target, draft, options
+    def __init__(self, target: nn.Module, draft: nn.Module | None, options: PlanOptions, device_type="cuda"):
+        self.target, self.draft, self.options, self.device_type = target, draft, options, device_type
         self.speculative = draft is not None and options.mode != "ar"
         self.block_size = options.block_size or (draft.config.block_size if draft is not None else 1)
         tree = options.mode == "tree"
@@ -151,10 +151,10 @@ class Planner:
         return ring_bytes(self.draft, ring + self.block_size) + 8 * (ring + self.block_size + 1)
 
     def workspace_bytes(self) -> int:
-        from flashtree.engine.prefill import ACTIVATION_WIDTHS, FREE_SHARE
+        from flashtree.engine.prefill import FREE_SHARE, activation_bytes
 
         c = self.target.config
-        prefill = FREE_SHARE * ACTIVATION_TOKENS * ACTIVATION_WIDTHS * 4 * max(c.hidden, c.ffn)
+        prefill = FREE_SHARE * ACTIVATION_TOKENS * activation_bytes(c, self.device_type)
         logits = 2 * 4 * c.vocab * (self.max_block + (self.block_size if self.speculative else 0))
         return prefill + logits + self.slab_bytes() + RUNTIME_RESERVE
 
@@ -288,12 +288,12 @@ def make_planner(
     built = build_target(config, tensors, device_type, free, quantized)
     options = options or PlanOptions(mode="tree" if (draft or draft_layers) else "ar")
     if draft is None and draft_layers is None:
-        return Planner(built, None, replace(options, mode="ar"))
+        return Planner(built, None, replace(options, mode="ar"), device_type)
     if draft is not None:
         draft_config, _, shapes, _ = open_draft(draft, built)
     else:
         draft_config, shapes = random_draft_shapes(config, draft_layers)
-    return Planner(built, build_draft(draft_config, shapes, built, fp8_mode), options)
+    return Planner(built, build_draft(draft_config, shapes, built, fp8_mode), options, device_type)
 
 
 def gpu_budget(gpu_memory: float | None) -> int | None:
