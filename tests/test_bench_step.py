@@ -108,3 +108,42 @@ def test_bench_step_refuses_a_context_past_the_model_before_measuring(pair, monk
     with pytest.raises(FlashtreeError, match=f"--context {longest + 1} leaves no room .* at most {longest}"):
         step.run_bench_step(target, draft, 6, 4, None, 1, context=16, contexts=(16, longest + 1))
     assert not measured  # refused before the suite ran
+
+
+def _bench_results(path, hists: dict[str, list[list[int]]]):
+    """A `flashtree bench` results.json holding only what the projection reads: rows with histograms."""
+    rows = [{"mode": mode, "accept_hist": h} for mode, hs in hists.items() for h in hs]
+    path.write_text(json.dumps({"rows": rows}))
+    return path
+
+
+def test_the_projection_is_the_tree_acceptance_over_the_measured_step_costs(tmp_path):
+    # two prompts' tree steps: 3 steps of 1 token, 2 of 3, 1 of 6 -> 15 tokens in 6 steps; AR rows ignored
+    tree = [[0, 2, 0, 2], [0, 1, 0, 0, 0, 0, 1]]
+    path = _bench_results(tmp_path / "r.json", {"tree": tree, "ar": [[0, 9]]})
+    hist = step.accept_histogram_of(path)
+    assert hist == [0, 3, 0, 2, 0, 0, 1]
+    results = {"engine_step_ms": {"ar_ms": 10.0, "tree_ms": 20.0}, "ar": {"graph_ms": 8.0, "eager_ms": 50.0}}
+    p = step.projection(results, hist, "r.json")
+    assert p["tree_steps"] == 6 and p["mean_accept_len"] == pytest.approx(2.5)
+    assert p["tree_tok_s"] == pytest.approx(2.5 / 20e-3)  # 125 tok/s
+    assert p["engine_ar_tok_s"] == pytest.approx(100) and p["plain_ar_tok_s"] == pytest.approx(125)
+    assert p["tree_over_engine_ar"] == pytest.approx(1.25) and p["tree_over_plain_ar"] == pytest.approx(1.0)
+    assert "AL 2.50" in step.projection_line(p) and "1.25x the engine's AR" in step.projection_line(p)
+
+
+def test_accept_from_refuses_what_is_not_a_tree_run_before_measuring(tmp_path, pair):
+    from flashtree.errors import FlashtreeError
+
+    target, draft = pair
+    ar_only = _bench_results(tmp_path / "ar.json", {"ar": [[0, 5]]})
+    (tmp_path / "bad.json").write_text("{not json")
+    cases = [
+        (tmp_path / "none.json", "not found"),
+        (tmp_path / "bad.json", "not a `flashtree bench` results"),
+        (ar_only, "no tree steps"),
+    ]
+    for path, message in cases:
+        with pytest.raises(FlashtreeError, match=message):
+            step.bench_step_command(target, draft, 22, 16, tmp_path / "o.json", "auto", 3, accept_from=path)
+    assert not (tmp_path / "o.json").exists()

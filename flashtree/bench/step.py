@@ -526,6 +526,8 @@ def summary_lines(r: dict) -> list[str]:
     if r["peak_memory_gb"] is not None:
         lines.append(f"peak memory       {r['peak_memory_gb']:.1f} GB")
     lines += [_context_line(row) for row in r.get("contexts", [])]
+    if "projection" in r:
+        lines.append(projection_line(r["projection"]))
     if r.get("lossy"):
         lines.append(f"LOSSY: {r['lossy']} (the decode steps' attention is not the full model's)")
     for name, prof in r["profile"].items():
@@ -541,12 +543,59 @@ def summary_lines(r: dict) -> list[str]:
 WEIGHTS = {"auto": None, "packed": True, "dense": False}  # --weights -> load_target's `quantized`
 
 
+def accept_histogram_of(path: Path) -> list[int]:
+    """The tree steps' histogram of a `flashtree bench` results.json (report.accept_histogram: steps by
+    tokens emitted), or a FlashtreeError naming what is wrong with the file."""
+    from flashtree.bench.report import accept_histogram
+
+    try:
+        rows = json.loads(Path(path).read_text(encoding="utf-8"))["rows"]
+        hist = accept_histogram(rows, "tree")
+    except FileNotFoundError:
+        raise FlashtreeError(f"--accept-from {path}: not found") from None
+    except (ValueError, KeyError, TypeError) as e:
+        raise FlashtreeError(f"--accept-from {path}: not a `flashtree bench` results.json ({e})") from None
+    if not sum(hist[1:]):
+        raise FlashtreeError(f"--accept-from {path}: no tree steps (run `flashtree bench --modes tree`)")
+    return hist
+
+
+def projection(results: dict, hist: list[int], source: str) -> dict:
+    """What a run with histogram `hist` (steps by tokens emitted) would decode at the step costs of
+    `results` (a bench-step JSON): each tree step emits its accepted tokens at the engine's tree-step cost;
+    AR emits one token a step, in the speculative engine's arithmetic and in plain decoding's."""
+    steps = sum(hist[1:])
+    accept_len = sum(n * count for n, count in enumerate(hist)) / steps
+    engine = results["engine_step_ms"]
+    plain_ms = results["ar"]["graph_ms"] or results["ar"]["eager_ms"]
+    tree = accept_len * 1e3 / engine["tree_ms"]
+    return {
+        "source": source,
+        "tree_steps": steps,
+        "mean_accept_len": accept_len,
+        "tree_tok_s": tree,
+        "engine_ar_tok_s": 1e3 / engine["ar_ms"],
+        "plain_ar_tok_s": 1e3 / plain_ms,
+        "tree_over_engine_ar": tree * engine["ar_ms"] / 1e3,
+        "tree_over_plain_ar": tree * plain_ms / 1e3,
+    }
+
+
+def projection_line(p: dict) -> str:
+    return (
+        f"projected at {p['source']}'s acceptance (AL {p['mean_accept_len']:.2f}): tree {p['tree_tok_s']:.0f}"
+        f" tok/s = {p['tree_over_engine_ar']:.2f}x the engine's AR, {p['tree_over_plain_ar']:.2f}x plain AR"
+    )
+
+
 def bench_step_command(
     target: Path, draft: Path, budget: int, block_size: int, out: Path, weights: str, repeats: int,
     context: str | int = DEFAULT_CONTEXT, attn_window: int = 0, kv_type: str | None = None,
+    accept_from: Path | None = None,
 ) -> None:  # fmt: skip
     """context: a length or a comma-separated list of them: the suite runs at the first, and each gets a
-    long-context row."""
+    long-context row. accept_from: a `flashtree bench` results.json whose tree acceptance projects the
+    measured steps into a throughput (`projection`)."""
     if weights not in WEIGHTS:
         raise FlashtreeError(f"--weights must be one of {', '.join(WEIGHTS)}, got {weights!r}")
     for path in (target, draft):
@@ -557,6 +606,7 @@ def bench_step_command(
     contexts = parse_contexts(str(context))
     check_attn_window(attn_window)
     check_kv_names(kv_type)
+    hist = accept_histogram_of(accept_from) if accept_from is not None else None
     result = run_bench_step(
         target, draft, budget, block_size, WEIGHTS[weights], repeats, context=contexts[0], contexts=contexts,
         kv_type=kv_type, attn_window=attn_window,
@@ -564,6 +614,9 @@ def bench_step_command(
     flags = ["--budget", str(budget), "--block-size", str(block_size), "--weights", weights]
     flags += ["--context", ",".join(map(str, contexts)), "--attn-window", str(attn_window)]
     flags += ["--kv-type", kv_type] if kv_type else []
+    if hist is not None:
+        result["projection"] = projection(result, hist, str(accept_from))
+        flags += ["--accept-from", str(accept_from)]
     result["command"] = " ".join(
         ["flashtree", "bench-step", "--target", str(target), "--draft", str(draft), *flags]
         + ["--repeats", str(repeats), "--out", str(out)]

@@ -407,12 +407,19 @@ def bench_step(
     kv_type: str | None = typer.Option(
         None, "--kv-type", metavar="TYPE", help="KV cache type of K and V (default: the compute dtype's)."
     ),
+    accept_from: Path | None = typer.Option(
+        None,
+        "--accept-from",
+        metavar="RESULTS.json",
+        help="A `flashtree bench` results.json: the JSON and summary also give the tree throughput these "
+        "step costs make at that run's acceptance (its tree steps' histogram).",
+    ),
 ):
     """Time the AR step, tree verify, draft step and prefill against measured device ceilings."""
     from flashtree.bench.step import bench_step_command
 
     bench_step_command(
-        target, draft, budget, block_size, out, weights, repeats, context, attn_window, kv_type
+        target, draft, budget, block_size, out, weights, repeats, context, attn_window, kv_type, accept_from
     )
 
 
