@@ -41,6 +41,44 @@ def test_dense_linear_is_the_product_and_each_row_its_own(n, k, tiles):
         assert torch.equal(dense_linear(x[i : i + 1], w, tiles), got[i : i + 1])
 
 
+@pytest.mark.parametrize("tiles", TILES.values(), ids=list(TILES))
+def test_the_swiglu_input_is_made_as_the_two_launches_make_it(tiles):
+    """dense_linear(gate, w, up=up): silu(gate) * up made as the tile loads, the same bits as
+    fused.gate_mul's launch followed by the product, rows independent of the batch; gate and up read as
+    the strided halves of a merged gate/up output."""
+    from flashtree.kernels.fused import gate_mul
+
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(40, 96, generator=gen)
+    merged = torch.randn(23, 2 * 96, generator=gen)
+    gate, up = merged[:, :96], merged[:, 96:]
+    got = dense_linear(gate, w, tiles, up=up)
+    assert torch.equal(got, dense_linear(gate_mul(gate, up), w, tiles))
+    want = (F.silu(gate.double()) * up.double()) @ w.double().t()
+    assert (got.double() - want).abs().max() <= TOL * want.abs().max()
+    for i in (0, 7, 22):
+        assert torch.equal(dense_linear(gate[i : i + 1], w, tiles, up=up[i : i + 1]), got[i : i + 1])
+
+
+def test_swiglu_takes_one_launch_where_the_dense_kernel_runs(monkeypatch, kernels_path):
+    from flashtree.models.layers import MergedLinear, SwiGLU
+
+    kernels_path("triton")
+    gen = torch.Generator().manual_seed(4)
+    gate_w, up_w, down_w = (torch.randn(n, k, generator=gen) for n, k in ((32, 16), (32, 16), (16, 32)))
+    mlp = SwiGLU(MergedLinear.dense([gate_w, up_w]), Linear(down_w))
+    x = torch.randn(3, 16, generator=gen)
+    calls = []
+    real = dense_matmul.dense_linear
+    monkeypatch.setattr(dense_matmul, "dense_linear", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
+    with torch.no_grad():
+        fused = mlp(x)
+        assert [("up" in kw) for kw in calls] == [False, True]  # gate/up, then down with the activation
+        mlp.down.dense_kernel = False  # plain decoding: cuBLAS, and the activation's own launch
+        torch.testing.assert_close(mlp(x), fused, rtol=1e-5, atol=1e-5)
+    assert len(calls) == 3
+
+
 def test_splits_come_from_the_shape_only():
     # (row tiles, K blocks, programs wanted), as dense_linear asks qmatmul.k_splits
     assert k_splits(2, 9, 64) == (9, 1)

@@ -41,6 +41,7 @@ def decode_launches(tmp_path_factory, tiny_root) -> list[dict]:
             generate(target, draft if mode == "tree" else None, prompt, 2, mode=mode, block_size=4, budget=6)
         for rows in (1, 5):
             dense_matmul.dense_linear(torch.randn(rows, 96), torch.randn(80, 96))
+            dense_matmul.dense_linear(torch.randn(rows, 96), torch.randn(80, 96), up=torch.randn(rows, 96))
         for qtype in sorted(qmatmul.KERNEL_TYPES):  # the types a q4_k_m model does not have too
             raw = torch.from_numpy(random_blocks(qtype, 16, 256, np.random.default_rng(qtype)))
             fields = qmatmul.repack(raw, qtype, 256)

@@ -43,11 +43,21 @@ class Linear(nn.Module):
         x = MatmulInput.of(x).x
         # decode/verify/draft rows of an fp32 model on the GPU: our batch-invariant kernel (a verify
         # row equals the AR step's bit for bit; kernels/dense_matmul.py)
-        if self.dense_kernel and _fused_kernels(x) and dense_matmul.fits(x, self.weight):
+        if self.takes_dense_kernel(x):
             return dense_matmul.dense_linear(x, self.weight, self.kernels.dense_tiles_for(*self.weight.shape))
         if row_invariant.wanted(self.row_invariant, x):
             return row_invariant.linear(x, self.weight)
         return F.linear(x, self.weight)
+
+    def takes_dense_kernel(self, x: torch.Tensor) -> bool:
+        """Whether x's product runs our dense kernel (see forward), which also makes SwiGLU's activation
+        of its input as it loads it (`swiglu`)."""
+        return self.dense_kernel and _fused_kernels(x) and dense_matmul.fits(x, self.weight)
+
+    def swiglu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """(silu(gate) * up) @ W^T in the dense kernel's one launch (where takes_dense_kernel(gate))."""
+        tiles = self.kernels.dense_tiles_for(*self.weight.shape)
+        return dense_matmul.dense_linear(gate, self.weight, tiles, up=up)
 
 
 class PackedEmbedding(nn.Module):
@@ -382,4 +392,6 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor | MatmulInput) -> torch.Tensor:
         gate, up = self.gate_up(x)
+        if isinstance(self.down, Linear) and self.down.takes_dense_kernel(gate):  # one launch, not two
+            return self.down.swiglu(gate, up)
         return self.down(silu_mul(gate, up, self.down.takes_int8))

@@ -32,3 +32,25 @@ def test_dense_rows_exact_and_batch_invariant(name, n, k):
         if not torch.equal(alone, got):
             failures.append(f"M={m}: rows differ from the 1-row calls")
     assert not failures, f"{name} {n}x{k}: " + "; ".join(failures)
+
+
+def test_the_swiglu_input_on_the_gpu():
+    """SwiGLU's activation made as the down projection loads its input (the pair's 576 x 1536): rows
+    batch-invariant bit for bit, within fp32 rounding of fused.gate_mul's launch then the product."""
+    from flashtree.kernels.fused import gate_mul
+
+    gen = torch.Generator().manual_seed(7)
+    w = (torch.randn(576, 1536, generator=gen) / 1536**0.5).to(DEVICE)
+    failures = []
+    for m in (1, 16, 23, 64):
+        merged = torch.randn(m, 2 * 1536, generator=gen).to(DEVICE)
+        gate, up = merged[:, :1536], merged[:, 1536:]
+        got = dense_linear(gate, w, up=up)
+        two = dense_linear(gate_mul(gate, up), w)
+        alone = torch.cat([dense_linear(gate[i : i + 1], w, up=up[i : i + 1]) for i in range(m)])
+        err = ((got - two).abs().max() / two.abs().max()).item()
+        if not err < TOL:
+            failures.append(f"M={m}: {err:.2e} from the two launches")
+        if not torch.equal(alone, got):
+            failures.append(f"M={m}: rows differ from the 1-row calls")
+    assert not failures, "; ".join(failures)
