@@ -79,6 +79,80 @@ def test_swiglu_takes_one_launch_where_the_dense_kernel_runs(monkeypatch, kernel
     assert len(calls) == 3
 
 
+@pytest.mark.parametrize("tiles", TILES.values(), ids=list(TILES))
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_the_norm_is_made_as_the_tile_loads(tiles, with_residual):
+    """dense_linear(x, w, norm=Norm(g, eps, residual, total)): the product of rms_norm(x [+ residual]) * g
+    in one launch, within fp32 rounding of fused.rms_norm's launch then the product (its sum of squares
+    is a tf32x3 dot, not the norm kernel's reduction), the sum stored to `total` bit for bit, and every
+    row the same bits alone as in any batch."""
+    from flashtree.kernels.dense_matmul import Norm
+    from flashtree.kernels.fused import rms_norm
+
+    gen = torch.Generator().manual_seed(5)
+    w, g = torch.randn(40, 96, generator=gen), torch.randn(96, generator=gen)
+    x, res = torch.randn(2, 23, 96, generator=gen)
+    residual = res if with_residual else None
+
+    def product(rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
+        total = torch.full_like(x[rows], float("nan"))
+        return dense_linear(
+            x[rows], w, tiles, norm=Norm(g, 1e-6, res[rows] if with_residual else None, total)
+        ), total
+
+    got, total = product(slice(None))
+    if with_residual:
+        want_total, normed = rms_norm(x, g, 1e-6, residual=residual)
+        assert torch.equal(total, want_total)
+    else:
+        normed = rms_norm(x, g, 1e-6)
+    want = dense_linear(normed, w, tiles)
+    assert (got - want).abs().max() <= TOL * want.abs().max()
+    for i in (0, 7, 22):
+        alone, total_alone = product(slice(i, i + 1))
+        assert torch.equal(alone, got[i : i + 1])
+        assert not with_residual or torch.equal(total_alone, total[i : i + 1])
+
+
+def test_a_decoder_layer_leaves_its_norms_to_the_dense_kernel(monkeypatch, tiny_root, kernels_path):
+    """A tiny llama's decode step on the dense kernel: q/k/v and gate/up make their input's norm, down its
+    SwiGLU activation, as they load it: no norm launch but the final one; the logits within fp32
+    rounding of the step with the norms' own launches."""
+    from flashtree.kernels import fused
+    from flashtree.models.layers import MergedLinear
+    from flashtree.models.loader import load_target
+    from tests.tiny import tiny_gguf
+
+    kernels_path("triton")
+    model, _ = load_target(tiny_gguf("llama", 0, tiny_root), device="cpu", dtype=torch.float32)
+    ids = torch.randint(0, 320, (5,), generator=torch.Generator().manual_seed(3))
+
+    def step() -> tuple[torch.Tensor, list[dict], int]:
+        calls, norms = [], []
+        real_dense, real_norm = dense_matmul.dense_linear, fused.rms_norm
+        with monkeypatch.context() as mp:
+            mp.setattr(
+                dense_matmul, "dense_linear", lambda *a, **kw: calls.append(kw) or real_dense(*a, **kw)
+            )
+            mp.setattr(fused, "rms_norm", lambda *a, **kw: norms.append(1) or real_norm(*a, **kw))
+            state = model.new_state(16)
+            with torch.no_grad():
+                model(ids[:4], state)  # prefill: 4 rows, the dense kernel too
+                state.advance(4)
+                logits = model(ids[4:], state).logits
+        return logits, calls, len(norms)
+
+    fused_logits, calls, norm_launches = step()
+    layers = model.config.n_layers
+    assert sum("norm" in kw for kw in calls) == 2 * 2 * layers  # q/k/v and gate/up, prefill and step
+    assert sum("up" in kw for kw in calls) == 2 * layers
+    assert norm_launches == 2  # the final norm, once a forward
+    monkeypatch.setattr(MergedLinear, "defers_norm", lambda self, x: False)
+    own_logits, _, norm_launches = step()
+    assert norm_launches == 2 * (2 * layers + 1)
+    torch.testing.assert_close(fused_logits, own_logits, rtol=1e-5, atol=1e-5)
+
+
 def test_splits_come_from_the_shape_only():
     # (row tiles, K blocks, programs wanted), as dense_linear asks qmatmul.k_splits
     assert k_splits(2, 9, 64) == (9, 1)

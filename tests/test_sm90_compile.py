@@ -42,6 +42,9 @@ def decode_launches(tmp_path_factory, tiny_root) -> list[dict]:
         for rows in (1, 5):
             dense_matmul.dense_linear(torch.randn(rows, 96), torch.randn(80, 96))
             dense_matmul.dense_linear(torch.randn(rows, 96), torch.randn(80, 96), up=torch.randn(rows, 96))
+            for residual in (torch.randn(rows, 96), None):  # a norm made as the tile loads
+                norm = dense_matmul.Norm(torch.randn(96), 1e-6, residual, torch.empty(rows, 96))
+                dense_matmul.dense_linear(torch.randn(rows, 96), torch.randn(80, 96), norm=norm)
         for qtype in sorted(qmatmul.KERNEL_TYPES):  # the types a q4_k_m model does not have too
             raw = torch.from_numpy(random_blocks(qtype, 16, 256, np.random.default_rng(qtype)))
             fields = qmatmul.repack(raw, qtype, 256)

@@ -10,7 +10,7 @@ from flashtree.kernels import row_invariant
 from flashtree.kernels.attention import tree_attention
 from flashtree.kernels.prefill_attention import prefill_attention
 from flashtree.kernels.qmatmul import MatmulInput
-from flashtree.models.layers import Linear, MergedLinear, sigmoid_gate
+from flashtree.models.layers import Linear, MergedLinear, NormedInput, input_tensor, sigmoid_gate
 from flashtree.models.pass_ import ForwardPass
 from flashtree.models.state import KVCache
 
@@ -42,8 +42,10 @@ class Attention(nn.Module):
         """The matmul that reads the layer's input."""
         return self.qkv
 
-    def forward(self, x: torch.Tensor | MatmulInput, kv: KVCache, fp: ForwardPass) -> torch.Tensor:
-        t, hd = MatmulInput.of(x).x.shape[0], self.head_dim
+    def forward(
+        self, x: torch.Tensor | MatmulInput | NormedInput, kv: KVCache, fp: ForwardPass
+    ) -> torch.Tensor:
+        t, hd = input_tensor(x).shape[0], self.head_dim
         q, k, v = self.qkv(x)  # (T, q rows), (T, n_kv * hd) x 2
         gate = None
         if self.output_gate:  # q_proj rows are packed per head as [q_h | gate_h]

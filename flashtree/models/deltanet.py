@@ -18,7 +18,7 @@ from flashtree import kernels
 from flashtree.kernels import row_invariant
 from flashtree.kernels.qmatmul import MatmulInput
 from flashtree.kernels.tiles import DEFAULT_KERNELS
-from flashtree.models.layers import Linear, MergedLinear, gated_rms_norm
+from flashtree.models.layers import Linear, MergedLinear, NormedInput, gated_rms_norm, input_tensor
 from flashtree.models.pass_ import ForwardPass
 
 if TYPE_CHECKING:  # state.py imports this module (replay_accepted)
@@ -232,8 +232,10 @@ class GatedDeltaNet(nn.Module):
     def _head_args(self) -> tuple:
         return self.dt_bias, self.ssm_a, self.n_k_heads, self.k_dim, self.v_dim
 
-    def forward(self, x: torch.Tensor | MatmulInput, st: DeltaNetState, fp: ForwardPass) -> torch.Tensor:
-        hidden = MatmulInput.of(x).x  # (T, H)
+    def forward(
+        self, x: torch.Tensor | MatmulInput | NormedInput, st: DeltaNetState, fp: ForwardPass
+    ) -> torch.Tensor:
+        hidden = input_tensor(x)  # (T, H)
         t = hidden.shape[0]
         mixed, z, beta, alpha = self.in_proj(x)  # (T, conv channels), (T, nv * vd), (T, nv) x 2
         if fp.commit and t > 1:  # prefill: chunked form, only the final states are kept

@@ -4,6 +4,7 @@ SwiGLU."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -39,19 +40,24 @@ class Linear(nn.Module):
         decodes it."""
         return self.weight[rows].to(dtype)
 
-    def forward(self, x: torch.Tensor | MatmulInput) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | MatmulInput | NormedInput) -> torch.Tensor:
+        tiles = self.kernels.dense_tiles_for(*self.weight.shape)
+        if isinstance(x, NormedInput):  # the norm made as the dense kernel loads x, else first
+            if self.takes_dense_kernel(x.x):
+                return dense_matmul.dense_linear(x.x, self.weight, tiles, norm=x.norm)
+            x = x.made()
         x = MatmulInput.of(x).x
         # decode/verify/draft rows of an fp32 model on the GPU: our batch-invariant kernel (a verify
         # row equals the AR step's bit for bit; kernels/dense_matmul.py)
         if self.takes_dense_kernel(x):
-            return dense_matmul.dense_linear(x, self.weight, self.kernels.dense_tiles_for(*self.weight.shape))
+            return dense_matmul.dense_linear(x, self.weight, tiles)
         if row_invariant.wanted(self.row_invariant, x):
             return row_invariant.linear(x, self.weight)
         return F.linear(x, self.weight)
 
     def takes_dense_kernel(self, x: torch.Tensor) -> bool:
-        """Whether x's product runs our dense kernel (see forward), which also makes SwiGLU's activation
-        of its input as it loads it (`swiglu`)."""
+        """Whether x's product runs our dense kernel (see forward), which also makes its input's norm
+        (a NormedInput) or SwiGLU's activation (`swiglu`) as it loads it."""
         return self.dense_kernel and _fused_kernels(x) and dense_matmul.fits(x, self.weight)
 
     def swiglu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -218,7 +224,15 @@ class MergedLinear(nn.Module):
         """Whether every group uses a MatmulInput's int8 form (packed int8 matrices only)."""
         return all(group.takes_int8 for group in self.groups)
 
-    def forward(self, x: torch.Tensor | MatmulInput) -> list[torch.Tensor]:
+    def defers_norm(self, x: torch.Tensor) -> bool:
+        """Whether the norm of its input x is best left to the matmul (a NormedInput): one dense-kernel
+        group, which makes it as it loads x."""
+        (group, *more) = self.groups
+        return not more and isinstance(group, Linear) and group.takes_dense_kernel(x)
+
+    def forward(self, x: torch.Tensor | MatmulInput | NormedInput) -> list[torch.Tensor]:
+        if isinstance(x, NormedInput) and len(self.groups) > 1:
+            x = x.made()  # once for all groups
         ys = [group(x) for group in self.groups]  # (..., group rows) each
         return [ys[g][..., part.rows] for g, part in zip(self.part_groups, self.parts, strict=True)]
 
@@ -248,11 +262,50 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return F.rms_norm(x.float(), weight.shape, weight.float(), eps).to(x.dtype)
 
 
+class NormedInput(NamedTuple):
+    """rms_norm(x [+ residual]) * weight as a matmul's input, not made yet: a Linear on the dense kernel
+    makes it as it loads x (kernels/dense_matmul.py), anything else calls `made()` first. With a
+    residual, x + residual lands in `total` when the input is made, so `total` is read only after the
+    matmul. Why: small fp32 models' decode steps are launch-bound, and this saves each norm's launch."""
+
+    x: torch.Tensor
+    weight: torch.Tensor
+    eps: float
+    residual: torch.Tensor | None = None
+    total: torch.Tensor | None = None
+
+    @property
+    def norm(self) -> dense_matmul.Norm:
+        return dense_matmul.Norm(self.weight, self.eps, self.residual, self.total)
+
+    def made(self) -> MatmulInput:
+        """The input made by the norm's own launch (x + residual stored to `total`)."""
+        if self.residual is None:
+            return MatmulInput(rms_norm(self.x, self.weight, self.eps))
+        total, normed = add_rms_norm(self.x, self.residual, self.weight, self.eps)
+        self.total.copy_(total)
+        return normed
+
+
+def input_tensor(x: torch.Tensor | MatmulInput | NormedInput) -> torch.Tensor:
+    """The tensor behind a layer's input: its rows, dtype and device are the input's."""
+    return x.x if isinstance(x, (MatmulInput, NormedInput)) else x
+
+
 def add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, int8: bool = False
-) -> tuple[torch.Tensor, MatmulInput]:
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    int8: bool = False,
+    defer: bool = False,
+) -> tuple[torch.Tensor, MatmulInput | NormedInput]:
     """(h, rms_norm(h)) for h = x + residual: the residual stream and the next block's input (for a matmul
-    that takes the int8 form when `int8`, see _int8_for)."""
+    that takes the int8 form when `int8`, see _int8_for). defer: the input as a NormedInput for a matmul
+    that makes it (MergedLinear.defers_norm); h is then written by that matmul."""
+    if defer:
+        total = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        return total, NormedInput(x, weight, eps, residual, total)
     if _fused_kernels(x):
         act = _int8_for(int8, x)
         h, normed = fused.rms_norm(x, weight, eps, residual=residual, int8=act)
@@ -313,8 +366,12 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps)
 
-    def matmul_input(self, x: torch.Tensor, int8: bool = False) -> MatmulInput:
-        """The norm of x as a matmul's input (int8: see _int8_for)."""
+    def matmul_input(
+        self, x: torch.Tensor, int8: bool = False, defer: bool = False
+    ) -> MatmulInput | NormedInput:
+        """The norm of x as a matmul's input (int8: see _int8_for; defer: see add_rms_norm)."""
+        if defer:
+            return NormedInput(x, self.weight, self.eps)
         act = _int8_for(int8, x)
         if act is None:
             return MatmulInput(self(x))

@@ -31,12 +31,15 @@ class DecoderLayer(nn.Module):
         """The layer's input is x + pending (pending None: x): the previous layer's MLP output joins the
         residual stream inside this layer's first RMSNorm (one fused launch, kernels/fused.py), not in
         an add of its own. Returns (the input, the residual after the mixer, the MLP output to add)."""
-        int8 = self.mixer.input_projection.takes_int8  # whether the norms make its int8 input too
+        proj = self.mixer.input_projection
+        int8 = proj.takes_int8  # whether the norms make its int8 input too
         if pending is None:
-            normed = self.mixer_norm.matmul_input(x, int8)
+            normed = self.mixer_norm.matmul_input(x, int8, proj.defers_norm(x))
         else:
-            x, normed = add_rms_norm(x, pending, *self.mixer_norm.args, int8)
-        h, normed = add_rms_norm(x, self.mixer(normed, state, fp), *self.mlp_norm.args, self.mlp.takes_int8)
+            x, normed = add_rms_norm(x, pending, *self.mixer_norm.args, int8, proj.defers_norm(x))
+        out = self.mixer(normed, state, fp)
+        defer = self.mlp.gate_up.defers_norm(out)
+        h, normed = add_rms_norm(x, out, *self.mlp_norm.args, self.mlp.takes_int8, defer)
         return x, h, self.mlp(normed)
 
 
