@@ -153,6 +153,24 @@ def test_a_decoder_layer_leaves_its_norms_to_the_dense_kernel(monkeypatch, tiny_
     torch.testing.assert_close(fused_logits, own_logits, rtol=1e-5, atol=1e-5)
 
 
+def test_a_normed_input_a_matmul_does_not_take_is_made_first(kernels_path):
+    """A NormedInput given to a product off the dense kernel: its norm's own launch first, the sum stored
+    to `total` as the dense kernel would store it."""
+    from flashtree.models.layers import NormedInput, add_rms_norm
+
+    kernels_path("triton")
+    gen = torch.Generator().manual_seed(6)
+    x, res = torch.randn(2, 3, 16, generator=gen)
+    g, layer = torch.randn(16, generator=gen), Linear(torch.randn(8, 16, generator=gen))
+    layer.dense_kernel = False  # cuBLAS: it cannot make the norm
+    total = torch.full_like(x, float("nan"))
+    with torch.no_grad():
+        got = layer(NormedInput(x, g, 1e-6, res, total))
+        h, normed = add_rms_norm(x, res, g, 1e-6)
+    assert torch.equal(total, h)
+    assert torch.equal(got, F.linear(normed.x, layer.weight))
+
+
 def test_splits_come_from_the_shape_only():
     # (row tiles, K blocks, programs wanted), as dense_linear asks qmatmul.k_splits
     assert k_splits(2, 9, 64) == (9, 1)

@@ -29,8 +29,9 @@ class DecoderLayer(nn.Module):
         self, x: torch.Tensor, pending: torch.Tensor | None, state: KVCache | DeltaNetState, fp: ForwardPass
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The layer's input is x + pending (pending None: x): the previous layer's MLP output joins the
-        residual stream inside this layer's first RMSNorm (one fused launch, kernels/fused.py), not in
-        an add of its own. Returns (the input, the residual after the mixer, the MLP output to add)."""
+        residual stream inside this layer's first RMSNorm (one fused launch, kernels/fused.py, or none:
+        the matmul after it makes it, MergedLinear.defers_norm), not in an add of its own. Returns (the
+        input, the residual after the mixer, the MLP output to add)."""
         proj = self.mixer.input_projection
         int8 = proj.takes_int8  # whether the norms make its int8 input too
         if pending is None:
