@@ -184,8 +184,9 @@ class DraftLayer(nn.Module):
                 mask = torch.cat([ctx_mask, ctx_mask.new_ones(b, b)], dim=1)
             out = grouped_attention(q.transpose(0, 1)[None], keys[None], values[None], mask, scale)
             out = out[0].transpose(0, 1).reshape(b, -1)
-        h, normed = add_rms_norm(x, self.o(out), *self.mlp_norm.args)
-        return h + self.mlp(normed)
+        out = self.o(out)
+        h, normed = add_rms_norm(x, out, *self.mlp_norm.args, defer=self.mlp.gate_up.defers_norm(out))
+        return h + self.mlp(normed)  # h is made by then (a deferred norm's matmul writes it)
 
 
 class DraftContext:
