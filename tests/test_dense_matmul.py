@@ -165,7 +165,7 @@ def test_a_normed_input_a_matmul_does_not_take_is_made_first(kernels_path):
     layer.dense_kernel = False  # cuBLAS: it cannot make the norm
     total = torch.full_like(x, float("nan"))
     with torch.no_grad():
-        got = layer(NormedInput(x, g, 1e-6, res, total))
+        got = layer(NormedInput(x, dense_matmul.Norm(g, 1e-6, res, total)))
         h, normed = add_rms_norm(x, res, g, 1e-6)
     assert torch.equal(total, h)
     assert torch.equal(got, F.linear(normed.x, layer.weight))

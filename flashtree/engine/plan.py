@@ -108,7 +108,9 @@ class MemoryPlan:
 class Planner:
     """A target (and draft) built on `meta`, and the memory a run of it holds at any context length."""
 
-    def __init__(self, target: nn.Module, draft: nn.Module | None, options: PlanOptions, device_type="cuda"):
+    def __init__(
+        self, target: nn.Module, draft: nn.Module | None, options: PlanOptions, device_type: str = "cuda"
+    ):
         self.target, self.draft, self.options, self.device_type = target, draft, options, device_type
         self.speculative = draft is not None and options.mode != "ar"
         self.block_size = options.block_size or (draft.config.block_size if draft is not None else 1)

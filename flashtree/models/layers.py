@@ -41,16 +41,15 @@ class Linear(nn.Module):
         return self.weight[rows].to(dtype)
 
     def forward(self, x: torch.Tensor | MatmulInput | NormedInput) -> torch.Tensor:
-        tiles = self.kernels.dense_tiles_for(*self.weight.shape)
         if isinstance(x, NormedInput):  # the norm made as the dense kernel loads x, else first
             if self.takes_dense_kernel(x.x):
-                return dense_matmul.dense_linear(x.x, self.weight, tiles, norm=x.norm)
+                return self._dense(x.x, norm=x.norm)
             x = x.made()
         x = MatmulInput.of(x).x
         # decode/verify/draft rows of an fp32 model on the GPU: our batch-invariant kernel (a verify
         # row equals the AR step's bit for bit; kernels/dense_matmul.py)
         if self.takes_dense_kernel(x):
-            return dense_matmul.dense_linear(x, self.weight, tiles)
+            return self._dense(x)
         if row_invariant.wanted(self.row_invariant, x):
             return row_invariant.linear(x, self.weight)
         return F.linear(x, self.weight)
@@ -62,8 +61,12 @@ class Linear(nn.Module):
 
     def swiglu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         """(silu(gate) * up) @ W^T in the dense kernel's one launch (where takes_dense_kernel(gate))."""
+        return self._dense(gate, up=up)
+
+    def _dense(self, x: torch.Tensor, **prologue) -> torch.Tensor:
+        """The dense kernel's product, with dense_linear's `up` or `norm` made as it loads x."""
         tiles = self.kernels.dense_tiles_for(*self.weight.shape)
-        return dense_matmul.dense_linear(gate, self.weight, tiles, up=up)
+        return dense_matmul.dense_linear(x, self.weight, tiles, **prologue)
 
 
 class PackedEmbedding(nn.Module):
@@ -263,27 +266,21 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class NormedInput(NamedTuple):
-    """rms_norm(x [+ residual]) * weight as a matmul's input, not made yet: a Linear on the dense kernel
-    makes it as it loads x (kernels/dense_matmul.py), anything else calls `made()` first. With a
-    residual, x + residual lands in `total` when the input is made, so `total` is read only after the
+    """rms_norm(x [+ norm.residual]) * norm.weight as a matmul's input, not made yet: a Linear on the dense
+    kernel makes it as it loads x (kernels/dense_matmul.py), anything else calls `made()` first. With a
+    residual, x + residual lands in norm.total when the input is made, so `total` is read only after the
     matmul. Why: small fp32 models' decode steps are launch-bound, and this saves each norm's launch."""
 
     x: torch.Tensor
-    weight: torch.Tensor
-    eps: float
-    residual: torch.Tensor | None = None
-    total: torch.Tensor | None = None
-
-    @property
-    def norm(self) -> dense_matmul.Norm:
-        return dense_matmul.Norm(self.weight, self.eps, self.residual, self.total)
+    norm: dense_matmul.Norm
 
     def made(self) -> MatmulInput:
-        """The input made by the norm's own launch (x + residual stored to `total`)."""
-        if self.residual is None:
-            return MatmulInput(rms_norm(self.x, self.weight, self.eps))
-        total, normed = add_rms_norm(self.x, self.residual, self.weight, self.eps)
-        self.total.copy_(total)
+        """The input made by the norm's own launch (x + residual stored to norm.total)."""
+        weight, eps, residual, total = self.norm
+        if residual is None:
+            return MatmulInput(rms_norm(self.x, weight, eps))
+        h, normed = add_rms_norm(self.x, residual, weight, eps)
+        total.copy_(h)
         return normed
 
 
@@ -305,7 +302,7 @@ def add_rms_norm(
     that makes it (MergedLinear.defers_norm); h is then written by that matmul."""
     if defer:
         total = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-        return total, NormedInput(x, weight, eps, residual, total)
+        return total, NormedInput(x, dense_matmul.Norm(weight, eps, residual, total))
     if _fused_kernels(x):
         act = _int8_for(int8, x)
         h, normed = fused.rms_norm(x, weight, eps, residual=residual, int8=act)
@@ -371,7 +368,7 @@ class RMSNorm(nn.Module):
     ) -> MatmulInput | NormedInput:
         """The norm of x as a matmul's input (int8: see _int8_for; defer: see add_rms_norm)."""
         if defer:
-            return NormedInput(x, self.weight, self.eps)
+            return NormedInput(x, dense_matmul.Norm(self.weight, self.eps))
         act = _int8_for(int8, x)
         if act is None:
             return MatmulInput(self(x))
